@@ -1,0 +1,25 @@
+# Two entry points (see README): `make run` and `make test`. Both set up .venv first.
+# jax >= 0.11 needs Python >= 3.12: use pyenv's 3.12 when present, else python3.12 on PATH.
+PYTHON312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3 2>/dev/null || command -v python3.12 2>/dev/null)
+VENV := .venv
+PROMPT ?= The king said
+PYTEST_ARGS ?=
+
+.PHONY: run test setup clean
+run: setup
+	$(VENV)/bin/mrv2-jax generate --prompt "$(PROMPT)"
+
+test: setup
+	$(VENV)/bin/python -m pytest -q -n 2 --timeout 900 $(PYTEST_ARGS)
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (jax >= 0.11 needs it); install it, e.g. 'pyenv install 3.12.1'" >&2; exit 1; fi
+	$(PYTHON312) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e ".[test,server,notebook]"
+	touch $@
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,170 @@
+"""Find a model, build it, and fill its parameters.
+
+`model` may be a preset name (`qwen3-0.6b`: config only, for `load_format="dummy"`), `demo`
+(the small trained model shipped in checkpoints/), or a directory holding a Hugging Face
+checkpoint (config.json + *.safetensors, sharded or not) or one written by `mrv2-jax convert`
+(config.json + an orbax `params/` folder).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from mrv2_jax.models.decoder import CausalLM
+from mrv2_jax.models.model_state import ModelState, WeightSource, model_state_for
+
+CHECKPOINTS_DIR = Path(os.environ.get("MRV2_CHECKPOINTS", Path(__file__).resolve().parents[2] / "checkpoints"))
+DEFAULT_MODEL = "demo"
+LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
+DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
+          "f32": jnp.float32, "float16": jnp.float16}
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """A preset name, `demo`, or a directory -> the directory holding config.json."""
+    model = str(model or DEFAULT_MODEL)
+    candidates = [Path(model).expanduser()]
+    if model == DEFAULT_MODEL:
+        candidates.insert(0, CHECKPOINTS_DIR / "demo-qwen3")
+    candidates.append(CHECKPOINTS_DIR / "presets" / model.lower())
+    for path in candidates:
+        if (path / "config.json").is_file():
+            return path
+    presets = sorted(p.name for p in (CHECKPOINTS_DIR / "presets").glob("*") if p.is_dir())
+    raise FileNotFoundError(
+        f"model {model!r} is neither a directory with a config.json nor a preset ({', '.join(presets)})")
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def init_model(hf_config, dtype=jnp.float32, seed: int = 0, layer_unroll: int | bool = 1) -> CausalLM:
+    """A randomly initialised model for `hf_config` (training, dummy weights)."""
+    state = model_state_for(hf_config)
+    return CausalLM(state, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed), layer_unroll=layer_unroll)
+
+
+def load_model(model=None, dtype="bfloat16", load_format: str = "auto", seed: int = 0,
+               layer_unroll: int | bool = 1) -> tuple[ModelState, CausalLM, Path]:
+    """Build the model and load its weights. Returns (model_state, model, model_dir)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    path = resolve_model_path(model)
+    dtype = resolve_dtype(dtype)
+    hf_config = load_hf_config(path)
+    if load_format == "auto":
+        load_format = "orbax" if (path / "params").is_dir() else "safetensors"
+    if load_format == "dummy":
+        # Random weights are made on the device inside one jit: fast even for 8B models.
+        lm = nnx.jit(lambda: init_model(hf_config, dtype, seed, layer_unroll))()
+        return lm.spec, lm, path
+    lm = nnx.eval_shape(lambda: init_model(hf_config, dtype, seed, layer_unroll))
+    if load_format == "orbax":
+        from mrv2_jax.models.checkpoint import restore_params
+
+        restore_params(lm, path / "params")
+    else:
+        load_safetensors(lm, path)
+    return lm.spec, lm, path
+
+
+# --- safetensors ------------------------------------------------------------------------
+
+def _safetensors_files(path: Path) -> dict[str, Path]:
+    """Map each tensor name to the file that holds it (single file or sharded index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / fname for name, fname in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    where = {}
+    for f in files:
+        with safe_open(f, framework="numpy") as handle:
+            where.update({name: f for name in handle.keys()})
+    return where
+
+
+class _TensorReader:
+    """Reads tensors by name across shards, keeping each file open once."""
+
+    def __init__(self, path: Path):
+        self.where = _safetensors_files(path)
+        self.handles = {}
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.where:
+            raise ValueError(f"checkpoint is missing weight {name!r}")
+        f = self.where[name]
+        if f not in self.handles:
+            self.handles[f] = safe_open(f, framework="numpy")
+        return self.handles[f].get_tensor(name)
+
+    def assemble(self, source: WeightSource, layer: int | None = None) -> np.ndarray:
+        parts = []
+        for template in source.hf_names:
+            t = self.get(template.format(i=layer))
+            parts.append(t.T if source.linear else t)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+
+
+def _set_param(param: nnx.Param, value: np.ndarray, what: str):
+    expected = param.get_value()
+    if tuple(value.shape) != tuple(expected.shape):
+        raise ValueError(f"weight {what} has shape {value.shape}, the config implies {expected.shape}")
+    param.set_value(jnp.asarray(value, dtype=expected.dtype))
+
+
+def load_safetensors(lm: CausalLM, path: Path) -> None:
+    """Fill `lm`'s parameters (abstract or concrete) from a Hugging Face checkpoint."""
+    reader = _TensorReader(path)
+    spec = lm.spec
+    for name, source in spec.global_weight_sources().items():
+        _set_param(getattr(lm, name), reader.assemble(source), name)
+    for name, source in spec.layer_weight_sources().items():
+        stacked = np.stack([reader.assemble(source, i) for i in range(spec.num_layers)])
+        _set_param(getattr(lm.layers, name), stacked, f"layers.{name}")
+
+
+def save_hf_checkpoint(lm: CausalLM, out_dir, dtype=jnp.bfloat16) -> Path:
+    """Write config.json + model.safetensors with Hugging Face names (inverse of loading)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = lm.spec
+    tensors = {}
+
+    def put(source: WeightSource, value: np.ndarray, layer=None):
+        pieces = np.split(value, np.cumsum(source.widths)[:-1], axis=-1) if source.widths else [value]
+        for n, piece in zip(source.hf_names, pieces):
+            tensors[n.format(i=layer)] = np.ascontiguousarray(piece.T if source.linear else piece)
+
+    as_np = lambda p: np.asarray(jnp.asarray(p.get_value(), dtype))  # noqa: E731
+    for name, source in spec.global_weight_sources().items():
+        put(source, as_np(getattr(lm, name)))
+    for name, source in spec.layer_weight_sources().items():
+        stacked = as_np(getattr(lm.layers, name))
+        for i in range(spec.num_layers):
+            put(source, stacked[i], i)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    spec.hf_config.dtype = jnp.dtype(dtype).name
+    spec.hf_config.save_pretrained(str(out_dir))
+    return out_dir

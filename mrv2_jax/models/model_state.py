@@ -1,0 +1,119 @@
+"""The `ModelState` interface: everything that differs between model families.
+
+The runner, scheduler and sampler only ever talk to a `ModelState`; a family module
+(qwen3.py, glm4.py, ...) implements it and registers itself under the Hugging Face
+`architectures` name. Nothing outside the family module branches on the family.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax.numpy as jnp
+from flax import nnx
+
+from mrv2_jax.models.decoder import CausalLM
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """How one stacked parameter is assembled from Hugging Face tensors.
+
+    `hf_names` are concatenated along the output axis; `linear` tensors are stored by HF as
+    [out, in] and transposed to our [in, out]. Per-layer names contain `{i}`.
+    """
+
+    hf_names: tuple[str, ...]
+    linear: bool = False
+    widths: tuple[int, ...] = ()  # output width of each name, needed when there are several
+
+    def __post_init__(self):
+        if len(self.hf_names) > 1 and len(self.widths) != len(self.hf_names):
+            raise ValueError(f"fused weight {self.hf_names} needs one width per name")
+
+
+class ModelState(ABC):
+    """A model family: config parsing, parameter layout, weight names and the layer math."""
+
+    architecture: ClassVar[str]
+
+    def __init__(self, hf_config):
+        self.hf_config = hf_config
+        c = hf_config
+        self.vocab_size: int = c.vocab_size
+        self.hidden_size: int = c.hidden_size
+        self.num_layers: int = c.num_hidden_layers
+        self.num_heads: int = c.num_attention_heads
+        self.num_kv_heads: int = c.num_key_value_heads
+        self.head_dim: int = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.rms_norm_eps: float = c.rms_norm_eps
+        self.tie_word_embeddings: bool = bool(getattr(c, "tie_word_embeddings", False))
+        self.max_model_len: int = c.max_position_embeddings
+        rope = c.rope_parameters or {}
+        if rope.get("rope_type", "default") != "default":
+            raise NotImplementedError(f"rope_type {rope['rope_type']!r} is not supported yet")
+        self.rope_theta: float = float(rope["rope_theta"])
+        eos = c.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
+            (eos,) if eos is not None else ())
+
+    # --- the parameter layout -------------------------------------------------------
+    @abstractmethod
+    def layer_param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of ONE layer's parameters, by our name (stacked over layers in the model)."""
+
+    @abstractmethod
+    def layer_weight_sources(self) -> dict[str, WeightSource]:
+        """For each layer parameter, the HF tensors (with `{i}`) that it is built from."""
+
+    def global_weight_sources(self) -> dict[str, WeightSource]:
+        sources = {
+            "embed_tokens": WeightSource(("model.embed_tokens.weight",)),
+            "final_norm": WeightSource(("model.norm.weight",)),
+        }
+        if not self.tie_word_embeddings:
+            sources["lm_head"] = WeightSource(("lm_head.weight",), linear=True)
+        return sources
+
+    def qkv_widths(self) -> tuple[int, int, int]:
+        kv = self.num_kv_heads * self.head_dim
+        return (self.num_heads * self.head_dim, kv, kv)
+
+    # --- the math --------------------------------------------------------------------
+    @abstractmethod
+    def rope(self, positions):
+        """Per-token rotary tables shared by all layers of one forward pass."""
+
+    @abstractmethod
+    def layer_forward(self, params, x, rope, attention, layer, kv_cache):
+        """One decoder layer: (params of this layer, hidden [T, H]) -> (hidden, kv_cache)."""
+
+    # --- helpers the engine uses -------------------------------------------------------
+    def build_model(self, dtype=jnp.bfloat16, seed: int = 0) -> CausalLM:
+        return CausalLM(self, dtype=dtype, rngs=nnx.Rngs(seed))
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.num_layers, num_blocks, self.num_kv_heads, block_size, self.head_dim)
+
+    def kv_bytes_per_token(self, dtype=jnp.bfloat16) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
+
+
+_REGISTRY: dict[str, type[ModelState]] = {}
+
+
+def register_model_state(cls: type[ModelState]) -> type[ModelState]:
+    _REGISTRY[cls.architecture] = cls
+    return cls
+
+
+def model_state_for(hf_config) -> ModelState:
+    """Pick the family by the config's `architectures` entry."""
+    import mrv2_jax.models.families  # noqa: F401  (registers the families)
+
+    names = list(getattr(hf_config, "architectures", None) or [])
+    for name in names:
+        if name in _REGISTRY:
+            return _REGISTRY[name](hf_config)
+    raise ValueError(
+        f"unsupported architecture {names or '(none given)'}; supported: {sorted(_REGISTRY)}")

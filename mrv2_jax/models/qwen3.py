@@ -1,0 +1,73 @@
+"""Qwen3 (dense): per-head RMSNorm on q and k, full "halves" RoPE, SwiGLU MLP."""
+
+from mrv2_jax.models.layers import (apply_rope_halves, gated_mlp, rms_norm, rope_angles,
+                                    split_qkv)
+from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
+
+_ATTN = "model.layers.{i}.self_attn."
+
+
+@register_model_state
+class Qwen3ModelState(ModelState):
+    architecture = "Qwen3ForCausalLM"
+
+    def __init__(self, hf_config):
+        super().__init__(hf_config)
+        if getattr(hf_config, "use_sliding_window", False):
+            raise NotImplementedError("Qwen3 with use_sliding_window=True is not supported yet")
+        self.attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        self.intermediate_size = hf_config.intermediate_size
+
+    def layer_param_shapes(self):
+        h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * d
+        shapes = {
+            "input_norm": (h,), "qkv_proj": (h, qkv), "q_norm": (d,), "k_norm": (d,),
+            "o_proj": (self.num_heads * d, h), "post_attention_norm": (h,),
+            "gate_up_proj": (h, 2 * i), "down_proj": (i, h),
+        }
+        if self.attention_bias:
+            shapes |= {"qkv_bias": (qkv,), "o_bias": (h,)}
+        return shapes
+
+    def layer_weight_sources(self):
+        qkv = tuple(_ATTN + f"{p}_proj.weight" for p in "qkv")
+        qkv_widths = self.qkv_widths()
+        sources = {
+            "input_norm": WeightSource(("model.layers.{i}.input_layernorm.weight",)),
+            "qkv_proj": WeightSource(qkv, linear=True, widths=qkv_widths),
+            "q_norm": WeightSource((_ATTN + "q_norm.weight",)),
+            "k_norm": WeightSource((_ATTN + "k_norm.weight",)),
+            "o_proj": WeightSource((_ATTN + "o_proj.weight",), linear=True),
+            "post_attention_norm": WeightSource(("model.layers.{i}.post_attention_layernorm.weight",)),
+            "gate_up_proj": WeightSource(("model.layers.{i}.mlp.gate_proj.weight",
+                                          "model.layers.{i}.mlp.up_proj.weight"), linear=True,
+                                         widths=(self.intermediate_size,) * 2),
+            "down_proj": WeightSource(("model.layers.{i}.mlp.down_proj.weight",), linear=True),
+        }
+        if self.attention_bias:
+            sources["qkv_bias"] = WeightSource(tuple(_ATTN + f"{p}_proj.bias" for p in "qkv"),
+                                               widths=qkv_widths)
+            sources["o_bias"] = WeightSource((_ATTN + "o_proj.bias",))
+        return sources
+
+    def rope(self, positions):
+        return rope_angles(positions, self.head_dim, self.rope_theta)
+
+    def layer_forward(self, p, x, rope, attention, layer, kv_cache):
+        eps = self.rms_norm_eps
+        h = rms_norm(x, p["input_norm"], eps)
+        qkv = h @ p["qkv_proj"]
+        if self.attention_bias:
+            qkv = qkv + p["qkv_bias"]
+        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q = apply_rope_halves(rms_norm(q, p["q_norm"], eps), cos, sin)
+        k = apply_rope_halves(rms_norm(k, p["k_norm"], eps), cos, sin)
+        out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
+        out = out.reshape(x.shape[0], -1) @ p["o_proj"]
+        if self.attention_bias:
+            out = out + p["o_bias"]
+        x = x + out
+        x = x + gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"])
+        return x, kv_cache

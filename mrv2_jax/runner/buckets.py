@@ -1,0 +1,47 @@
+"""Fixed-shape buckets: the JAX analogue of CUDA-graph capture sizes.
+
+A step is padded to the smallest bucket that holds its tokens, so XLA compiles one variant per
+bucket at start-up and never again. Row count follows the token count
+(`rows = min(tokens, max_num_seqs)`), which keeps the number of variants to the length of one
+short list instead of a grid of (tokens x rows) pairs.
+"""
+
+from dataclasses import dataclass
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    sizes, n = [], lo
+    while n < hi:
+        sizes.append(n)
+        n *= 2
+    sizes.append(hi)
+    return sizes
+
+
+@dataclass(frozen=True)
+class Bucket:
+    num_tokens: int  # padded length of the flattened token axis
+    num_reqs: int  # padded number of batch rows
+
+
+class BucketPlan:
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.buckets = tuple(
+            Bucket(t, min(t, max_num_seqs))
+            for t in _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens))
+
+    def pick(self, num_tokens: int, num_reqs: int) -> Bucket:
+        for b in self.buckets:
+            if num_tokens <= b.num_tokens and num_reqs <= b.num_reqs:
+                return b
+        raise ValueError(f"a step of {num_tokens} tokens / {num_reqs} rows exceeds every bucket "
+                         f"(largest {self.buckets[-1]})")
+
+    def __iter__(self):
+        return iter(self.buckets)
+
+    def __len__(self):
+        return len(self.buckets)

@@ -1,0 +1,25 @@
+"""Helpers for comparing our models' logits with Hugging Face golden fixtures."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mrv2_jax.models.loader import load_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FAMILY_FIXTURES = ("qwen3-tiny", "qwen3-tiny-tied", "glm4-tiny")
+
+
+def max_logit_error(model_dir, expected: dict, **load_kwargs) -> float:
+    """Largest |our logits - expected logits| for the fixture's flattened ragged batch."""
+    _, lm, _ = load_model(model_dir, dtype="float32", **load_kwargs)
+    with jax.default_matmul_precision("highest"):  # no TF32 on GPUs
+        logits = lm.forward_dense(jnp.asarray(expected["input_ids"]), jnp.asarray(expected["positions"]),
+                                  jnp.asarray(expected["segment_ids"]))
+    return float(np.abs(np.asarray(logits) - expected["logits"]).max())
+
+
+def load_expected(name: str) -> dict:
+    return dict(np.load(FIXTURES / name / "expected.npz"))
