@@ -1,0 +1,78 @@
+"""Offline throughput, in the manner of `vllm bench throughput` (random dataset).
+
+    python -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
+        --input-len 128 --output-len 128 --num-prompts 1000 --runner v1 --output-json out.json
+"""
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+
+
+def random_prompts(num_prompts, input_len, range_ratio, vocab_size, seed):
+    rng = np.random.default_rng(seed)
+    lo, hi = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
+    lengths = rng.integers(max(lo, 1), hi + 1, num_prompts)
+    # Avoid the top of the vocabulary, where special tokens live.
+    return [rng.integers(0, vocab_size - 1000 if vocab_size > 2000 else vocab_size, n).tolist() for n in lengths]
+
+
+def run(args) -> dict:
+    from mrv2_jax.llm import LLM
+    from mrv2_jax.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    startup = time.perf_counter() - t0
+    prompts = random_prompts(args.num_prompts, args.input_len, args.random_range_ratio,
+                             llm.model_state.vocab_size, args.dataset_seed)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    if args.warmup_prompts:
+        llm.generate(prompts[: args.warmup_prompts], params, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    num_in = sum(len(p) for p in prompts)
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    config = llm.config
+    return {
+        **describe_environment(), "elapsed_s": elapsed, "startup_s": startup,
+        "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed, "num_prompts": len(prompts),
+        "input_len": args.input_len, "output_len": args.output_len, "num_input_tokens": num_in,
+        "num_output_tokens": num_out, "runner": config.runner,
+        "async_scheduling": llm.engine.async_scheduling,
+        "settings": {k: v for k, v in vars(config).items()},
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--warmup-prompts", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    result = run(args)
+    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+          f"{result['total_tokens_per_s']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_s']:.2f} output tokens/s "
+          f"(runner {result['runner']}, async {result['async_scheduling']}, startup {result['startup_s']:.1f} s)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return result
+
+
+if __name__ == "__main__":
+    main()

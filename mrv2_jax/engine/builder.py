@@ -1,0 +1,98 @@
+"""Assembling an engine from its configuration: model, tokenizer, KV cache, scheduler, runner.
+
+`EngineConfig` is the one set of engine arguments shared by the offline API (`LLM(**kwargs)`),
+the CLI and the server.
+"""
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from mrv2_jax.config import CacheConfig, SchedulerConfig
+from mrv2_jax.engine.engine_core import EngineCore
+from mrv2_jax.engine.scheduler import Scheduler
+from mrv2_jax.models.loader import load_model, resolve_dtype
+from mrv2_jax.runner.kv_cache import num_blocks_for_budget
+
+RUNNERS = ("v1", "v2")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # preset, "demo" (default) or a model directory
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "bfloat16"
+    load_format: str = "auto"
+    runner: str | None = None  # "v1" | "v2"; default: $MRV2_RUNNER or v1 (v2 once it lands)
+    async_scheduling: bool | None = None  # default: on for runners that support it
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    show_progress: bool = True
+
+    def __post_init__(self):
+        self.runner = (self.runner or os.environ.get("MRV2_RUNNER") or "v1").lower()
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        resolve_dtype(self.dtype)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def load_tokenizer(path: Path | None):
+    """The Hugging Face tokenizer in `path`, or None when there is none (presets)."""
+    if path is None or not (Path(path) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int):
+    kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                  max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                  kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress)
+    if config.runner == "v2":
+        try:
+            from mrv2_jax.runner.v2 import ModelRunnerV2
+        except ImportError as e:
+            raise NotImplementedError("the V2 runner is not built yet; use runner='v1'") from e
+        return ModelRunnerV2(model_state, lm, **kwargs)
+    from mrv2_jax.runner.v1 import ModelRunnerV1
+
+    return ModelRunnerV1(model_state, lm, **kwargs)
+
+
+def build_engine(config: EngineConfig):
+    """-> (EngineCore, tokenizer or None, model_state)."""
+    model_state, lm, path = load_model(config.model, config.dtype, config.load_format, config.seed)
+    tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
+    max_model_len = config.max_model_len or model_state.max_model_len
+    if max_model_len > model_state.max_model_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                         f"max_position_embeddings {model_state.max_model_len}")
+    num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
+        model_state, config.block_size, resolve_dtype(config.dtype), config.gpu_memory_utilization)
+    runner = make_runner(config, model_state, lm, num_blocks, max_model_len)
+    async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                        max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+                        async_scheduling=async_scheduling),
+        CacheConfig(block_size=config.block_size, num_gpu_blocks=num_blocks,
+                    gpu_memory_utilization=config.gpu_memory_utilization,
+                    enable_prefix_caching=config.enable_prefix_caching),
+        eos_token_id=model_state.eos_token_ids)
+    return EngineCore(scheduler, runner, async_scheduling), tokenizer, model_state

@@ -1,0 +1,54 @@
+"""The engine loop: schedule -> execute -> (one step later) update, as in mini-sglang's overlap
+loop.
+
+With async scheduling the loop dispatches step N+1 before it reads step N's sampled tokens, so
+the host schedules and prepares while the device computes; the scheduler counts the unknown
+tokens as placeholders. Without it (and always with the V1 runner) every step is read back
+before the next is scheduled.
+"""
+
+from collections.abc import Iterable
+
+from mrv2_jax.engine.request import Request, RequestStatus
+from mrv2_jax.engine.scheduler import Scheduler
+from mrv2_jax.engine.scheduler_output import EngineCoreOutput, SchedulerOutput
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner, async_scheduling: bool):
+        if async_scheduling and not runner.is_async_capable:
+            raise ValueError(f"{type(runner).__name__} cannot run with async scheduling "
+                             "(it needs each step's tokens on the host to build the next step)")
+        self.scheduler = scheduler
+        self.runner = runner
+        self.async_scheduling = async_scheduling
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self.scheduler.abort_request(req_id)
+
+    def finish_requests(self, req_ids: Iterable[str]) -> None:
+        """Finish requests that matched a stop string (found by the detokenizer)."""
+        self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_STOPPED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Advance by one step; returns what changed for each request (one step late when
+        async)."""
+        scheduled = self.scheduler.schedule()
+        # Always handed to the runner, even with no tokens: it may carry finished requests
+        # whose slots the runner must free.
+        result = self.runner.execute(scheduled)
+        if not self.async_scheduling:
+            return self.scheduler.update_from_output(scheduled, result.result())
+        previous = self._in_flight
+        self._in_flight = (scheduled, result) if scheduled.total_num_scheduled_tokens else None
+        if previous is None:
+            return []
+        return self.scheduler.update_from_output(previous[0], previous[1].result())

@@ -1,0 +1,61 @@
+"""What the user gets back for a request (the result type of ``LLM.generate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (index 0: only n == 1 is supported).
+
+    ``text`` is the detokenized output (cut before a matched stop string unless the
+    request asked to include it); ``token_ids`` are the sampled tokens, including a final
+    EOS or stop token. ``finish_reason`` is None while the request runs, then "stop",
+    "length" or "abort"; ``stop_reason`` is the stop token id or stop string that ended it.
+    ``logprobs`` is reserved for per-token logprobs (None until implemented).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    index: int = 0
+    logprobs: list | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.monotonic()`` seconds) of one request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request as reported to the user: final when ``finished``, or a
+    snapshot while streaming. ``num_cached_tokens``: prompt tokens that were served from
+    the prefix cache instead of being computed."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    prompt_logprobs: list | None = field(default=None, repr=False)
+    # Text added since the previous output of this request (streaming).
+    delta_text: str = ""

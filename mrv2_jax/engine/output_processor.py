@@ -1,0 +1,76 @@
+"""Turns the engine core's token deltas into user-facing `RequestOutput`s.
+
+Owns one incremental detokenizer per request; when the detokenizer finds a stop string it
+reports the request so the caller can finish it in the core (the scheduler never sees text).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from mrv2_jax.engine.detokenizer import IncrementalDetokenizer
+from mrv2_jax.engine.output import CompletionOutput, RequestMetrics, RequestOutput
+from mrv2_jax.engine.request import Request
+from mrv2_jax.engine.scheduler_output import EngineCoreOutput
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    delta_text: str = ""
+    first_token_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tracked: dict[str, _Tracked] = {}
+
+    def add(self, request: Request) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
+                                                       request.sampling_params)
+        self.tracked[request.request_id] = _Tracked(request, detok)
+
+    def remove(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.tracked.pop(req_id, None)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """-> (outputs of the requests that changed, ids that just matched a stop string)."""
+        now = time.monotonic()
+        changed, stopped = [], []
+        for out in core_outputs:
+            t = self.tracked.get(out.req_id)
+            if t is None:
+                continue
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
+            if out.new_token_ids and t.first_token_time is None:
+                t.first_token_time = now
+            t.token_ids.extend(out.new_token_ids)
+            t.delta_text = ""
+            if t.detokenizer is not None:
+                delta, stop_string = t.detokenizer.update(out.new_token_ids)
+                if stop_string is not None and finish_reason is None:
+                    finish_reason, stop_reason = "stop", stop_string
+                    stopped.append(out.req_id)
+                if finish_reason is not None:
+                    delta += t.detokenizer.flush()
+                t.delta_text, t.text = delta, t.detokenizer.output_text
+            changed.append(self._snapshot(t, finish_reason, stop_reason, now))
+            if finish_reason is not None:
+                del self.tracked[out.req_id]
+        return changed, stopped
+
+    def _snapshot(self, t: _Tracked, finish_reason, stop_reason, now) -> RequestOutput:
+        r = t.request
+        completion = CompletionOutput(text=t.text, token_ids=list(t.token_ids),
+                                      finish_reason=finish_reason, stop_reason=stop_reason)
+        metrics = RequestMetrics(arrival_time=r.arrival_time, first_token_time=t.first_token_time,
+                                 finished_time=now if finish_reason else None)
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                             outputs=[completion], finished=finish_reason is not None, metrics=metrics,
+                             num_cached_tokens=r.num_cached_tokens, delta_text=t.delta_text)

@@ -1,0 +1,116 @@
+"""One generation request as the scheduler tracks it on the host."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from mrv2_jax.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request. Any FINISHED_* state is terminal."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    # Evicted from the running set to free KV blocks; waits to be recomputed from scratch.
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason ("stop", "length", "abort"), None if not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Token bookkeeping of one request.
+
+    ``all_token_ids`` holds only tokens whose values the host knows (prompt + outputs
+    received so far). With async scheduling, tokens that have been scheduled to be sampled
+    but not yet received are counted in ``num_output_placeholders``; their values live on
+    the device only. ``num_computed_tokens`` counts tokens whose KV has been scheduled to
+    be written (it advances at schedule time, so it may include placeholder positions).
+
+    KV block ids are owned by the KV cache manager, not by the request.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt must have at least one token")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        # Prompt tokens served from the prefix cache at first admission (a metric).
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        # Output length limit: max_tokens capped by what max_model_len leaves after the
+        # prompt. The scheduler sets the cap when the request is added.
+        self.max_output_tokens: int | None = sampling_params.max_tokens
+        # The token id or stop string that ended the request, when it stopped on one.
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose values are known on the host (prompt + received outputs)."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}+{self.num_output_placeholders}, "
+            f"computed={self.num_computed_tokens})"
+        )

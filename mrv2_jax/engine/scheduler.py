@@ -1,0 +1,355 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching, preemption by
+recompute, and async scheduling.
+
+Each ``schedule()`` call plans one step under two limits: a token budget
+(``max_num_batched_tokens``) and a cap on running requests (``max_num_seqs``). Running
+requests go first, in admission order (decodes and unfinished prefill chunks), then
+waiting requests in FCFS order. When the KV pool runs out, the most recently admitted
+running request is preempted: it drops its blocks and returns to the front of the
+waiting queue, to be resumed later as a new request that prefills all its tokens so far.
+
+Async scheduling. The engine may call ``schedule()`` for step N+1 before it calls
+``update_from_output()`` for step N, so the scheduler never waits for sampled values:
+
+* ``num_computed_tokens`` advances when a step is *scheduled*;
+* a step in which a request's computed tokens reach the end of its tokens (known +
+  placeholders) samples a token; that token is counted in ``num_output_placeholders``
+  until its value arrives;
+* a decode whose input is still a placeholder is scheduled anyway; the runner reads the
+  value from device memory;
+* limits (``max_tokens``, and ``max_model_len`` on prompt + output) count placeholders,
+  so nothing is scheduled past them; stops (EOS, stop tokens, stop strings) are found
+  only when the token's value arrives, and a token sampled meanwhile for the finished
+  request is dropped;
+* a preempted request's tokens in flight are kept when they arrive; it is resumed only
+  after that, since resuming prefills all its known tokens.
+
+With sync scheduling the engine alternates schedule / update and the same code runs
+with at most one placeholder per request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from mrv2_jax.config import CacheConfig, SchedulerConfig
+from mrv2_jax.engine.kv_cache_manager import KVCacheManager
+from mrv2_jax.engine.request import Request, RequestStatus
+from mrv2_jax.engine.scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    """Decides which requests run each step and turns sampled tokens into request state.
+
+    ``eos_token_id`` may be one id, several (models with more than one end token), or None.
+    ``num_gpu_blocks`` in ``cache_config`` and ``max_model_len`` in ``scheduler_config``
+    must be resolved (not None) by the time the scheduler is built.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        eos_token_id: int | Iterable[int] | None,
+    ) -> None:
+        if scheduler_config.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len must be resolved before scheduling")
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("CacheConfig.num_gpu_blocks must be resolved before scheduling")
+        max_blocks_per_request = -(-scheduler_config.max_model_len // cache_config.block_size)
+        # Guarantees progress: a request alone in the engine can always reach max_model_len.
+        if max_blocks_per_request > cache_config.num_gpu_blocks:
+            raise ValueError(
+                f"the KV cache ({cache_config.num_gpu_blocks} blocks of "
+                f"{cache_config.block_size} tokens) cannot hold one request of max_model_len "
+                f"{scheduler_config.max_model_len} tokens; lower max_model_len or add blocks"
+            )
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset((eos_token_id,))
+        else:
+            self.eos_token_ids = frozenset(eos_token_id)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_gpu_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self._finished_since_last_schedule: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request. Raises ValueError if its id is in use or its prompt does
+        not leave room for one output token within max_model_len."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} "
+                f"tokens; it must be shorter than max_model_len ({self.max_model_len}) to "
+                "leave room for at least one output token"
+            )
+        room_left = self.max_model_len - request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        request.max_output_tokens = room_left if max_tokens is None else min(max_tokens, room_left)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finishes requests from outside (stop string found, client abort). Unknown or
+        already finished ids are ignored: the request may have ended on its own meanwhile."""
+        if not status.is_finished:
+            raise ValueError(f"finish status must be a FINISHED_* status, got {status}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def abort_request(self, req_id: str) -> None:
+        self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_evicted_blocks=kv.pool.num_evictions,
+        )
+
+    # ---- planning a step -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        scheduled: dict[str, Request] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        # 1. Running requests, oldest admission first. Preemption victims come off the
+        #    end of `running`, so they are never requests already scheduled this step.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_running_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            if new_blocks is None:
+                break  # the request itself was preempted, and with it everything after it
+            cached_reqs.append(
+                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+            )
+            num_scheduled[request.request_id] = num_new
+            scheduled[request.request_id] = request
+            budget -= num_new
+            index += 1
+
+        # 2. Waiting requests in FCFS order. Not after a preemption: the pool is full, and
+        #    admitting would only preempt again next step.
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, scheduled, new_reqs)
+
+        # 3. Advance the computed counts now (async: the next schedule() may come before the
+        #    results) and count every token this step will sample as a placeholder.
+        sampling_req_ids = set()
+        for req_id, num_new in num_scheduled.items():
+            request = scheduled[req_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
+                sampling_req_ids.add(req_id)
+
+        finished_req_ids = self._finished_since_last_schedule
+        self._finished_since_last_schedule = set()
+        return SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=finished_req_ids,
+            sampling_req_ids=sampling_req_ids,
+            preempted_req_ids=preempted,
+            scheduled_requests=scheduled,
+        )
+
+    def _num_running_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        """Tokens to compute for a running request this step (0: skip it this step)."""
+        num_remaining = request.num_tokens_with_placeholders - request.num_computed_tokens
+        if num_remaining > budget:
+            # A prefill chunk: samples nothing, so no output limit applies.
+            return budget if self.config.enable_chunked_prefill else 0
+        # This step would sample; not if the tokens already in flight reach the limit.
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        if num_outputs >= request.max_output_tokens:
+            return 0
+        return num_remaining
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: set[str]
+    ) -> list[int] | None:
+        """Allocates KV for the step, preempting the newest running requests until it fits.
+        Returns None if ``request`` itself had to be preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        """Drops a running request's KV; it will be recomputed from its tokens so far.
+        Tokens it has in flight still arrive and are kept (see ``update_from_output``)."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims are taken newest first, so appendleft keeps older ones in front.
+        self.waiting.appendleft(request)
+        self._finished_since_last_schedule.add(request.request_id)
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        scheduled: dict[str, Request],
+        new_reqs: list[NewRequestData],
+    ) -> int:
+        """Admits waiting requests in FCFS order while budget, seats and blocks last.
+        Returns the budget left."""
+        kv = self.kv_cache_manager
+        not_ready: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_output_placeholders:
+                # Preempted with a token in flight: resume it once the token's value is
+                # known, since resuming prefills all its tokens.
+                not_ready.append(self.waiting.popleft())
+                continue
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            scheduled[request.request_id] = request
+            budget -= num_new
+        self.waiting.extendleft(reversed(not_ready))
+        return budget
+
+    # ---- results of a step -----------------------------------------------------------------
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+    ) -> list[EngineCoreOutput]:
+        """Applies one step's sampled tokens (one per request in ``sampling_req_ids``).
+
+        Returns one ``EngineCoreOutput`` per request that received a token. A request that
+        finished after this step was scheduled gets nothing: its token is dropped.
+        """
+        outputs = []
+        now = time.monotonic()
+        for req_id, token_ids in sampled_token_ids.items():
+            if token_ids and req_id not in scheduler_output.sampling_req_ids:
+                raise RuntimeError(f"runner returned tokens for {req_id!r}, which did not sample")
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id not in scheduler_output.sampling_req_ids:
+                continue
+            request = scheduler_output.scheduled_requests[req_id]
+            if request.is_finished:
+                continue
+            token_ids = sampled_token_ids.get(req_id, ())
+            if len(token_ids) != 1:
+                raise RuntimeError(
+                    f"runner returned {len(token_ids)} tokens for {req_id!r}, expected 1"
+                )
+            token_id = token_ids[0]
+            request.num_output_placeholders -= 1
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            finish_status = self._check_stop(request, token_id)
+            if finish_status is not None:
+                self._finish(request, finish_status)
+            outputs.append(
+                EngineCoreOutput(req_id, [token_id], request.finish_reason, request.stop_reason)
+            )
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            # Only the runner's own requests: a waiting one is unknown to it, or (when
+            # preempted) was already reported at preemption.
+            self._finished_since_last_schedule.add(request.request_id)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]

@@ -1,0 +1,108 @@
+"""What the scheduler hands to the model runner each step, and what it hands back out.
+
+``SchedulerOutput`` is the contract with the runners (v1 and v2 read the same object). It
+describes *changes* to the runner's persistent per-request state plus this step's token
+counts; the runner keeps everything else (token ids, block tables, last sampled token)
+itself, so a request already running is described only by its new blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mrv2_jax.engine.request import Request
+from mrv2_jax.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption.
+
+    ``token_ids`` is everything to prefill: the prompt plus, for a resumed request, all
+    outputs it had received (so ``len(token_ids) >= num_prompt_tokens``).
+    ``num_computed_tokens`` tokens at its start are already in the KV cache (prefix hit).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: the blocks appended to its table this step and
+    its ``num_computed_tokens`` before this step (equal to the runner's own count unless a
+    step of it is still in flight)."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    ``num_scheduled_tokens[req_id]`` tokens of each scheduled request are computed this
+    step, starting at its ``num_computed_tokens``. A request samples a token this step iff
+    it is in ``sampling_req_ids`` (its prefill ends this step, or it decodes); for a decode
+    under async scheduling the input token is the one sampled by the previous step, which
+    the runner reads from device memory.
+
+    ``finished_req_ids``: requests finished, aborted or preempted since the previous
+    step; the runner frees their slots before adding ``new_reqs``. An output may schedule
+    no tokens at all and still carry finished ids.
+    """
+
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    sampling_req_ids: set[str] = field(default_factory=set)
+    # The subset of finished_req_ids preempted by this very schedule() call.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Host-side only (runners ignore it): the exact request objects scheduled, so a token
+    # arriving late is never credited to a newer request that reused an aborted id.
+    scheduled_requests: dict[str, Request] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step changed for one request, as reported by ``update_from_output``.
+
+    ``new_token_ids`` are the accepted tokens (tokens sampled after a stop are dropped).
+    ``finish_reason`` is "stop" / "length" / "abort" once the request is finished, with
+    ``stop_reason`` the stop token id that ended it (None for EOS or length).
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for logging and metrics."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_evicted_blocks: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.prefix_cache_queries == 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries

@@ -1,0 +1,104 @@
+"""`mrv2-jax` command line: generate, convert (serve and bench come with their issues)."""
+
+import argparse
+import sys
+
+from mrv2_jax.engine.builder import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine arguments shared by every subcommand that runs a model."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="preset (qwen3-0.6b, qwen3-8b, glm-4-9b-0414), "
+                   "a model directory, or 'demo' (default: the small model shipped in checkpoints/)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "orbax", "dummy"],
+                   help="'dummy' = random weights of the right shapes (benchmarks without weights)")
+    g.add_argument("--runner", default=None, choices=["v1", "v2"], help="model runner (default: $MRV2_RUNNER)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                   help="read every step's tokens before scheduling the next")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-gpu-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k in EngineConfig.field_names()}
+
+
+def cmd_generate(args) -> int:
+    from mrv2_jax.llm import LLM
+    from mrv2_jax.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed,
+                            stop=args.stop or None, ignore_eos=args.ignore_eos)
+    llm = LLM(**engine_kwargs(args), show_progress=False)
+    prompt = args.prompt
+    if args.chat:
+        if llm.tokenizer is None or not llm.tokenizer.chat_template:
+            raise SystemExit("error: --chat needs a tokenizer with a chat template")
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   tokenize=False, add_generation_prompt=True)
+    if llm.tokenizer is None:
+        raise SystemExit("error: this model has no tokenizer; text prompts need one (use --tokenizer)")
+    sys.stdout.write(args.prompt if not args.chat else "")
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from mrv2_jax.models.checkpoint import convert
+    from mrv2_jax.models.loader import load_model
+
+    _, lm, src = load_model(args.hf_dir, dtype=args.dtype, load_format="safetensors")
+    out = convert(src, lm, args.out_dir)
+    print(f"wrote {out} (orbax params + config/tokenizer files); load it with --model {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mrv2-jax", description="JAX/XLA inference for Qwen and GLM models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate, max_num_seqs=8, max_num_batched_tokens=256)
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to orbax (faster loads)")
+    conv.add_argument("hf_dir")
+    conv.add_argument("out_dir")
+    conv.add_argument("--dtype", default="bfloat16")
+    conv.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

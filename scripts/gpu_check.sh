@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything the project checks on the GPU machine, in one call (device time is scarce):
+# versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
+# attention microbenchmark and the V1 throughput baseline. Logs and JSON go to $OUT.
+#   bash scripts/gpu_check.sh [sections...]   (default: all)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_VERBOSITY=error
+OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
+sections=${*:-"env tests oracle load attention throughput"}
+summary=()
+
+run_section() {  # name, command...
+  local name=$1; shift
+  echo "=== $name ==="
+  local t0=$(date +%s)
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  summary+=("$(printf '%-12s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - t0 ))")")
+}
+
+for s in $sections; do case $s in
+  env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
+  tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+  oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/test_model_parity.py ;;
+  load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
+  attention) run_section attention python3 -m mrv2_jax.bench.attention_kernel --output-json "$OUT/attention.json" ;;
+  throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
+      --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
+      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;
+esac; done
+echo "=== summary ==="; printf '%s\n' "${summary[@]}"

@@ -1,0 +1,117 @@
+"""The real engine (scheduler + KV manager + V1 runner + model) against a plain greedy loop."""
+
+import numpy as np
+import pytest
+
+from mrv2_jax.llm import LLM
+from mrv2_jax.sampling_params import SamplingParams
+from tests.engine_reference import greedy_reference
+from tests.parity import FIXTURES
+
+MODEL = FIXTURES / "qwen3-tiny"  # vocab 96, eos 2
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(**overrides):
+    args = dict(dtype="float32", runner="v1", max_num_seqs=8, max_num_batched_tokens=32,
+                max_model_len=96, num_gpu_blocks=128, block_size=4, show_progress=False)
+    return LLM(str(MODEL), **(args | overrides))
+
+
+def random_prompts(n, seed, lo=1, hi=40):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 96, k)] for k in rng.integers(lo, hi, n)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm()
+
+
+def test_batched_greedy_equals_one_at_a_time_loop(llm):
+    prompts = random_prompts(32, seed=0)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts  # input order kept
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == greedy_reference(MODEL, prompt, 8)
+        assert out.outputs[0].finish_reason == "length"
+    kv = llm.engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_preemption_keeps_outputs_and_frees_every_block():
+    llm = make_llm(num_gpu_blocks=26, max_model_len=96)  # 104 token slots for 12 requests
+    prompts = random_prompts(12, seed=1, lo=20, hi=40)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == greedy_reference(MODEL, prompt, 16)
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+
+def test_prefix_caching_hits_and_changes_nothing():
+    rng = np.random.default_rng(2)
+    context = [int(t) for t in rng.integers(3, 96, 37)]  # a long shared "document"
+    prompts = [context + [int(t) for t in rng.integers(3, 96, k)] for k in (3, 5, 8, 2, 6, 4)]
+    with_cache = make_llm(enable_prefix_caching=True)
+    first = with_cache.generate(prompts[:1], GREEDY, use_tqdm=False)  # fills the cache
+    rest = with_cache.generate(prompts[1:], GREEDY, use_tqdm=False)
+    cached = first + rest
+    assert sum(o.num_cached_tokens for o in rest) >= 5 * 36
+    plain = make_llm(enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
+    for prompt, out in zip(prompts, cached):
+        assert out.outputs[0].token_ids == greedy_reference(MODEL, prompt, 8)
+
+
+def test_stop_token_and_max_tokens_are_exact(llm):
+    prompt = random_prompts(1, seed=3, lo=10, hi=11)[0]
+    expected = greedy_reference(MODEL, prompt, 12)
+    stop_at = expected[5]
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    first = expected.index(stop_at)
+    assert out.outputs[0].token_ids == expected[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[:3]
+
+
+def test_abort_of_running_request_frees_its_blocks(llm):
+    kv = llm.engine.scheduler.kv_cache_manager
+    ids = llm._add_all(random_prompts(3, seed=4, lo=20, hi=30),
+                       SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    assert kv.num_free_blocks < kv.num_blocks
+    llm.abort(ids)
+    while llm.engine.has_work():
+        llm.step()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert not llm.engine.scheduler.has_unfinished_requests()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
+    prompt = random_prompts(1, seed=5)[0]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(6, seed=6)
+    batch = llm.generate(others[:3] + [prompt] + others[3:],
+                         [SamplingParams(max_tokens=8, temperature=1.0, seed=i) for i in range(3)]
+                         + [params] + [GREEDY] * 3, use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    greedy = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone != greedy  # temperature 1 on a random model really samples
+
+
+def test_bad_requests_raise_and_leave_nothing_behind(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 10, [5] * 200], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_work()
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(TypeError, match="no_such_arg"):
+        LLM(str(MODEL), no_such_arg=1)
