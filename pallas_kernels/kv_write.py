@@ -83,6 +83,9 @@ def write_kv(k_cache, v_cache, k_new, v_new, slot_mapping, layer, *, interpret=F
              block_t=16, num_warps=4, num_stages=1):
   """Scatters ``k_new/v_new [T, Hkv, D]`` into layer ``layer`` of the caches, in place.
 
+  Call it inside the jitted step (or a ``jax.jit`` that donates the caches); called
+  eagerly, XLA has to copy the caches because nothing donates them.
+
   Args:
     k_cache, v_cache: ``[num_layers, num_blocks, num_kv_heads, block_size, head_dim]``.
       Donate them in the caller for a true in-place update.

@@ -17,9 +17,8 @@ random non-zero data and random (shuffled) block tables. Cases:
 Timing: each jitted call chains ``inner`` dependent calls (the output is the next call's
 query, so nothing can be hoisted or CSE'd), unrolled so that XLA's command buffers launch
 them back to back; a sample is one call, the reported time is median(sample) / inner over
---runs samples after --warmup calls. ``inner`` is picked so one call does >= ~2 ms of
-work (or set with --inner), which amortises the ~50 us host dispatch per call (the cases
-that run with inner=1 take >= ~2 ms, so dispatch adds a few percent at most).
+--runs samples after --warmup calls. ``inner`` (or --inner) is picked so that one call
+should take >= ~2 ms, which amortises the ~50 us host dispatch per call to a few percent.
 
 Figures: useful bytes = KV read (each row's context, K and V) + q + out; bandwidth = bytes /
 time and its fraction of the measured 4.3 TB/s copy bandwidth. FLOPs = 4 * Hq * D * (visible
@@ -30,21 +29,19 @@ figures are reported for the pure-jnp reference (the baseline), where it fits in
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
 import json
 import math
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from mrv2_jax.bench.environment import describe_environment
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (
     default_tuning, ragged_paged_attention, ragged_paged_attention_reference)
@@ -263,15 +260,6 @@ def fmt_row(name, impl, cfg, r):
           f"{100 * r['frac_bw']:6.1f}% {r['tflops']:8.2f} {100 * r['frac_flops']:6.1f}%")
 
 
-def git_sha():
-  try:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          cwd=pathlib.Path(__file__).resolve().parent, check=True,
-                          timeout=10).stdout.strip()
-  except Exception:  # not a checkout, or no git
-    return None
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--output-json", type=pathlib.Path)
@@ -295,11 +283,8 @@ def main(argv=None):
   opts = p.parse_args(argv)
   tuning = {k: getattr(opts, k) for k in TUNING_KEYS}
 
-  device = jax.devices()[0]
-  report = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                git_sha=git_sha(), jax_version=jax.__version__,
-                device=f"{device.platform}:{device.device_kind}", argv=sys.argv[1:],
-                peak_bw=PEAK_BW, peak_flops=PEAK_FLOPS, results=[], sweeps=[])
+  report = dict(**describe_environment(), argv=sys.argv[1:], peak_bw=PEAK_BW,
+                peak_flops=PEAK_FLOPS, results=[], sweeps=[])
   print(f"# {report['date']}  jax {jax.__version__}  {report['device']}  "
         f"sha {report['git_sha']}", flush=True)
 
