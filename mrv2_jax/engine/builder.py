@@ -25,7 +25,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "bfloat16"
     load_format: str = "auto"
-    runner: str | None = None  # "v1" | "v2"; default: $MRV2_RUNNER or v1 (v2 once it lands)
+    runner: str | None = None  # "v1" | "v2"; default: $MRV2_RUNNER or v2
     async_scheduling: bool | None = None  # default: on for runners that support it
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -39,7 +39,7 @@ class EngineConfig:
     show_progress: bool = True
 
     def __post_init__(self):
-        self.runner = (self.runner or os.environ.get("MRV2_RUNNER") or "v1").lower()
+        self.runner = (self.runner or os.environ.get("MRV2_RUNNER") or "v2").lower()
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -65,10 +65,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress)
     if config.runner == "v2":
-        try:
-            from mrv2_jax.runner.v2 import ModelRunnerV2
-        except ImportError as e:
-            raise NotImplementedError("the V2 runner is not built yet; use runner='v1'") from e
+        from mrv2_jax.runner.v2 import ModelRunnerV2
+
         return ModelRunnerV2(model_state, lm, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 

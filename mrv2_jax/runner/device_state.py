@@ -1,0 +1,30 @@
+"""The persistent batch state that lives on the device (Model Runner V2).
+
+Every live request owns one *slot* (a row) of these fixed `[max_num_seqs, ...]` tables for its
+whole life. The step function reads them to build its inputs and writes the sampled tokens back
+into them, so nothing produced on the device goes through the host to become the next step's
+input. The host only ever sends changes (new requests, prompt chunks, block-table appends).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class DeviceState(NamedTuple):
+    token_ids: jax.Array  # int32[S, max_model_len + 1]: prompt, then sampled tokens
+    num_tokens: jax.Array  # int32[S]: tokens known on the device (prompt + sampled so far)
+    prefill_len: jax.Array  # int32[S]: tokens the host provided (prompt + outputs before a resume)
+    num_computed: jax.Array  # int32[S]: tokens whose KV has been computed
+    block_table: jax.Array  # int32[S, max_blocks_per_seq]
+    temperature: jax.Array  # float32[S]
+    seed: jax.Array  # int32[S]
+
+
+def init_device_state(max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> DeviceState:
+    s = max_num_seqs
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    return DeviceState(token_ids=zeros(s, max_model_len + 1), num_tokens=zeros(s), prefill_len=zeros(s),
+                       num_computed=zeros(s), block_table=zeros(s, max_blocks_per_seq),
+                       temperature=jnp.zeros((s,), jnp.float32), seed=zeros(s))

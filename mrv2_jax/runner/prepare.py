@@ -1,0 +1,95 @@
+"""Input preparation and post-update on the device (Model Runner V2), as pure jnp functions.
+
+These run inside the jitted step, after the host's small packed update has been applied:
+  apply_new_requests / apply_block_writes  host changes -> persistent tables
+  prepare_inputs                           tables + (idx_mapping, num_scheduled) -> model inputs
+  post_update                              sampled tokens -> tables (for the next step to read)
+Row r of the batch is request slot `idx_mapping[r]`; rows >= num_reqs are padding.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mrv2_jax.runner.device_state import DeviceState
+
+
+class StepInputs(NamedTuple):
+    input_ids: jax.Array  # int32[T]
+    positions: jax.Array  # int32[T]
+    slot_mapping: jax.Array  # int32[T], -1 for padding tokens
+    query_start_loc: jax.Array  # int32[R + 1]
+    seq_lens: jax.Array  # int32[R], 0 for padded rows
+    logits_indices: jax.Array  # int32[R]
+    block_tables: jax.Array  # int32[R, max_blocks_per_seq], batch order
+    samples: jax.Array  # bool[R]: the row's computed tokens reach its end, so it samples
+
+
+def apply_new_requests(state: DeviceState, slot, prefill_len, num_computed, temperature, seed) -> DeviceState:
+    """Initialise the rows of newly added (or resumed) requests; `slot == -1` entries are unused."""
+    s = state.num_tokens.shape[0]
+    idx = jnp.where(slot >= 0, slot, s)  # out of bounds -> dropped
+    put = lambda table, values: table.at[idx].set(values, mode="drop")  # noqa: E731
+    return state._replace(num_tokens=put(state.num_tokens, prefill_len),
+                          prefill_len=put(state.prefill_len, prefill_len),
+                          num_computed=put(state.num_computed, num_computed),
+                          temperature=put(state.temperature, temperature), seed=put(state.seed, seed))
+
+
+def apply_block_writes(state: DeviceState, slot, index, block_id) -> DeviceState:
+    """block_table[slot, index] = block_id for every entry with slot >= 0."""
+    s = state.block_table.shape[0]
+    rows = jnp.where(slot >= 0, slot, s)
+    return state._replace(block_table=state.block_table.at[rows, index].set(block_id, mode="drop"))
+
+
+def prepare_inputs(state: DeviceState, idx_mapping, num_scheduled, num_reqs, chunk_tokens,
+                   block_size: int) -> tuple[DeviceState, StepInputs]:
+    """Build the step's model inputs from the persistent tables.
+
+    `chunk_tokens[t]` carries, for tokens of prefill chunks, the prompt token at that position
+    (the host sends prompt tokens only when they are scheduled); it is written into the token
+    table first, so every row's input ids are then read from the table alike: prompt tokens and
+    the tokens sampled by earlier steps.
+    """
+    num_tokens_padded = chunk_tokens.shape[0]
+    num_rows = idx_mapping.shape[0]
+    real_row = jnp.arange(num_rows) < num_reqs
+    counts = jnp.where(real_row, num_scheduled, 0)
+    query_start_loc = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    total = query_start_loc[-1]
+    start = state.num_computed[idx_mapping]  # first position computed this step, per row
+
+    t = jnp.arange(num_tokens_padded, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right") - 1, 0, num_rows - 1)
+    valid = t < total
+    slot = idx_mapping[row]
+    positions = jnp.where(valid, start[row] + t - query_start_loc[row], 0)
+
+    is_prompt = valid & (positions < state.prefill_len[slot])
+    s = state.token_ids.shape[0]
+    token_ids = state.token_ids.at[jnp.where(is_prompt, slot, s), positions].set(chunk_tokens, mode="drop")
+    input_ids = jnp.where(valid, token_ids[slot, positions], 0)
+
+    block = state.block_table[slot, positions // block_size]
+    slot_mapping = jnp.where(valid, block * block_size + positions % block_size, -1)
+    seq_lens = jnp.where(real_row, start + counts, 0)
+    samples = real_row & (counts > 0) & (seq_lens >= state.num_tokens[idx_mapping])
+    inputs = StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                        query_start_loc=query_start_loc, seq_lens=seq_lens,
+                        logits_indices=jnp.maximum(query_start_loc[1:] - 1, 0),
+                        block_tables=state.block_table[idx_mapping], samples=samples)
+    return state._replace(token_ids=token_ids), inputs
+
+
+def post_update(state: DeviceState, idx_mapping, num_reqs, inputs: StepInputs, sampled) -> DeviceState:
+    """Advance num_computed and append each sampling row's token to its slot's token table."""
+    s = state.num_tokens.shape[0]
+    real_row = jnp.arange(idx_mapping.shape[0]) < num_reqs
+    rows = jnp.where(real_row, idx_mapping, s)
+    num_computed = state.num_computed.at[rows].set(inputs.seq_lens, mode="drop")
+    sample_rows = jnp.where(inputs.samples, idx_mapping, s)
+    token_ids = state.token_ids.at[sample_rows, inputs.seq_lens].set(sampled, mode="drop")
+    num_tokens = state.num_tokens.at[sample_rows].set(inputs.seq_lens + 1, mode="drop")
+    return state._replace(num_computed=num_computed, token_ids=token_ids, num_tokens=num_tokens)

@@ -1,0 +1,193 @@
+"""Model Runner V2: persistent device state, input preparation on the device, async-ready.
+
+Per step the host sends ONE packed int32 buffer holding only what changed: the batch order
+(`idx_mapping`: batch row -> request slot), tokens per row, new requests' metadata, block-table
+appends, and the prompt tokens of the prefill chunks scheduled now. Everything else - input ids
+(including the tokens sampled by the previous step, which never visit the host), positions,
+slot mapping, sequence lengths, logits indices, the batch's block tables - is built on the
+device from the persistent tables, and the sampled tokens are written back there.
+
+`execute` returns as soon as the step is dispatched: the sampled tokens start copying to the
+host in the background and are read only when the engine asks for them, one step later with
+async scheduling.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from mrv2_jax.engine.scheduler_output import SchedulerOutput
+from mrv2_jax.models.attention import PagedAttention
+from mrv2_jax.runner import prepare
+from mrv2_jax.runner.buckets import Bucket, BucketPlan
+from mrv2_jax.runner.device_state import init_device_state
+from mrv2_jax.runner.kv_cache import allocate_kv_cache
+from mrv2_jax.runner.model_step import FlatParams, forward_and_sample
+from mrv2_jax.runner.packed import PackedLayout
+from mrv2_jax.runner.slots import SlotAllocator
+from mrv2_jax.runner.step_result import StepResult
+
+
+OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buffer is too small
+
+
+class PendingStep:
+    """The sampled tokens of a dispatched step; `result()` blocks until they are on the host."""
+
+    def __init__(self, tokens: jax.Array, req_ids: list[str], sampling_req_ids: set[str]):
+        tokens.copy_to_host_async()  # start the device->host copy now, read it later
+        self._tokens, self._req_ids, self._sampling = tokens, req_ids, sampling_req_ids
+
+    def result(self) -> dict[str, list[int]]:
+        tokens = np.asarray(self._tokens)
+        return {r: [int(tokens[i])] for i, r in enumerate(self._req_ids) if r in self._sampling}
+
+
+class ModelRunnerV2:
+    is_async_capable = True
+
+    def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
+                 use_kernels: bool | None = None, show_progress: bool = True):
+        self.params = FlatParams(lm)
+        self.block_size = block_size
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
+        self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
+        self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
+        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs)
+        self.slots = SlotAllocator(max_num_seqs)
+        self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
+        self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
+        self._seed_rng = np.random.default_rng()
+        self.compiled = {}
+        self._compile_all(show_progress)
+
+    # --- compilation ---------------------------------------------------------------------
+    def _layout(self, bucket: Bucket) -> PackedLayout:
+        t, r = bucket.num_tokens, bucket.num_reqs
+        # Block appends: a step adds at most t / block_size + 1 blocks per row in steady state;
+        # a larger burst (a long prefix-cache hit) takes an extra small dispatch.
+        max_appends = t // self.block_size + 2 * r
+        return PackedLayout(
+            {"idx_mapping": (r,), "num_scheduled": (r,), "num_reqs": (), "chunk_tokens": (t,),
+             "new_slot": (r,), "new_prefill_len": (r,), "new_num_computed": (r,),
+             "new_temperature": (r,), "new_seed": (r,),
+             "append_slot": (max_appends,), "append_index": (max_appends,), "append_block": (max_appends,)},
+            float_fields=frozenset({"new_temperature"}))
+
+    def _step_fn(self, layout: PackedLayout):
+        block_size, use_kernels = self.block_size, self.use_kernels
+
+        def step(param_leaves, kv_cache, state, packed):
+            x = layout.unpack(packed)
+            state = prepare.apply_new_requests(state, x["new_slot"], x["new_prefill_len"],
+                                               x["new_num_computed"], x["new_temperature"], x["new_seed"])
+            state = prepare.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
+            state, inputs = prepare.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
+                                                   x["chunk_tokens"], block_size)
+            attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
+                                       inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels)
+            kv_cache, tokens = forward_and_sample(
+                self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
+                positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
+                temperature=state.temperature[x["idx_mapping"]], seeds=state.seed[x["idx_mapping"]])
+            state = prepare.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, tokens)
+            return kv_cache, state, tokens
+
+        return step
+
+    def _compile_all(self, show_progress: bool):
+        for bucket in tqdm(self.buckets, desc="compiling step buckets", disable=not show_progress):
+            layout = self._layout(bucket)
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+            lowered = jax.jit(self._step_fn(layout), donate_argnums=(1, 2)).lower(
+                self.params.leaves, self.kv_cache, self.state, packed)
+            self.compiled[bucket] = (layout, lowered.compile())
+        entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
+        self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
+            self.state, entries, entries, entries).compile()
+
+    # --- one step -----------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput):
+        for req_id in out.finished_req_ids:
+            self.slots.free(req_id)
+            self._prompts.pop(req_id, None)
+            self._num_blocks.pop(req_id, None)
+        req_ids = list(out.num_scheduled_tokens)
+        if not req_ids:  # nothing scheduled: no new requests and no new blocks either
+            return StepResult({})
+        bucket = self.buckets.pick(out.total_num_scheduled_tokens, len(req_ids))
+        layout, compiled = self.compiled[bucket]
+        packed = layout.empty()  # a fresh buffer per step: the device may still read the last one
+        view = lambda name: layout.view(packed, name)  # noqa: E731
+        self._write_new_requests(out, view)
+        appends = self._collect_block_appends(out)
+        computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
+        computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
+        chunk, pos = view("chunk_tokens"), 0
+        for i, req_id in enumerate(req_ids):
+            n = out.num_scheduled_tokens[req_id]
+            view("idx_mapping")[i] = self.slots.slot_of(req_id)
+            view("num_scheduled")[i] = n
+            prompt = self._prompts.get(req_id)
+            if prompt is not None:  # still prefilling: send this chunk's known tokens
+                begin = computed[req_id]
+                piece = prompt[begin : begin + n]
+                chunk[pos : pos + len(piece)] = piece
+                if begin + n >= len(prompt):
+                    del self._prompts[req_id]
+            pos += n
+        view("num_reqs")[...] = len(req_ids)
+        capacity = layout.shapes["append_slot"][0]
+        self._flush_block_appends(appends[capacity:])
+        self._write_appends(view, appends[:capacity])
+        self.kv_cache, self.state, tokens = compiled(self.params.leaves, self.kv_cache, self.state, packed)
+        return PendingStep(tokens, req_ids, out.sampling_req_ids)
+
+    def _write_new_requests(self, out: SchedulerOutput, view):
+        new_slot = view("new_slot")
+        new_slot[:] = -1
+        for i, new in enumerate(out.new_reqs):
+            slot = self.slots.allocate(new.req_id)
+            new_slot[i] = slot
+            view("new_prefill_len")[i] = len(new.token_ids)
+            view("new_num_computed")[i] = new.num_computed_tokens
+            params = new.sampling_params
+            view("new_temperature")[i] = params.temperature
+            view("new_seed")[i] = params.seed if params.seed is not None else self._seed_rng.integers(2**31)
+            self._prompts[new.req_id] = list(new.token_ids)
+
+    def _collect_block_appends(self, out: SchedulerOutput) -> list[tuple[int, int, int]]:
+        """(slot, index in the block table, block id) for every block added this step."""
+        appends = []
+        for new in out.new_reqs:
+            appends += self._appends_for(new.req_id, new.block_ids, self.slots.slot_of(new.req_id))
+        for cached in out.cached_reqs:
+            appends += self._appends_for(cached.req_id, cached.new_block_ids, self.slots.slot_of(cached.req_id))
+        return appends
+
+    def _appends_for(self, req_id, block_ids, slot):
+        first = self._num_blocks.get(req_id, 0)
+        self._num_blocks[req_id] = first + len(block_ids)
+        return [(slot, first + k, b) for k, b in enumerate(block_ids)]
+
+    def _write_appends(self, view, appends):
+        slot, index, block = view("append_slot"), view("append_index"), view("append_block")
+        slot[:] = -1
+        if appends:
+            a = np.asarray(appends, np.int32)
+            slot[: len(a)], index[: len(a)], block[: len(a)] = a[:, 0], a[:, 1], a[:, 2]
+
+    def _flush_block_appends(self, appends):
+        """Block-table writes that do not fit the step's buffer (a long prefix-cache hit) go in
+        extra dispatches of a fixed size, compiled at start-up like everything else."""
+        for lo in range(0, len(appends), OVERFLOW_CHUNK):
+            part = appends[lo : lo + OVERFLOW_CHUNK]
+            a = np.zeros((OVERFLOW_CHUNK, 3), np.int32)
+            a[:, 0] = -1
+            a[: len(part)] = part
+            self.state = self._block_writes(self.state, a[:, 0], a[:, 1], a[:, 2])
