@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("MRV2_STRICT_COMPILES", "1")  # any compile inside an engine step fails
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

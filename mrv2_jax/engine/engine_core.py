@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from mrv2_jax.engine.request import Request, RequestStatus
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput, SchedulerOutput
+from mrv2_jax.runner.compile_guard import CompileGuard, num_compiles
 
 
 class EngineCore:
@@ -23,6 +24,7 @@ class EngineCore:
         self.runner = runner
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self.compile_guard = CompileGuard()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -41,6 +43,12 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Advance by one step; returns what changed for each request (one step late when
         async)."""
+        compiles_before = num_compiles()
+        outputs = self._step()
+        self.compile_guard.report(num_compiles() - compiles_before, "an engine step")
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.

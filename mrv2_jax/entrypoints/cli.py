@@ -1,6 +1,7 @@
-"""`mrv2-jax` command line: generate, convert (serve and bench come with their issues)."""
+"""`mrv2-jax` command line: generate, serve, convert (bench comes with its issue)."""
 
 import argparse
+import os
 import sys
 
 from mrv2_jax.engine.builder import EngineConfig
@@ -66,6 +67,29 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    from mrv2_jax.engine.async_llm import AsyncLLM
+    from mrv2_jax.entrypoints.openai_server import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    api_key = args.api_key or os.environ.get("MRV2_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: serving on {args.host} without an API key: anyone who can reach this port can "
+              "use the model (set --api-key or MRV2_API_KEY)", file=sys.stderr)
+    names = args.served_model_name or [args.model or "demo"]
+    engine = AsyncLLM.from_engine_args(**engine_kwargs(args))
+    print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
+    serve(engine, args.host, args.port, log_level=args.log_level, served_model_names=names,
+          api_key=api_key, max_body_bytes=args.max_request_body_bytes)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mrv2-jax", description="JAX/XLA inference for Qwen and GLM models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate, max_num_seqs=8, max_num_batched_tokens=256)
+
+    srv = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
+                    "/v1/chat/completions (with stream=true), /v1/models, /health, /metrics. "
+                    "See docs/serving.md.")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="model to serve (same as --model; default: demo)")
+    http = srv.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 = all interfaces)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument("--api-key", default=None, metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                           "(default: $MRV2_API_KEY; none = open)")
+    http.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                      help="name(s) clients use in the 'model' field (default: the model argument)")
+    http.add_argument("--max-request-body-bytes", type=int, default=1 << 20, metavar="BYTES",
+                      help="larger request bodies get 413 (default 1 MiB)")
+    http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve, show_progress=True)
 
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to orbax (faster loads)")
     conv.add_argument("hf_dir")

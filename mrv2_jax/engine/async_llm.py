@@ -1,0 +1,380 @@
+"""The engine on its own thread, with an asyncio-facing API (what the server talks to).
+
+`LLM` is not thread-safe, so exactly one thread -- the engine thread -- ever touches it. The
+loop on that thread is:
+
+    drain the inbox of commands (add / abort / stop)   -- blocking when there is no work
+    step() while any request is unfinished
+    hand each RequestOutput to its request's asyncio.Queue (loop.call_soon_threadsafe)
+    publish a fresh stats snapshot
+
+Callers on the event loop only put commands into the inbox and read immutable snapshots, so
+an HTTP handler never waits for the engine and the engine never waits for a client.
+
+Failure policy. Everything about a request that can be wrong is checked before it is
+submitted (`check_prompt` here, `SamplingParams` for the sampling fields), and a request
+that still fails when the engine thread adds it gets the error on its own stream only. An
+exception inside `step()` is different: the scheduler and the device state may disagree
+afterwards, and carrying on could hand other users wrong tokens. So the engine stops:
+every open stream gets `EngineDeadError`, new requests are refused, and `is_healthy` turns
+False (the server reports it on /health).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+from mrv2_jax.engine.output import RequestOutput
+from mrv2_jax.llm import LLM
+from mrv2_jax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or a step failed); nothing more will run."""
+
+
+class RequestRejected(ValueError):
+    """A request that cannot run as asked (the prompt is empty, too long, ...). ``code`` is a
+    machine-readable reason, e.g. ``"context_length_exceeded"``."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine looked like after its latest step or command (read by /metrics and
+    tests from any thread: the engine thread replaces the whole object, never mutates it)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    num_preemptions: int = 0
+    num_aborted_reqs: int = 0
+    num_steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+# --- commands sent to the engine thread ------------------------------------------------------
+@dataclass
+class _Add:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    sink: _Sink
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: a queue that belongs to the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of `RequestOutput` (the last one has
+    ``finished=True``). Leaving it early -- `abort()`, `aclose()`, `async with` exit, or the
+    consuming task being cancelled -- aborts the request and frees its KV blocks."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, sink: _Sink):
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = sink.queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled (client gone): nobody will read the rest
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.abort()
+
+
+class AsyncLLM:
+    """Runs an `LLM` on a dedicated thread. Build it with `AsyncLLM.from_engine_args(...)` or
+    around an existing `LLM` (which then belongs to the engine thread: do not use it
+    directly any more).
+
+        stream = await engine.generate("The king said", SamplingParams(max_tokens=8))
+        async for out in stream:
+            print(out.delta_text, end="")
+
+    `generate` validates and submits when awaited, so a bad request raises there (ValueError,
+    or EngineDeadError) before any output is expected.
+    """
+
+    def __init__(self, llm: LLM, *, thread_name: str = "mrv2-engine"):
+        self._llm = llm
+        self.tokenizer = llm.tokenizer
+        self.max_model_len: int = llm.engine.scheduler.max_model_len
+        self.vocab_size: int = llm.model_state.vocab_size
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._ids = itertools.count()
+        # Guards the hand-over between "submit a command" and "the engine died", so that no
+        # command is left in the inbox of a dead engine with a caller waiting on it forever.
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._num_aborted = 0
+        self._num_steps = 0
+        self._stats = EngineStats()
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **engine_args) -> AsyncLLM:
+        return cls(LLM(model, **engine_args))
+
+    # --- public API (any thread / the event loop) -------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._error is None and not self._stopped and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped, when it stopped because of a failure."""
+        return self._error
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise `RequestRejected` unless the prompt and the output budget fit the model."""
+        n = len(token_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty (it must have at least one token)")
+        for t in token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise RequestRejected(f"prompt token id {t} is out of range [0, {self.vocab_size})",
+                                      code="invalid_token_id")
+        if n >= self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt has {n}: it must be shorter, to leave room for at least one output "
+                "token", code="context_length_exceeded")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
+                "for the completion); reduce the prompt or max_tokens",
+                code="context_length_exceeded")
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize off the event loop (a 1 MiB prompt takes a noticeable time)."""
+        if self.tokenizer is None:
+            raise RequestRejected("this model has no tokenizer: send the prompt as token ids")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> RequestStream:
+        """Validate and submit one request; returns the stream of its outputs. A str prompt is
+        tokenized as the offline `LLM` does it (`tokenizer.encode(prompt)`)."""
+        if isinstance(prompt, str):
+            token_ids = await self.tokenize(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        self.check_prompt(token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(_Add(request_id, token_ids, params, sink))
+        return RequestStream(self, request_id, sink)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op when it has finished already). Thread-safe, never blocks."""
+        with self._lock:
+            if self._error is None and not self._stopped:
+                self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; open streams end with `EngineDeadError`."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._inbox.put(_Stop())
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _submit(self, command: _Add) -> None:
+        with self._lock:
+            if self._error is not None or self._stopped:
+                raise EngineDeadError(self._dead_message())
+            self._inbox.put(command)
+
+    def _dead_message(self) -> str:
+        if self._error is not None:
+            return f"the engine stopped after an internal error: {self._error!r}"
+        return "the engine has been shut down"
+
+    # --- the engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self._llm.engine
+        try:
+            while True:
+                if not self._drain_inbox(block=not engine.has_work()):
+                    break
+                if engine.has_work():
+                    outputs = self._llm.step()
+                    self._num_steps += 1
+                    self._deliver(outputs)
+                self._publish_stats()
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
+            logger.exception("engine step failed; the engine is stopping")
+            with self._lock:
+                self._error = exc
+        self._close_all_streams()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one when `block`). False on stop."""
+        try:
+            command = self._inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            elif isinstance(command, _Abort):
+                self._abort(command.request_id)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            # Token ids, not text: the caller has tokenized already (the same way LLM would).
+            self._llm.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id)
+        except Exception as exc:  # this request is bad: tell its caller, keep serving the rest
+            self._llm.abort([cmd.request_id])
+            self._send(cmd.sink, [exc])
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+
+    def _abort(self, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None:
+            self._llm.abort([request_id])
+            self._num_aborted += 1
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand the step's outputs over with one wake-up per event loop, not per output."""
+        by_sink: dict[int, tuple[_Sink, list]] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            by_sink.setdefault(id(sink), (sink, []))[1].append(out)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for sink, items in by_sink.values():
+            by_loop[sink.loop].append((sink.queue, items))
+        for loop, batch in by_loop.items():
+            if not self._post(loop, batch):
+                # The caller's event loop is gone: nobody can read these requests any more.
+                for _, items in batch:
+                    self._abort(items[0].request_id)
+
+    def _send(self, sink: _Sink, items: list) -> None:
+        self._post(sink.loop, [(sink.queue, items)])
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, batch: list) -> bool:
+        def put_all():
+            for q, items in batch:
+                for item in items:
+                    q.put_nowait(item)
+
+        try:
+            loop.call_soon_threadsafe(put_all)
+            return True
+        except RuntimeError:  # loop closed
+            return False
+
+    def _close_all_streams(self) -> None:
+        with self._lock:
+            self._stopped = True
+            pending = []
+            while True:
+                try:
+                    pending.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        error = EngineDeadError(self._dead_message())
+        sinks = list(self._sinks.values()) + [c.sink for c in pending if isinstance(c, _Add)]
+        self._sinks.clear()
+        for sink in sinks:
+            self._send(sink, [error])
+        try:
+            self._publish_stats()
+        except Exception:  # the scheduler may be what broke; the last snapshot stays
+            pass
+
+    def _publish_stats(self) -> None:
+        scheduler = self._llm.engine.scheduler
+        s = scheduler.get_stats()
+        kv = scheduler.kv_cache_manager
+        self._stats = EngineStats(
+            num_running_reqs=s.num_running_reqs, num_waiting_reqs=s.num_waiting_reqs,
+            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks, kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, num_aborted_reqs=self._num_aborted, num_steps=self._num_steps)
+

@@ -1,0 +1,117 @@
+"""Prometheus metrics of the server (served on /metrics).
+
+Two sources:
+  * engine state (running / waiting requests, KV usage, prefix-cache hits, preemptions) is
+    read from the engine's latest `EngineStats` snapshot when Prometheus scrapes, by a
+    custom collector: nothing has to keep gauges up to date, and a scrape never touches the
+    engine thread;
+  * per-request numbers (token counts, time to first token, time per output token, latency)
+    are observed by the HTTP handlers, with the server's clock: TTFT is what the client
+    waits, queueing included.
+
+Each app has its own registry, so several servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from mrv2_jax.engine.async_llm import AsyncLLM
+from mrv2_jax.engine.output import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        s, label = self.engine.stats, [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        yield gauge("mrv2_num_requests_running", "Requests being scheduled (prefill or decode).", s.num_running_reqs)
+        yield gauge("mrv2_num_requests_waiting", "Requests queued for admission.", s.num_waiting_reqs)
+        yield gauge("mrv2_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1).",
+                    s.kv_cache_usage)
+        yield gauge("mrv2_kv_cache_free_blocks", "KV blocks not held by any request.", s.num_free_blocks)
+        yield gauge("mrv2_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                    "prompt tokens admitted, since start.", s.prefix_cache_hit_rate)
+        yield counter("mrv2_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("mrv2_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("mrv2_num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        yield counter("mrv2_requests_aborted", "Requests aborted (client gone).", s.num_aborted_reqs)
+        yield gauge("mrv2_engine_healthy", "1 while the engine thread runs, 0 once it stopped.",
+                    1.0 if self.engine.is_healthy else 0.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLM, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels, reg = ["model_name"], self.registry
+        self.prompt_tokens = Counter("mrv2_prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=reg).labels(model_name)
+        self.generation_tokens = Counter("mrv2_generation_tokens", "Generated tokens sent to clients.",
+                                         labels, registry=reg).labels(model_name)
+        self.requests = Counter("mrv2_requests", "Requests that ended, by finish reason.",
+                                labels + ["finished_reason"], registry=reg)
+        self.ttft = Histogram("mrv2_time_to_first_token_seconds", "Request received -> first token out.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.tpot = Histogram("mrv2_time_per_output_token_seconds", "Mean time between output tokens "
+                              "of a request.", labels, buckets=_TPOT_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.registry.register(_EngineCollector(engine, model_name))
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTracker:
+    """One request's timings; `observe` each output, then `finish` once (idempotent)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+        self.last: RequestOutput | None = None
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        if self.first_token is None and out.outputs[0].token_ids:
+            self.first_token = time.monotonic()
+            self.metrics.ttft.observe(self.first_token - self.start)
+        self.last = out
+
+    def finish(self, reason: str | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        m, end = self.metrics, time.monotonic()
+        if self.last is not None:
+            num_out = len(self.last.outputs[0].token_ids)
+            m.prompt_tokens.inc(len(self.last.prompt_token_ids))
+            m.generation_tokens.inc(num_out)
+            reason = reason or self.last.outputs[0].finish_reason
+            if self.first_token is not None and num_out > 1:
+                m.tpot.observe((end - self.first_token) / (num_out - 1))
+        m.e2e.observe(end - self.start)
+        m.requests.labels(m.model_name, reason or "abort").inc()

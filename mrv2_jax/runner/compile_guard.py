@@ -1,0 +1,44 @@
+"""Counting XLA compilations, so a compile after warm-up never goes unnoticed.
+
+Every bucket is compiled at start-up; a compile inside an engine step means a shape or a static
+argument escaped the buckets, which costs seconds of stall in serving. The engine checks the
+process-wide compile counter around each step: in strict mode (tests; `MRV2_STRICT_COMPILES=1`)
+that is an error, otherwise a counted warning.
+"""
+
+import os
+import warnings
+
+import jax
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_num_compiles = 0
+
+
+def _on_event(name: str, _duration: float, **_kwargs) -> None:
+    global _num_compiles
+    if name == _BACKEND_COMPILE_EVENT:
+        _num_compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def num_compiles() -> int:
+    """XLA backend compilations in this process so far."""
+    return _num_compiles
+
+
+class CompileGuard:
+    def __init__(self, strict: bool | None = None):
+        self.strict = os.environ.get("MRV2_STRICT_COMPILES") == "1" if strict is None else strict
+        self.num_unexpected = 0
+
+    def report(self, new_compiles: int, where: str) -> None:
+        if new_compiles <= 0:
+            return
+        self.num_unexpected += new_compiles
+        message = f"{new_compiles} XLA compilation(s) during {where} after warm-up"
+        if self.strict:
+            raise RuntimeError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
