@@ -73,8 +73,22 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     return ModelRunnerV1(model_state, lm, **kwargs)
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled XLA executables on disk, so a second start skips most compiling.
+    `MRV2_COMPILATION_CACHE=<dir>` moves it, `=off` turns it off."""
+    import jax
+
+    where = os.environ.get("MRV2_COMPILATION_CACHE", str(Path.home() / ".cache" / "mrv2_jax" / "xla"))
+    if where.lower() == "off" or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", where)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def build_engine(config: EngineConfig):
     """-> (EngineCore, tokenizer or None, model_state)."""
+    enable_compilation_cache()
     model_state, lm, path = load_model(config.model, config.dtype, config.load_format, config.seed)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len
