@@ -18,12 +18,12 @@ class LLM:
     """Load a model and generate. Engine arguments are the fields of `EngineConfig`
     (runner, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, ...)."""
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, loaded_model=None, **engine_args):
         unknown = set(engine_args) - EngineConfig.field_names()
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine, self.tokenizer, self.model_state = build_engine(self.config)
+        self.engine, self.tokenizer, self.model_state = build_engine(self.config, loaded_model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the project checks on the GPU machine, in one call (device time is scarce):
 # versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
-# attention microbenchmark and the V1 throughput baseline. Logs and JSON go to $OUT.
+# attention microbenchmark, the V1 throughput baseline and the runner A/B (ab-s1, ab-s1-1024,
+# ab-s2; not in the default set). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy
+# has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: all)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_VERBOSITY=error
@@ -24,6 +26,15 @@ for s in $sections; do case $s in
   oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/test_model_parity.py ;;
   load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
   attention) run_section attention python3 -m mrv2_jax.bench.attention_kernel --output-json "$OUT/attention.json" ;;
+  ab-s1) run_section ab-s1 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+      --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
+      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" ;;
+  ab-s1-1024) run_section ab-s1-1024 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+      --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 1024 \
+      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_1024.json" ;;
+  ab-s2) run_section ab-s2 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+      --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
+      --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;

@@ -86,10 +86,11 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def build_engine(config: EngineConfig):
-    """-> (EngineCore, tokenizer or None, model_state)."""
+def build_engine(config: EngineConfig, loaded_model=None):
+    """-> (EngineCore, tokenizer or None, model_state). `loaded_model`: a `load_model` result to
+    reuse (benchmarks that build several engines over one set of weights)."""
     enable_compilation_cache()
-    model_state, lm, path = load_model(config.model, config.dtype, config.load_format, config.seed)
+    model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len
     if max_model_len > model_state.max_model_len:

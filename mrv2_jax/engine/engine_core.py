@@ -7,6 +7,7 @@ tokens as placeholders. Without it (and always with the V1 runner) every step is
 before the next is scheduled.
 """
 
+import time
 from collections.abc import Iterable
 
 from mrv2_jax.engine.request import Request, RequestStatus
@@ -25,6 +26,9 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[SchedulerOutput, object] | None = None
         self.compile_guard = CompileGuard()
+        # Benchmarks set this to a list to get (start, end, num_tokens, num_reqs) per step.
+        self.step_log: list | None = None
+        self._last_shape = (0, 0)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -44,12 +48,16 @@ class EngineCore:
         """Advance by one step; returns what changed for each request (one step late when
         async)."""
         compiles_before = num_compiles()
+        start = time.perf_counter()
         outputs = self._step()
         self.compile_guard.report(num_compiles() - compiles_before, "an engine step")
+        if self.step_log is not None:
+            self.step_log.append((start, time.perf_counter(), *self._last_shape))
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
+        self._last_shape = (scheduled.total_num_scheduled_tokens, len(scheduled.num_scheduled_tokens))
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
         result = self.runner.execute(scheduled)

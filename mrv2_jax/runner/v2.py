@@ -13,6 +13,7 @@ async scheduling.
 """
 
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -146,7 +147,20 @@ class ModelRunnerV2:
         self._flush_block_appends(appends[capacity:])
         self._write_appends(view, appends[:capacity])
         self.kv_cache, self.state, tokens = compiled(self.params.leaves, self.kv_cache, self.state, packed)
+        self.last_dispatch = (compiled, packed)
         return PendingStep(tokens, req_ids, out.sampling_req_ids)
+
+    def replay(self, dispatch, repeats: int) -> float:
+        """Benchmarks only: run a captured step `repeats` times back to back on the current
+        state and return the device time per step (it advances that state: run it last)."""
+        compiled, packed = dispatch
+        packed = jax.device_put(packed)
+        jax.block_until_ready(self.state)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            self.kv_cache, self.state, tokens = compiled(self.params.leaves, self.kv_cache, self.state, packed)
+        jax.block_until_ready(tokens)
+        return (time.perf_counter() - start) / repeats
 
     def _write_new_requests(self, out: SchedulerOutput, view):
         new_slot = view("new_slot")

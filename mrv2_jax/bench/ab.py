@@ -1,0 +1,104 @@
+"""The runner A/B: v1, v2-sync and v2-async on the same workload, in one process.
+
+    python -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+        --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 --output-json ab.json
+
+Weights are loaded once and shared; each arm gets its own engine (KV cache, compiled buckets).
+Besides throughput it reports the steady-decode step: wall time per engine step while every row
+decodes at full concurrency, the device time of that same step replayed back to back, and their
+ratio, the GPU busy fraction.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+
+ARMS = {"v1": ("v1", False), "v2-sync": ("v2", False), "v2-async": ("v2", True)}
+
+
+def steady_decode_wall(step_log, num_reqs) -> float | None:
+    """Median wall time per step over the steps where `num_reqs` rows all decode."""
+    walls = [end - start for start, end, tokens, reqs in step_log if tokens == reqs == num_reqs]
+    walls = walls[len(walls) // 10 :]  # skip the first steps after the last prefill
+    return statistics.median(walls) if len(walls) >= 5 else None
+
+
+def run_arm(name, args, loaded, prompts):
+    from mrv2_jax.llm import LLM
+    from mrv2_jax.sampling_params import SamplingParams
+
+    runner, async_scheduling = ARMS[name]
+    t0 = time.perf_counter()
+    llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | dict(runner=runner, async_scheduling=async_scheduling)))
+    startup = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[: min(len(prompts), args.max_num_seqs)][:64], params, use_tqdm=False)  # warm-up
+    engine = llm.engine
+    engine.step_log = []
+    capture = {}
+    if runner == "v2":  # keep the dispatch of a full-concurrency decode step for the replay
+        execute = engine.runner.execute
+
+        def execute_and_capture(out):
+            pending = execute(out)
+            n = len(out.num_scheduled_tokens)
+            if out.total_num_scheduled_tokens == n == min(args.max_num_seqs, len(prompts)):
+                capture["dispatch"] = engine.runner.last_dispatch
+            return pending
+
+        engine.runner.execute = execute_and_capture
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    num_in = sum(len(p) for p in prompts)
+    rows = min(args.max_num_seqs, len(prompts))
+    wall = steady_decode_wall(engine.step_log, rows)
+    device = engine.runner.replay(capture["dispatch"], 20) if "dispatch" in capture else None
+    return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
+            "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
+            "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
+            "steady_step_wall_ms": wall and 1e3 * wall, "steady_step_device_ms": device and 1e3 * device,
+            "gpu_busy_fraction": (device / wall) if (wall and device) else None}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--arms", default="v1,v2-sync,v2-async")
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    from mrv2_jax.models.loader import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, args.dtype, args.load_format, args.seed)
+    load_s = time.perf_counter() - t0
+    prompts = random_prompts(args.num_prompts, args.input_len, 0.0, loaded[0].vocab_size, 0)
+    results = [run_arm(name, args, loaded, prompts) for name in args.arms.split(",")]
+    base = next((r for r in results if r["arm"] == "v1"), results[0])
+    print(f"\ninput {args.input_len} / output {args.output_len}, {args.num_prompts} prompts, "
+          f"max_num_seqs {args.max_num_seqs}, weights loaded in {load_s:.1f} s")
+    print(f"{'arm':10} {'out tok/s':>10} {'total tok/s':>12} {'vs v1':>6} {'step wall ms':>13} "
+          f"{'step dev ms':>12} {'GPU busy':>9} {'startup s':>10}")
+    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    for r in results:
+        print(f"{r['arm']:10} {r['output_tokens_per_s']:10.0f} {r['total_tokens_per_s']:12.0f} "
+              f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:6.2f} {fmt(r['steady_step_wall_ms'], '13.3f')} "
+              f"{fmt(r['steady_step_device_ms'], '12.3f')} {fmt(r['gpu_busy_fraction'], '9.1%')} {r['startup_s']:10.1f}")
+    report = {**describe_environment(), "load_s": load_s, "settings": vars(args), "arms": results}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return report
+
+
+if __name__ == "__main__":
+    main()
