@@ -10,6 +10,7 @@ ratio, the GPU busy fraction.
 """
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -60,6 +61,7 @@ def run_arm(name, args, loaded, prompts):
     rows = min(args.max_num_seqs, len(prompts))
     wall = steady_decode_wall(engine.step_log, rows)
     device = engine.runner.replay(capture["dispatch"], 20) if "dispatch" in capture else None
+    engine.runner.execute = None  # break the capture closure's cycle so the KV cache is freed
     return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
@@ -82,7 +84,11 @@ def main(argv=None):
     loaded = load_model(args.model, args.dtype, args.load_format, args.seed)
     load_s = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, 0.0, loaded[0].vocab_size, 0)
-    results = [run_arm(name, args, loaded, prompts) for name in args.arms.split(",")]
+    results = []
+    for name in args.arms.split(","):
+        results.append(run_arm(name, args, loaded, prompts))
+        gc.collect()  # free this arm's KV cache before the next arm sizes its own
+        print(json.dumps(results[-1], default=str), flush=True)
     base = next((r for r in results if r["arm"] == "v1"), results[0])
     print(f"\ninput {args.input_len} / output {args.output_len}, {args.num_prompts} prompts, "
           f"max_num_seqs {args.max_num_seqs}, weights loaded in {load_s:.1f} s")
