@@ -4,9 +4,9 @@
         --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 --output-json ab.json
 
 Weights are loaded once and shared; each arm gets its own engine (KV cache, compiled buckets).
-Besides throughput it reports the steady-decode step: wall time per engine step while every row
-decodes at full concurrency, the device time of that same step replayed back to back, and their
-ratio, the GPU busy fraction.
+Besides throughput it reports, for V2, one steady-decode step (every row decoding at full
+concurrency, the 100th such step): the engine's wall time per step around it, the device time of
+that same step replayed alone on a copy of its state, and their ratio, the GPU busy fraction.
 """
 
 import argparse
@@ -15,6 +15,9 @@ import json
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
+
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.bench.throughput import random_prompts
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
@@ -22,11 +25,13 @@ from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 ARMS = {"v1": ("v1", False), "v2-sync": ("v2", False), "v2-async": ("v2", True)}
 
 
-def steady_decode_wall(step_log, num_reqs) -> float | None:
-    """Median wall time per step over the steps where `num_reqs` rows all decode."""
-    walls = [end - start for start, end, tokens, reqs in step_log if tokens == reqs == num_reqs]
-    walls = walls[len(walls) // 10 :]  # skip the first steps after the last prefill
-    return statistics.median(walls) if len(walls) >= 5 else None
+
+
+def local_wall(step_log, index, num_reqs, window=10) -> float | None:
+    """Median wall time of the full-concurrency decode steps within `window` steps of `index`."""
+    near = step_log[max(index - window, 0) : index + window]
+    walls = [end - start for start, end, tokens, reqs in near if tokens == reqs == num_reqs]
+    return statistics.median(walls) if walls else None
 
 
 def run_arm(name, args, loaded, prompts):
@@ -42,14 +47,21 @@ def run_arm(name, args, loaded, prompts):
     engine = llm.engine
     engine.step_log = []
     capture = {}
-    if runner == "v2":  # keep the dispatch of a full-concurrency decode step for the replay
-        execute = engine.runner.execute
+    rows = min(args.max_num_seqs, len(prompts))
+    if runner == "v2":
+        # In the middle of steady decode, keep one full-concurrency decode step and a copy of
+        # the state it ran on, to replay it alone afterwards: its device time.
+        execute, qualifying = engine.runner.execute, [0]
 
         def execute_and_capture(out):
+            snapshot = None
+            if out.total_num_scheduled_tokens == len(out.num_scheduled_tokens) == rows:
+                qualifying[0] += 1
+                if qualifying[0] == args.capture_step:  # copy before the step donates the state
+                    snapshot = jax.tree.map(jnp.copy, engine.runner.state)
             pending = execute(out)
-            n = len(out.num_scheduled_tokens)
-            if out.total_num_scheduled_tokens == n == min(args.max_num_seqs, len(prompts)):
-                capture["dispatch"] = engine.runner.last_dispatch
+            if snapshot is not None:
+                capture.update(dispatch=engine.runner.last_dispatch, step=len(engine.step_log), state=snapshot)
             return pending
 
         engine.runner.execute = execute_and_capture
@@ -58,10 +70,12 @@ def run_arm(name, args, loaded, prompts):
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p) for p in prompts)
-    rows = min(args.max_num_seqs, len(prompts))
-    wall = steady_decode_wall(engine.step_log, rows)
-    device = engine.runner.replay(capture["dispatch"], 20) if "dispatch" in capture else None
-    engine.runner.execute = None  # break the capture closure's cycle so the KV cache is freed
+    wall = device = None
+    if "dispatch" in capture:
+        engine.runner.state = capture["state"]
+        device = engine.runner.replay(capture["dispatch"], 20)
+        wall = local_wall(engine.step_log, capture["step"], rows)
+        engine.runner.execute = None  # break the capture closure's cycle so the KV cache is freed
     return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
@@ -75,6 +89,8 @@ def main(argv=None):
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--arms", default="v1,v2-sync,v2-async")
+    p.add_argument("--capture-step", type=int, default=100,
+                   help="which full-concurrency decode step to replay for its device time")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args(argv)
