@@ -23,10 +23,12 @@ class PackedLayout:
     size: int = field(init=False)
 
     def __post_init__(self):
-        self.offsets, pos = {}, 0
+        self.offsets, self._spans, pos = {}, {}, 0
         for name, shape in self.shapes.items():
+            n = int(np.prod(shape))
             self.offsets[name] = pos
-            pos += int(np.prod(shape))
+            self._spans[name] = (pos, pos + n, shape)
+            pos += n
         self.size = pos
 
     def empty(self) -> np.ndarray:
@@ -34,8 +36,8 @@ class PackedLayout:
 
     def view(self, buf: np.ndarray, name: str) -> np.ndarray:
         """A writable numpy view of one field inside a host buffer."""
-        lo = self.offsets[name]
-        view = buf[lo : lo + int(np.prod(self.shapes[name]))].reshape(self.shapes[name])
+        lo, hi, shape = self._spans[name]  # precomputed: this runs every step on the hot path
+        view = buf[lo:hi].reshape(shape)
         return view.view(np.float32) if name in self.float_fields else view
 
     def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:

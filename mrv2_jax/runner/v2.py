@@ -129,19 +129,20 @@ class ModelRunnerV2:
         appends = self._collect_block_appends(out)
         computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
         computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
-        chunk, pos = view("chunk_tokens"), 0
-        for i, req_id in enumerate(req_ids):
-            n = out.num_scheduled_tokens[req_id]
-            view("idx_mapping")[i] = self.slots.slot_of(req_id)
-            view("num_scheduled")[i] = n
-            prompt = self._prompts.get(req_id)
-            if prompt is not None:  # still prefilling: send this chunk's known tokens
-                begin = computed[req_id]
-                piece = prompt[begin : begin + n]
-                chunk[pos : pos + len(piece)] = piece
-                if begin + n >= len(prompt):
-                    del self._prompts[req_id]
-            pos += n
+        counts = [out.num_scheduled_tokens[r] for r in req_ids]
+        view("idx_mapping")[: len(req_ids)] = [self.slots.slot_of(r) for r in req_ids]
+        view("num_scheduled")[: len(req_ids)] = counts
+        if self._prompts:  # rows still prefilling: send this chunk's known tokens
+            chunk, pos = view("chunk_tokens"), 0
+            for req_id, n in zip(req_ids, counts):
+                prompt = self._prompts.get(req_id)
+                if prompt is not None:
+                    begin = computed[req_id]
+                    piece = prompt[begin : begin + n]
+                    chunk[pos : pos + len(piece)] = piece
+                    if begin + n >= len(prompt):
+                        del self._prompts[req_id]
+                pos += n
         view("num_reqs")[...] = len(req_ids)
         capacity = layout.shapes["append_slot"][0]
         self._flush_block_appends(appends[capacity:])
