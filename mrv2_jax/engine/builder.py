@@ -35,6 +35,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    prep_kernels: bool = False  # V2: input prep as Pallas kernels instead of fused jnp
     seed: int = 0
     show_progress: bool = True
 
@@ -67,7 +68,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
-        return ModelRunnerV2(model_state, lm, **kwargs)
+        return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from mrv2_jax.engine.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
+from pallas_kernels.prepare_inputs import prepare_ops
 from mrv2_jax.runner.buckets import Bucket, BucketPlan
 from mrv2_jax.runner.device_state import init_device_state
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
@@ -52,11 +53,16 @@ class ModelRunnerV2:
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
-                 use_kernels: bool | None = None, show_progress: bool = True):
+                 use_kernels: bool | None = None, use_prep_kernels: bool = False,
+                 show_progress: bool = True):
         self.params = FlatParams(lm)
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
+        # Input prep as Pallas kernels (pallas_kernels/prepare_inputs.py) or as jnp that XLA
+        # fuses; both run on the device. The jnp path stays the default until the kernels are
+        # measured on the GPU.
+        self.prep = prepare_ops(use_prep_kernels, interpret=jax.default_backend() != "gpu")
         self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs)
@@ -81,14 +87,14 @@ class ModelRunnerV2:
             float_fields=frozenset({"new_temperature"}))
 
     def _step_fn(self, layout: PackedLayout):
-        block_size, use_kernels = self.block_size, self.use_kernels
+        block_size, use_kernels, prep = self.block_size, self.use_kernels, self.prep
 
         def step(param_leaves, kv_cache, state, packed):
             x = layout.unpack(packed)
-            state = prepare.apply_new_requests(state, x["new_slot"], x["new_prefill_len"],
+            state = prep.apply_new_requests(state, x["new_slot"], x["new_prefill_len"],
                                                x["new_num_computed"], x["new_temperature"], x["new_seed"])
-            state = prepare.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
-            state, inputs = prepare.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
+            state = prep.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
+            state, inputs = prep.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
                                                    x["chunk_tokens"], block_size)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                        inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels)
@@ -96,7 +102,7 @@ class ModelRunnerV2:
                 self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
                 positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
                 temperature=state.temperature[x["idx_mapping"]], seeds=state.seed[x["idx_mapping"]])
-            state = prepare.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, tokens)
+            state = prep.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, tokens)
             return kv_cache, state, tokens
 
         return step
