@@ -9,6 +9,7 @@ from mrv2_jax.engine.builder import EngineConfig, build_engine
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
+from mrv2_jax.sample.tensors import check_request_fits
 from mrv2_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -37,6 +38,8 @@ class LLM:
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
         text, token_ids = self._tokenize(prompt)
+        check_request_fits(params, self.model_state.vocab_size,
+                           num_eos=len(self.model_state.eos_token_ids or ()))
         request = Request(request_id or str(next(self._ids)), token_ids, params, prompt=text)
         self.engine.add_request(request)  # validates lengths; raises before anything is tracked
         self.output_processor.add(request)

@@ -35,7 +35,11 @@ ON_GPU = jax.default_backend() == "gpu"
 
 def assert_same(got, want):
     """Exact equality of two pytrees of arrays (StepInputs / DeviceState)."""
-    for name, g, w in zip(want._fields, got, want):
+    got_leaves = jax.tree_util.tree_leaves_with_path(got)
+    want_leaves = jax.tree_util.tree_leaves_with_path(want)
+    assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        name = jax.tree_util.keystr(path)
         g, w = np.asarray(g), np.asarray(w)
         assert g.dtype == w.dtype and g.shape == w.shape, name
         np.testing.assert_array_equal(g, w, err_msg=name)
@@ -79,8 +83,7 @@ class Engine:
             self.state = self.state._replace(block_table=self.state.block_table.at[slot].set(blocks))
         pad = lambda xs, fill: jnp.asarray(list(xs) + [fill] * (max_new - n), jnp.int32)  # noqa: E731
         self.state = prepare.apply_new_requests(
-            self.state, pad(new, -1), pad(map(len, prompts), 0), pad(computed, 0),
-            jnp.zeros(max_new, jnp.float32), jnp.zeros(max_new, jnp.int32))
+            self.state, pad(new, -1), pad(map(len, prompts), 0), pad(computed, 0))
 
     def schedule(self, num_rows, num_tokens):
         """(idx_mapping, num_scheduled, num_reqs, chunk_tokens) for one step."""

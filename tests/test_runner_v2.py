@@ -106,12 +106,16 @@ def test_prepare_inputs_matches_plain_loop(seed):
 
 def test_new_requests_and_block_writes_reuse_freed_slots():
     state = random_state(np.random.default_rng(9))
-    state = prepare.apply_new_requests(state, jnp.array([3, -1, 0], jnp.int32), jnp.array([7, 99, 5], jnp.int32),
-                                       jnp.array([4, 99, 0], jnp.int32), jnp.array([0.5, 9.0, 0.0], jnp.float32),
-                                       jnp.array([11, 99, 12], jnp.int32))
+    state = prepare.apply_new_requests(
+        state, jnp.array([3, -1, 0], jnp.int32), jnp.array([7, 99, 5], jnp.int32), jnp.array([4, 99, 0], jnp.int32),
+        num_prompt=jnp.array([6, 99, 5], jnp.int32), sampler_row=jnp.array([3, 99, -1], jnp.int32),
+        sampling={"temperature": jnp.array([0.5, 9.0, 0.0], jnp.float32), "seeds": jnp.array([11, 99, 12], jnp.int32)})
     assert np.array(state.num_tokens)[[3, 0]].tolist() == [7, 5]
     assert np.array(state.num_computed)[[3, 0]].tolist() == [4, 0]
-    assert float(state.temperature[3]) == 0.5 and int(state.seed[0]) == 12
+    assert np.array(state.num_prompt)[[3, 0]].tolist() == [6, 5]
+    assert np.array(state.sampler_row)[[3, 0]].tolist() == [3, -1]
+    assert float(state.sampling["temperature"][3]) == 0.5 and int(state.sampling["seeds"][0]) == 12
+    assert float(state.sampling["top_p"][3]) == 1.0  # fields not given are neutral
     before = np.array(state.block_table)
     state = prepare.apply_block_writes(state, jnp.array([3, -1, 3], jnp.int32), jnp.array([0, 5, 1], jnp.int32),
                                        jnp.array([42, 77, 43], jnp.int32))

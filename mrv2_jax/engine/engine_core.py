@@ -62,9 +62,19 @@ class EngineCore:
         # whose slots the runner must free.
         result = self.runner.execute(scheduled)
         if not self.async_scheduling:
-            return self.scheduler.update_from_output(scheduled, result.result())
+            return self._update(scheduled, result)
         previous = self._in_flight
         self._in_flight = (scheduled, result) if scheduled.total_num_scheduled_tokens else None
         if previous is None:
             return []
-        return self.scheduler.update_from_output(previous[0], previous[1].result())
+        return self._update(*previous)
+
+    def _update(self, scheduled: SchedulerOutput, result) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(scheduled, result.result())
+        # Logprobs travel beside the tokens: each output carries this step's tokens of one
+        # request, so it takes that request's logprobs (dropped tokens drop theirs too).
+        logprobs = result.logprobs() if hasattr(result, "logprobs") else None
+        if logprobs:
+            for out in outputs:
+                out.new_logprobs = logprobs.get(out.req_id)
+        return outputs

@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log probability, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request (index 0: only n == 1 is supported).
 
@@ -13,7 +22,10 @@ class CompletionOutput:
     request asked to include it); ``token_ids`` are the sampled tokens, including a final
     EOS or stop token. ``finish_reason`` is None while the request runs, then "stop",
     "length" or "abort"; ``stop_reason`` is the stop token id or stop string that ended it.
-    ``logprobs`` is reserved for per-token logprobs (None until implemented).
+    ``logprobs``: when the request asked for ``logprobs=n``, one dict per token of
+    ``token_ids``, ``{token_id: Logprob}`` holding the sampled token and the top n (n or n + 1
+    entries); values are log-softmax of the raw model logits (before penalties, temperature
+    and truncation, vLLM's default ``raw_logprobs``). None otherwise.
     """
 
     text: str
@@ -21,7 +33,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     index: int = 0
-    logprobs: list | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:

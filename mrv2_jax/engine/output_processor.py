@@ -2,13 +2,15 @@
 
 Owns one incremental detokenizer per request; when the detokenizer finds a stop string it
 reports the request so the caller can finish it in the core (the scheduler never sees text).
+Also turns the runner's per-token logprobs into `{token_id: Logprob}` dicts, with each token's
+text (cached per id: the same top tokens come back again and again).
 """
 
 import time
 from dataclasses import dataclass, field
 
 from mrv2_jax.engine.detokenizer import IncrementalDetokenizer
-from mrv2_jax.engine.output import CompletionOutput, RequestMetrics, RequestOutput
+from mrv2_jax.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
 
@@ -21,19 +23,22 @@ class _Tracked:
     text: str = ""
     delta_text: str = ""
     first_token_time: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # None: the request asked for none
 
 
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.tracked: dict[str, _Tracked] = {}
+        self._token_text: dict[int, str] = {}
 
     def add(self, request: Request) -> None:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
                                                        request.sampling_params)
-        self.tracked[request.request_id] = _Tracked(request, detok)
+        self.tracked[request.request_id] = _Tracked(
+            request, detok, logprobs=None if request.sampling_params.logprobs is None else [])
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
@@ -51,6 +56,8 @@ class OutputProcessor:
             if out.new_token_ids and t.first_token_time is None:
                 t.first_token_time = now
             t.token_ids.extend(out.new_token_ids)
+            if t.logprobs is not None:
+                t.logprobs.extend(self._logprob_dict(entry) for entry in out.new_logprobs or ())
             t.delta_text = ""
             if t.detokenizer is not None:
                 delta, stop_string = t.detokenizer.update(out.new_token_ids)
@@ -65,10 +72,28 @@ class OutputProcessor:
                 del self.tracked[out.req_id]
         return changed, stopped
 
+    def _logprob_dict(self, entry) -> dict[int, Logprob]:
+        """runner TokenLogprobs -> {token_id: Logprob}, the sampled token first (if it is also in
+        the top n, its entry is kept: same logprob, rank counted as 1 + strictly larger)."""
+        out: dict[int, Logprob] = {}
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob, rank, self._decode_one(token_id))
+        return out
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     def _snapshot(self, t: _Tracked, finish_reason, stop_reason, now) -> RequestOutput:
         r = t.request
         completion = CompletionOutput(text=t.text, token_ids=list(t.token_ids),
-                                      finish_reason=finish_reason, stop_reason=stop_reason)
+                                      finish_reason=finish_reason, stop_reason=stop_reason,
+                                      logprobs=None if t.logprobs is None else list(t.logprobs))
         metrics = RequestMetrics(arrival_time=r.arrival_time, first_token_time=t.first_token_time,
                                  finished_time=now if finish_reason else None)
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,

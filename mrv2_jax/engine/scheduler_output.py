@@ -83,6 +83,9 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # One runner.step_result.TokenLogprobs per new token, for requests that asked for logprobs
+    # (set by the engine core beside the scheduler's result).
+    new_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

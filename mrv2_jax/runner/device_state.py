@@ -11,6 +11,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mrv2_jax.sample.tensors import SCALAR_FIELDS, SamplingTensors
+
 
 class DeviceState(NamedTuple):
     token_ids: jax.Array  # int32[S, max_model_len + 1]: prompt, then sampled tokens
@@ -18,13 +20,20 @@ class DeviceState(NamedTuple):
     prefill_len: jax.Array  # int32[S]: tokens the host provided (prompt + outputs before a resume)
     num_computed: jax.Array  # int32[S]: tokens whose KV has been computed
     block_table: jax.Array  # int32[S, max_blocks_per_seq]
-    temperature: jax.Array  # float32[S]
-    seed: jax.Array  # int32[S]
+    num_prompt: jax.Array  # int32[S]: the original prompt's length (outputs = num_tokens - num_prompt)
+    sampler_row: jax.Array  # int32[S]: the slot if its sampler tables (penalties, bias) are this request's, else -1
+    sampling: dict  # name -> [S]: the request's sampler scalars (temperature, top_k, seeds, ...)
+
+
+# The sampler scalars kept per slot; `num_output_tokens` is not stored, it is derived each step.
+SAMPLING_FIELDS = tuple(f for f in SCALAR_FIELDS if f != "num_output_tokens")
 
 
 def init_device_state(max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> DeviceState:
     s = max_num_seqs
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+    neutral = SamplingTensors.neutral(s)
     return DeviceState(token_ids=zeros(s, max_model_len + 1), num_tokens=zeros(s), prefill_len=zeros(s),
-                       num_computed=zeros(s), block_table=zeros(s, max_blocks_per_seq),
-                       temperature=jnp.zeros((s,), jnp.float32), seed=zeros(s))
+                       num_computed=zeros(s), block_table=zeros(s, max_blocks_per_seq), num_prompt=zeros(s),
+                       sampler_row=jnp.full((s,), -1, jnp.int32),
+                       sampling={name: jnp.asarray(getattr(neutral, name)) for name in SAMPLING_FIELDS})

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.runner.device_state import DeviceState
+from mrv2_jax.sample.tensors import SamplingTensors
 
 
 class StepInputs(NamedTuple):
@@ -26,15 +27,37 @@ class StepInputs(NamedTuple):
     samples: jax.Array  # bool[R]: the row's computed tokens reach its end, so it samples
 
 
-def apply_new_requests(state: DeviceState, slot, prefill_len, num_computed, temperature, seed) -> DeviceState:
-    """Initialise the rows of newly added (or resumed) requests; `slot == -1` entries are unused."""
+def apply_new_requests(state: DeviceState, slot, prefill_len, num_computed, num_prompt=None,
+                       sampler_row=None, sampling: dict | None = None) -> DeviceState:
+    """Initialise the rows of newly added (or resumed) requests; `slot == -1` entries are unused.
+    Fields not given keep their defaults for those rows (prompt = prefill, no sampler tables,
+    neutral = greedy sampling)."""
     s = state.num_tokens.shape[0]
     idx = jnp.where(slot >= 0, slot, s)  # out of bounds -> dropped
     put = lambda table, values: table.at[idx].set(values, mode="drop")  # noqa: E731
-    return state._replace(num_tokens=put(state.num_tokens, prefill_len),
-                          prefill_len=put(state.prefill_len, prefill_len),
-                          num_computed=put(state.num_computed, num_computed),
-                          temperature=put(state.temperature, temperature), seed=put(state.seed, seed))
+    neutral = SamplingTensors.neutral(slot.shape[0])
+    sampling = sampling or {}
+    return state._replace(
+        num_tokens=put(state.num_tokens, prefill_len), prefill_len=put(state.prefill_len, prefill_len),
+        num_computed=put(state.num_computed, num_computed),
+        num_prompt=put(state.num_prompt, prefill_len if num_prompt is None else num_prompt),
+        sampler_row=put(state.sampler_row, -1 if sampler_row is None else sampler_row),
+        sampling={name: put(table, sampling.get(name, getattr(neutral, name)))
+                  for name, table in state.sampling.items()})
+
+
+def batch_sampling(state: DeviceState, idx_mapping, num_reqs) -> tuple[SamplingTensors, jax.Array]:
+    """The sampler rows of this step's batch, read from the slot tables (padding rows neutral),
+    and each row's sampler-table row (-1: none). Read before `post_update`."""
+    num_rows = idx_mapping.shape[0]
+    real_row = jnp.arange(num_rows) < num_reqs
+    neutral = SamplingTensors.neutral(num_rows)
+    scalars = {name: jnp.where(real_row, table[idx_mapping], getattr(neutral, name))
+               for name, table in state.sampling.items()}
+    outputs = state.num_tokens[idx_mapping] - state.num_prompt[idx_mapping]
+    scalars["num_output_tokens"] = jnp.where(real_row, outputs, 0)
+    tensors = SamplingTensors(**scalars, bias_ids=None, bias_values=None, stop_ids=None)
+    return tensors, jnp.where(real_row, state.sampler_row[idx_mapping], -1)
 
 
 def apply_block_writes(state: DeviceState, slot, index, block_id) -> DeviceState:

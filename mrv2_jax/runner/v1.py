@@ -6,6 +6,13 @@ to build input_ids / positions / slot_mapping / block tables / query_start_loc /
 logits_indices, one packed host->device transfer, the jitted step, and then a blocking read of
 the sampled tokens before the scheduler may run again (the runner needs their values to build
 the next step's input_ids, so V1 is synchronous by construction).
+
+Sampling parameters: the per-row scalars (temperature, top_k, top_p, min_p, seed, penalties,
+min_tokens, output count, logprobs) travel in the packed buffer every step, from a per-slot
+CPU table. What is large and fixed per request - penalty counts and prompt masks ([V] each),
+logit_bias and min_tokens stop lists - lives in per-slot DEVICE tables (sample/slot_state.py):
+written once when a request arrives (only if it uses them), gathered by slot in the step, and
+the step itself bumps the output-token counts, so no [R, V] matrix ever crosses per step.
 """
 
 import math
@@ -19,10 +26,15 @@ from mrv2_jax.engine.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner.buckets import Bucket, BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
-from mrv2_jax.runner.model_step import FlatParams, forward_and_sample
+from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
 from mrv2_jax.runner.packed import PackedLayout
-from mrv2_jax.runner.step_result import StepResult
 from mrv2_jax.runner.slots import SlotAllocator
+from mrv2_jax.runner.step_result import StepResult, token_logprobs
+from mrv2_jax.sample import slot_state
+from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.tensors import (
+    FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, SCALAR_FIELDS, SamplingTable, SamplingTensors,
+    needed_features, sampling_row)
 
 
 class ModelRunnerV1:
@@ -30,7 +42,11 @@ class ModelRunnerV1:
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
-                 use_kernels: bool | None = None, show_progress: bool = True):
+                 use_kernels: bool | None = None, show_progress: bool = True,
+                 sampler_variants: tuple[SamplerFeatures, ...] | None = None):
+        """`sampler_variants`: the sampler feature sets compiled per bucket; each step uses the
+        first that covers its batch (the last must cover everything). Default: one variant with
+        every feature and runtime skips."""
         self.model_state = model_state
         self.params = FlatParams(lm)
         self.block_size = block_size
@@ -45,8 +61,15 @@ class ModelRunnerV1:
         self.num_computed = np.zeros(max_num_seqs, np.int32)
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.seed = np.zeros(max_num_seqs, np.int32)
+        self.num_prompt = np.zeros(max_num_seqs, np.int32)
+        self.sampling = SamplingTable(max_num_seqs, MAX_LOGIT_BIAS, MAX_STOP_IDS)
+        self.table_row = np.full(max_num_seqs, -1, np.int32)  # slot if its device rows are valid
+        self.sampler_variants = tuple(sampler_variants or (SamplerFeatures.all(),))
+        self.vocab_size = model_state.vocab_size
+        self.eos_token_ids = tuple(model_state.eos_token_ids or ())
+        # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot.
+        self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS)
+        self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
         self._seed_rng = np.random.default_rng()
         self.compiled = {}
         self._compile_all(show_progress)
@@ -56,19 +79,28 @@ class ModelRunnerV1:
         t, r = bucket.num_tokens, bucket.num_reqs
         return PackedLayout(
             {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "logits_indices": (r,),
-             "seq_lens": (r,), "query_start_loc": (r + 1,), "num_seqs": (), "seeds": (r,),
-             "temperature": (r,), "block_tables": (r, self.max_blocks_per_seq)},
-            float_fields=frozenset({"temperature"}))
+             "seq_lens": (r,), "query_start_loc": (r + 1,), "num_seqs": (),
+             "block_tables": (r, self.max_blocks_per_seq),
+             **{name: (r,) for name in SCALAR_FIELDS},
+             "table_row": (r,),  # slot whose device sampler rows this row uses, or -1
+             "count_row": (r,)},  # table_row if the row samples a token now, else -1
+            float_fields=FLOAT_SCALAR_FIELDS)
 
-    def _step_fn(self, layout: PackedLayout):
-        def step(param_leaves, kv_cache, packed):
+    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
+        def step(param_leaves, kv_cache, sampler_state, packed):
             x = layout.unpack(packed)
             attention = PagedAttention(x["slot_mapping"], x["block_tables"], x["seq_lens"],
                                        x["query_start_loc"], x["num_seqs"], use_kernels=self.use_kernels)
-            return forward_and_sample(
+            sampling = SamplingTensors(**{name: x[name] for name in SCALAR_FIELDS},
+                                       bias_ids=None, bias_values=None, stop_ids=None)
+            sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, x["table_row"])
+            kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=x["input_ids"],
                 positions=x["positions"], attention=attention, logits_indices=x["logits_indices"],
-                temperature=x["temperature"], seeds=x["seeds"])
+                sampling=sampling, features=features, penalties=penalties)
+            if features.penalties:
+                sampler_state = slot_state.count_sampled(sampler_state, x["count_row"], out.tokens)
+            return kv_cache, sampler_state, out
         return step
 
     def _compile_all(self, show_progress: bool):
@@ -77,9 +109,12 @@ class ModelRunnerV1:
         for bucket in tqdm(self.buckets, desc="compiling step buckets", disable=not show_progress):
             layout = self._layout(bucket)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            lowered = jax.jit(self._step_fn(layout), donate_argnums=(1,)).lower(
-                self.params.leaves, self.kv_cache, packed)
-            self.compiled[bucket] = (layout, lowered.compile())
+            variants = []
+            for features in self.sampler_variants:
+                lowered = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2)).lower(
+                    self.params.leaves, self.kv_cache, self.slot_state, packed)
+                variants.append((features, lowered.compile()))
+            self.compiled[bucket] = (layout, variants)
 
     # --- per-step state changes ------------------------------------------------------------
     def _apply_scheduler_changes(self, out: SchedulerOutput):
@@ -93,9 +128,12 @@ class ModelRunnerV1:
             self.num_computed[s] = new.num_computed_tokens
             self.num_blocks[s] = 0
             self._append_blocks(s, new.block_ids)
-            params = new.sampling_params
-            self.temperature[s] = params.temperature
-            self.seed[s] = params.seed if params.seed is not None else self._seed_rng.integers(2**31)
+            self.num_prompt[s] = new.num_prompt_tokens
+            row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)
+            self.sampling.write(s, row)
+            self.slot_state, owns_rows = self._slot_writer.write(
+                self.slot_state, s, row, new.token_ids, new.num_prompt_tokens)
+            self.table_row[s] = s if owns_rows else -1
         for cached in out.cached_reqs:
             s = self.slots.slot_of(cached.req_id)
             self._append_blocks(s, cached.new_block_ids)
@@ -117,20 +155,62 @@ class ModelRunnerV1:
         counts = np.array([out.num_scheduled_tokens[r] for r in req_ids], np.int32)
         total = int(counts.sum())
         bucket = self.buckets.pick(total, len(rows))
-        layout, compiled = self.compiled[bucket]
+        layout, variants = self.compiled[bucket]
         packed = layout.empty()
+        samples = np.array([r in out.sampling_req_ids for r in req_ids])
         self._build_inputs(layout, packed, rows, counts, total)
-        self.kv_cache, tokens = compiled(self.params.leaves, self.kv_cache, packed)
-        tokens = np.asarray(tokens)  # the V1 sync point: the next step needs these values
+        self._build_sampling_inputs(layout, packed, rows, samples, bucket.num_reqs)
+        compiled = self._pick_variant(layout, packed, variants)
+        self.kv_cache, self.slot_state, result = compiled(
+            self.params.leaves, self.kv_cache, self.slot_state, packed)
+        tokens = np.asarray(result.tokens)  # the V1 sync point: the next step needs these values
         self.num_computed[rows] += counts
-        sampled = {}
+        num_logprobs = layout.view(packed, "num_logprobs")
+        want_logprobs = samples & (num_logprobs[: len(rows)] >= 0)
+        if want_logprobs.any():
+            logprobs = np.asarray(result.logprobs)
+            ids, ranks = np.asarray(result.logprob_token_ids), np.asarray(result.sampled_rank)
+        sampled, sampled_logprobs = {}, {}
         for i, req_id in enumerate(req_ids):
-            if req_id in out.sampling_req_ids:
+            if samples[i]:
                 s = rows[i]
                 self.token_ids[s, self.num_tokens[s]] = tokens[i]
                 self.num_tokens[s] += 1
                 sampled[req_id] = [int(tokens[i])]
-        return StepResult(sampled)
+                if want_logprobs[i]:
+                    sampled_logprobs[req_id] = [token_logprobs(logprobs[i], ids[i], ranks[i], num_logprobs[i])]
+        return StepResult(sampled, sampled_logprobs)
+
+    def _build_sampling_inputs(self, layout, packed, rows, samples, num_rows):
+        """Per-row sampler scalars from the per-slot table; padding rows stay neutral."""
+        r = len(rows)
+        batch = self.sampling.gather_scalars(rows, num_rows)
+        batch["num_output_tokens"][:r] = self.num_tokens[rows] - self.num_prompt[rows]
+        for name, values in batch.items():
+            layout.view(packed, name)[:] = values
+        table_row = layout.view(packed, "table_row")
+        table_row[:] = -1
+        table_row[:r] = self.table_row[rows]
+        count_row = layout.view(packed, "count_row")
+        count_row[:] = table_row
+        count_row[:r] = np.where(samples, table_row[:r], -1)
+
+    def _pick_variant(self, layout, packed, variants):
+        if len(variants) == 1:
+            return variants[0][1]
+        n = int(layout.view(packed, "num_seqs"))
+        table_rows = layout.view(packed, "table_row")[:n]
+        rows = np.maximum(table_rows, 0)
+        has_rows = (table_rows >= 0)[:, None]
+        arrays = self.sampling.arrays
+        t = SamplingTensors(**{name: layout.view(packed, name)[:n] for name in SCALAR_FIELDS},
+                            bias_ids=np.where(has_rows, arrays["bias_ids"][rows], -1), bias_values=None,
+                            stop_ids=np.where(has_rows, arrays["stop_ids"][rows], -1))
+        needed = needed_features(t, self.vocab_size)
+        for features, compiled in variants:
+            if features.covers(needed):
+                return compiled
+        raise RuntimeError(f"no compiled sampler variant covers {needed}")
 
     def _build_inputs(self, layout, packed, rows, counts, total):
         bs = self.block_size
@@ -151,6 +231,4 @@ class ModelRunnerV1:
         query_start_loc[: r + 1] = qsl
         query_start_loc[r + 1 :] = total
         view("num_seqs")[...] = r
-        view("seeds")[:r] = self.seed[rows]
-        view("temperature")[:r] = self.temperature[rows]
         view("block_tables")[:r] = self.block_table[rows]

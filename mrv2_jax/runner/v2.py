@@ -25,27 +25,44 @@ from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
 from pallas_kernels.prepare_inputs import prepare_ops
 from mrv2_jax.runner.buckets import Bucket, BucketPlan
-from mrv2_jax.runner.device_state import init_device_state
+from mrv2_jax.runner.device_state import SAMPLING_FIELDS, init_device_state
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
-from mrv2_jax.runner.model_step import FlatParams, forward_and_sample
+from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.slots import SlotAllocator
-from mrv2_jax.runner.step_result import StepResult
+from mrv2_jax.runner.step_result import StepResult, TokenLogprobs, token_logprobs
+from mrv2_jax.sample import slot_state
+from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.sampler import SamplerOutput
+from mrv2_jax.sample.tensors import FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, sampling_row
 
 
 OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buffer is too small
 
 
 class PendingStep:
-    """The sampled tokens of a dispatched step; `result()` blocks until they are on the host."""
+    """The sampled tokens (and logprobs) of a dispatched step; `result()` blocks until they are
+    on the host."""
 
-    def __init__(self, tokens: jax.Array, req_ids: list[str], sampling_req_ids: set[str]):
-        tokens.copy_to_host_async()  # start the device->host copy now, read it later
-        self._tokens, self._req_ids, self._sampling = tokens, req_ids, sampling_req_ids
+    def __init__(self, out: SamplerOutput, req_ids: list[str], sampling_req_ids: set[str],
+                 logprob_req_ids: set[str]):
+        out.tokens.copy_to_host_async()  # start the device->host copy now, read it later
+        if logprob_req_ids:
+            for array in (out.logprobs, out.logprob_token_ids, out.sampled_rank):
+                array.copy_to_host_async()
+        self._out, self._req_ids, self._sampling, self._logprob_reqs = out, req_ids, sampling_req_ids, logprob_req_ids
 
     def result(self) -> dict[str, list[int]]:
-        tokens = np.asarray(self._tokens)
+        tokens = np.asarray(self._out.tokens)
         return {r: [int(tokens[i])] for i, r in enumerate(self._req_ids) if r in self._sampling}
+
+    def logprobs(self) -> dict[str, list[TokenLogprobs]]:
+        if not self._logprob_reqs:
+            return {}
+        values, ids = np.asarray(self._out.logprobs), np.asarray(self._out.logprob_token_ids)
+        ranks = np.asarray(self._out.sampled_rank)
+        return {r: [token_logprobs(values[i], ids[i], ranks[i], self._logprob_reqs[r])]
+                for i, r in enumerate(self._req_ids) if r in self._logprob_reqs}
 
 
 class ModelRunnerV2:
@@ -70,6 +87,13 @@ class ModelRunnerV2:
         self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
         self._seed_rng = np.random.default_rng()
+        self._logprob_reqs: dict[str, int] = {}  # requests that asked for logprobs -> top n
+        self.eos_token_ids = tuple(model_state.eos_token_ids or ())
+        # One sampler variant with every feature behind cheap runtime skips (as V1).
+        self.sampler_features = SamplerFeatures.all()
+        self.slot_state = slot_state.init_slot_state(max_num_seqs, model_state.vocab_size, MAX_LOGIT_BIAS,
+                                                     MAX_STOP_IDS)
+        self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
         self.compiled = {}
         self._compile_all(show_progress)
 
@@ -81,29 +105,35 @@ class ModelRunnerV2:
         max_appends = t // self.block_size + 2 * r
         return PackedLayout(
             {"idx_mapping": (r,), "num_scheduled": (r,), "num_reqs": (), "chunk_tokens": (t,),
-             "new_slot": (r,), "new_prefill_len": (r,), "new_num_computed": (r,),
-             "new_temperature": (r,), "new_seed": (r,),
+             "new_slot": (r,), "new_prefill_len": (r,), "new_num_computed": (r,), "new_num_prompt": (r,),
+             "new_sampler_row": (r,), **{f"new_{name}": (r,) for name in SAMPLING_FIELDS},
              "append_slot": (max_appends,), "append_index": (max_appends,), "append_block": (max_appends,)},
-            float_fields=frozenset({"new_temperature"}))
+            float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
-    def _step_fn(self, layout: PackedLayout):
+    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
         block_size, use_kernels, prep = self.block_size, self.use_kernels, self.prep
 
-        def step(param_leaves, kv_cache, state, packed):
+        def step(param_leaves, kv_cache, state, sampler_state, packed):
             x = layout.unpack(packed)
-            state = prep.apply_new_requests(state, x["new_slot"], x["new_prefill_len"],
-                                               x["new_num_computed"], x["new_temperature"], x["new_seed"])
+            state = prep.apply_new_requests(state, x["new_slot"], x["new_prefill_len"], x["new_num_computed"],
+                                            x["new_num_prompt"], x["new_sampler_row"],
+                                            {name: x[f"new_{name}"] for name in SAMPLING_FIELDS})
             state = prep.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
             state, inputs = prep.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
-                                                   x["chunk_tokens"], block_size)
+                                                x["chunk_tokens"], block_size)
+            sampling, sampler_rows = prepare.batch_sampling(state, x["idx_mapping"], x["num_reqs"])
+            sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                        inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels)
-            kv_cache, tokens = forward_and_sample(
+            kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
                 positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
-                temperature=state.temperature[x["idx_mapping"]], seeds=state.seed[x["idx_mapping"]])
-            state = prep.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, tokens)
-            return kv_cache, state, tokens
+                sampling=sampling, features=features, penalties=penalties)
+            if features.penalties:
+                sampler_state = slot_state.count_sampled(
+                    sampler_state, jnp.where(inputs.samples, sampler_rows, -1), out.tokens)
+            state = prep.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, out.tokens)
+            return kv_cache, state, sampler_state, out
 
         return step
 
@@ -111,8 +141,8 @@ class ModelRunnerV2:
         for bucket in tqdm(self.buckets, desc="compiling step buckets", disable=not show_progress):
             layout = self._layout(bucket)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            lowered = jax.jit(self._step_fn(layout), donate_argnums=(1, 2)).lower(
-                self.params.leaves, self.kv_cache, self.state, packed)
+            lowered = jax.jit(self._step_fn(layout, self.sampler_features), donate_argnums=(1, 2, 3)).lower(
+                self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
             self.compiled[bucket] = (layout, lowered.compile())
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
@@ -122,6 +152,7 @@ class ModelRunnerV2:
     def execute(self, out: SchedulerOutput):
         for req_id in out.finished_req_ids:
             self.slots.free(req_id)
+            self._logprob_reqs.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._num_blocks.pop(req_id, None)
         req_ids = list(out.num_scheduled_tokens)
@@ -153,9 +184,11 @@ class ModelRunnerV2:
         capacity = layout.shapes["append_slot"][0]
         self._flush_block_appends(appends[capacity:])
         self._write_appends(view, appends[:capacity])
-        self.kv_cache, self.state, tokens = compiled(self.params.leaves, self.kv_cache, self.state, packed)
+        self.kv_cache, self.state, self.slot_state, result = compiled(
+            self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
         self.last_dispatch = (compiled, packed)
-        return PendingStep(tokens, req_ids, out.sampling_req_ids)
+        wants_logprobs = {r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
+        return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs)
 
     def replay(self, dispatch, repeats: int) -> float:
         """Benchmarks only: run a captured step `repeats` times back to back on the current
@@ -165,21 +198,32 @@ class ModelRunnerV2:
         jax.block_until_ready(self.state)
         start = time.perf_counter()
         for _ in range(repeats):
-            self.kv_cache, self.state, tokens = compiled(self.params.leaves, self.kv_cache, self.state, packed)
-        jax.block_until_ready(tokens)
+            self.kv_cache, self.state, self.slot_state, result = compiled(
+                self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
+        jax.block_until_ready(result.tokens)
         return (time.perf_counter() - start) / repeats
 
     def _write_new_requests(self, out: SchedulerOutput, view):
         new_slot = view("new_slot")
         new_slot[:] = -1
+        view("new_sampler_row")[:] = -1
         for i, new in enumerate(out.new_reqs):
             slot = self.slots.allocate(new.req_id)
             new_slot[i] = slot
             view("new_prefill_len")[i] = len(new.token_ids)
             view("new_num_computed")[i] = new.num_computed_tokens
-            params = new.sampling_params
-            view("new_temperature")[i] = params.temperature
-            view("new_seed")[i] = params.seed if params.seed is not None else self._seed_rng.integers(2**31)
+            view("new_num_prompt")[i] = new.num_prompt_tokens
+            row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)
+            for name in SAMPLING_FIELDS:
+                view(f"new_{name}")[i] = row.scalars[name]
+            # Penalty counts, prompt masks, bias and min_tokens lists: written once, by their
+            # own small dispatch, only for requests that use them.
+            self.slot_state, owns_rows = self._slot_writer.write(
+                self.slot_state, slot, row, new.token_ids, new.num_prompt_tokens)
+            if owns_rows:
+                view("new_sampler_row")[i] = slot
+            if row.scalars["num_logprobs"] >= 0:
+                self._logprob_reqs[new.req_id] = row.scalars["num_logprobs"]
             self._prompts[new.req_id] = list(new.token_ids)
 
     def _collect_block_appends(self, out: SchedulerOutput) -> list[tuple[int, int, int]]:

@@ -1,32 +1,161 @@
 """Token sampling on the device, inside the jitted step.
 
-Randomness is counter-based: a row's Gumbel noise comes from a key derived from (request seed,
-position of the token being sampled) only, so a seeded request gets the same tokens whatever
-else is in the batch, whichever slot or runner it uses, async or not. Greedy rows
-(temperature 0) take the argmax and need no noise.
+Pipeline, per row (vLLM's order):
+
+    logits (f32) -> logit_bias + min_tokens (sparse edits) -> penalties        = processed
+    greedy rows (temperature 0):  argmax(processed)
+    sampled rows:  processed / T -> min_p -> top_k -> top_p -> argmax(masked + Gumbel noise)
+
+Greedy rows ignore temperature, min_p, top_k and top_p (the maximum survives every
+truncation anyway). The truncations are per-row thresholds (see topk_topp.py), so the final
+pass is one fused read of the logits: scale, mask below the threshold, add noise, argmax.
+Gumbel noise is keyed by (seed, position) only (gumbel.py), so a seeded request gets the same
+tokens in any batch. Logprobs come from the raw logits (logprobs.py).
+
+`features` (static) says what is compiled in and whether unused features are skipped at run
+time; features.py explains the trade-off and why no [R, V] array leaves a conditional.
 """
+
+import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from mrv2_jax.sample import topk_topp
+from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.gumbel import gumbel_noise
+from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, uses_sparse_edits
+from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
+from mrv2_jax.sample.penalties import PenaltyData, apply_penalties, uses_penalties
+from mrv2_jax.sample.tensors import SamplingTensors
 
-def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
-    """[R, vocab] float32 Gumbel noise keyed by (seed, position) per row."""
-    def row(seed, pos):
-        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), pos)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+__all__ = ["SamplerOutput", "sample", "sample_tokens", "gumbel_noise"]
 
-    return jax.vmap(row)(seeds, positions)
+NEG_INF = -jnp.inf
+
+
+class SamplerOutput(NamedTuple):
+    tokens: jax.Array  # i32[R]
+    logprobs: jax.Array | None = None  # f32[R, 1 + n]: sampled token, then the top n (raw logits)
+    logprob_token_ids: jax.Array | None = None  # i32[R, 1 + n]
+    sampled_rank: jax.Array | None = None  # i32[R]: 1 + tokens with a larger raw logit
+
+
+def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features: SamplerFeatures,
+           penalties: PenaltyData | None = None) -> SamplerOutput:
+    """logits [R, V] (any float dtype); positions i32[R]: position of the token being sampled."""
+    f = features
+    if f.penalties and penalties is None:
+        raise ValueError("features.penalties needs PenaltyData")
+    x = logits.astype(jnp.float32)
+    adjusts = f.logit_bias or f.min_tokens or f.penalties
+    with_adjust = lambda x: _pick_tokens(adjust_logits(x, t, f, penalties), t, positions, f)  # noqa: E731
+    if adjusts and f.runtime_skip:
+        # Both branches run the rest of the sampler and return tokens: a conditional returning
+        # the adjusted [R, V] logits would copy them in the branch that adjusts nothing.
+        used = uses_penalties(t) if f.penalties else jnp.zeros((), bool)
+        used |= uses_sparse_edits(t, bias=f.logit_bias, min_tokens=f.min_tokens)
+        tokens = jax.lax.cond(used, with_adjust, lambda x: _pick_tokens(x, t, positions, f), x)
+    elif adjusts:
+        tokens = with_adjust(x)
+    else:
+        tokens = _pick_tokens(x, t, positions, f)
+
+    if f.num_logprobs is None:
+        return SamplerOutput(tokens)
+    n = f.num_logprobs
+    lp = _maybe(f.runtime_skip, jnp.any(t.num_logprobs >= 0),
+                lambda: compute_logprobs(x, tokens, n), lambda: empty_logprobs(x.shape[0], n))
+    return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.sampled_rank)
+
+
+def adjust_logits(x: jax.Array, t: SamplingTensors, f: SamplerFeatures,
+                  penalties: PenaltyData | None) -> jax.Array:
+    """logit_bias, min_tokens and penalties, with vLLM's result (bias -> mask -> penalties)."""
+    if not f.penalties:
+        return apply_sparse_edits(x, t, bias=f.logit_bias, min_tokens=f.min_tokens)
+    # The penalty pass writes a fresh array; the sparse edits then go into it in place.
+    return edit_after_penalties(apply_penalties(x, t, penalties), x, t, penalties,
+                                bias=f.logit_bias, min_tokens=f.min_tokens)
+
+
+def _maybe(runtime_skip: bool, used: jax.Array, compute, skip):
+    """compute() if any row uses the feature; with runtime skips off, always compute()."""
+    if not runtime_skip:
+        return compute()
+    return jax.lax.cond(used, compute, skip)
+
+
+def _pick_tokens(x: jax.Array, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures) -> jax.Array:
+    """x: processed logits (after bias / penalties). -> i32[R]."""
+    greedy = lambda: jnp.argmax(x, axis=-1).astype(jnp.int32)  # noqa: E731
+    if not f.sampling:
+        return greedy()
+
+    def sampled():
+        is_sampled = t.temperature > 0
+        scaled = x / jnp.where(is_sampled, t.temperature, 1.0)[:, None]
+        keep_from = truncation_threshold(scaled, t, f)
+        noisy = jnp.where(scaled >= keep_from[:, None], scaled, NEG_INF)
+        noisy = noisy + gumbel_noise(t.seeds, positions, x.shape[-1])
+        # Greedy rows of a mixed batch take the argmax of their processed logits.
+        return jnp.argmax(jnp.where(is_sampled[:, None], noisy, x), axis=-1).astype(jnp.int32)
+
+    return _maybe(f.runtime_skip, jnp.any(t.temperature > 0), sampled, greedy)
+
+
+def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatures) -> jax.Array:
+    """f32[R]: each row keeps the tokens with scaled logit >= this (-inf: keeps everything).
+
+    With runtime skips, one conditional skips all truncations when no row uses any (the usual
+    case: one predicate, not three), and inside it each truncation has its own. Conditionals
+    return only [R] thresholds."""
+    r, v = scaled.shape
+    none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
+    used = {"min_p": jnp.any(t.min_p > 0), "top_k": jnp.any(topk_topp.top_k_enabled(t.top_k, v)),
+            "top_p": jnp.any(topk_topp.top_p_enabled(t.top_p))}
+    enabled = [name for name in used if getattr(f, name)]
+    if not enabled:
+        return none()
+    if not f.runtime_skip:
+        return _thresholds(scaled, t, f, used)
+    any_used = jnp.any(jnp.stack([used[name] for name in enabled]))
+    return jax.lax.cond(any_used, lambda: _thresholds(scaled, t, f, used), none)
+
+
+def _thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used) -> jax.Array:
+    r = scaled.shape[0]
+    none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
+    row_max = lambda: jnp.max(scaled, axis=-1)  # noqa: E731
+    thresh = none()
+    if f.min_p:
+        thresh = _maybe(f.runtime_skip, used["min_p"],
+                        lambda: topk_topp.min_p_threshold(row_max(), t.min_p), none)
+    if f.top_k_top_p == "sort" and (f.top_k or f.top_p):
+        k = t.top_k if f.top_k else jnp.zeros_like(t.top_k)
+        p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
+        floor = thresh
+        return _maybe(f.runtime_skip, (used["top_k"] & f.top_k) | (used["top_p"] & f.top_p),
+                      lambda: topk_topp.top_k_top_p_threshold_sort(scaled, row_max(), floor, k, p),
+                      lambda: floor)
+    if f.top_k:
+        kth = _maybe(f.runtime_skip, used["top_k"],
+                     lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity), none)
+        thresh = jnp.maximum(thresh, kth)
+    if f.top_p:
+        floor = thresh
+        thresh = _maybe(f.runtime_skip, used["top_p"],
+                        lambda: topk_topp.top_p_threshold_search(scaled, row_max(), floor, t.top_p,
+                                                                 f.search_arity),
+                        lambda: floor)
+    return thresh
 
 
 def sample_tokens(logits, temperature, seeds, positions) -> jax.Array:
-    """logits f32[R, V]; temperature f32[R]; seeds int32[R]; positions int32[R] -> int32[R]."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def with_noise(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        noisy = scaled + gumbel_noise(seeds, positions, logits.shape[-1])
-        return jnp.where(temperature > 0, jnp.argmax(noisy, axis=-1).astype(jnp.int32), greedy)
-
-    # An all-greedy batch skips the noise entirely.
-    return jax.lax.cond(jnp.any(temperature > 0), with_noise, lambda _: greedy, None)
+    """Temperature-only sampling (the original entry point): logits f32[R, V]; temperature
+    f32[R] (0 = greedy); seeds i32[R]; positions i32[R] -> i32[R]."""
+    r = logits.shape[0]
+    t = SamplingTensors.neutral(r, max_bias=0, max_stop=0, xp=jnp)
+    t = dataclasses.replace(t, temperature=temperature.astype(jnp.float32), seeds=seeds.astype(jnp.int32))
+    return sample(logits, t, positions, SamplerFeatures()).tokens

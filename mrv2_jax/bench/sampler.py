@@ -1,0 +1,165 @@
+"""Microbenchmark: the device sampler alone, per step, at serving shapes.
+
+    python -m mrv2_jax.bench.sampler --output-json $OUT/sampler.json
+    python -m mrv2_jax.bench.sampler --num-rows 1024 --cases greedy temperature all_used_threshold
+
+Default shape: 256 rows x 151,936 vocabulary (Qwen3), f32 logits, random normal values. Each case
+is one jitted `sample(...)` call with a given `SamplerFeatures` and batch; the time is the median
+over --runs calls (after --warmup), each ended by block_until_ready, so it includes one dispatch
+(the `dispatch` case, a jitted no-op on a tiny array, shows that floor). Cases:
+
+  greedy, temperature             the two cheapest static variants
+  all_unused                      every feature compiled in with runtime skips, a batch that uses
+                                  only temperature: the cost of features nobody uses (vs temperature)
+  all_used_{threshold,sort}       every feature used by every row (T 0.8, top_k 50, top_p 0.9,
+                                  min_p 0.05, penalties, 16 biased ids, min_tokens stops, 20 logprobs)
+  all_used_static                 the same, compiled without runtime skips
+  top_k_{threshold,sort}, top_p_{threshold,sort}, top_k_top_p_{threshold,sort}
+  top_k_top_p_arity{2,16,64}      the search with other arities (default 4)
+  top_k_top_p_unrolled            the search passes unrolled instead of a fori_loop
+  penalties, logit_bias, logprobs the other features alone (on top of temperature)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample, topk_topp
+from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
+
+T = SamplerFeatures()  # temperature only, runtime skips on
+ALL_STATIC = SamplerFeatures.all(runtime_skip=False)
+
+
+def _cases():
+    """name -> (features, which rows' parameters: "greedy" | "temperature" | "all" | dict)."""
+    trunc = dict(top_k=50, top_p=0.9)
+    cases = {
+        "greedy": (SamplerFeatures.greedy(), "greedy"),
+        "temperature": (T, "temperature"),
+        "all_unused": (SamplerFeatures.all(), "temperature"),
+        "all_used_threshold": (SamplerFeatures.all(), "all"),
+        "all_used_sort": (SamplerFeatures.all(top_k_top_p="sort"), "all"),
+        "all_used_static": (ALL_STATIC, "all"),
+        "penalties": (T.replace(penalties=True), dict(repetition_penalty=1.1, presence_penalty=0.5)),
+        "logit_bias": (T.replace(logit_bias=True), dict(bias=True)),
+        "logprobs": (T.replace(num_logprobs=20), dict(num_logprobs=20)),
+    }
+    for method in ("threshold", "sort"):
+        cases[f"top_k_{method}"] = (T.replace(top_k=True, top_k_top_p=method), dict(top_k=50))
+        cases[f"top_p_{method}"] = (T.replace(top_p=True, top_k_top_p=method), dict(top_p=0.9))
+        cases[f"top_k_top_p_{method}"] = (T.replace(top_k=True, top_p=True, top_k_top_p=method), trunc)
+    for arity in (2, 16, 64):
+        cases[f"top_k_top_p_arity{arity}"] = (T.replace(top_k=True, top_p=True, search_arity=arity), trunc)
+    cases["top_k_top_p_unrolled"] = (T.replace(top_k=True, top_p=True), trunc)
+    return cases
+
+
+def make_inputs(kind, r, v, rng):
+    t = SamplingTensors.neutral(r)
+    cols = {f.name: np.array(getattr(t, f.name)) for f in dataclasses.fields(t)}
+    if kind != "greedy":
+        cols["temperature"][:] = 1.0
+        cols["seeds"][:] = rng.integers(0, 2**31, r)
+    if kind == "all":
+        params = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                      presence_penalty=0.5, frequency_penalty=0.2, bias=True, min_tokens=True, num_logprobs=20)
+    else:
+        params = kind if isinstance(kind, dict) else {}
+    for name, value in params.items():
+        if name == "bias":
+            cols["bias_ids"][:, :16] = rng.integers(0, v, (r, 16))
+            cols["bias_values"][:, :16] = rng.uniform(-5, 5, (r, 16))
+        elif name == "min_tokens":
+            cols["min_tokens"][:], cols["stop_ids"][:, :2] = 10, rng.integers(0, v, (r, 2))
+        else:
+            cols[name][:] = value
+    logits = rng.normal(0, 2, (r, v)).astype(np.float32)
+    counts = rng.poisson(0.002, (r, v)).astype(np.int32)
+    mask = pack_token_mask(rng.random((r, v)) < 0.002, np)
+    penalties = PenaltyData(jnp.asarray(counts), jnp.asarray(mask), jnp.arange(r, dtype=jnp.int32))
+    return (jnp.asarray(logits), SamplingTensors(**{k: jnp.asarray(c) for k, c in cols.items()}),
+            jnp.asarray(rng.integers(0, 4096, r), jnp.int32), penalties)
+
+
+def time_calls(fn, args, runs, warmup):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def run_case(name, features, kind, args):
+    rng = np.random.default_rng(0)
+    inputs = make_inputs(kind, args.num_rows, args.vocab, rng)
+    topk_topp.UNROLL = name.endswith("_unrolled")  # read at trace time
+    try:
+        fn = jax.jit(lambda x, t, p, pen: sample(x, t, p, features, pen if features.penalties else None))
+        t0 = time.perf_counter()
+        compiled = fn.lower(*inputs).compile()
+        compile_s = time.perf_counter() - t0
+    finally:
+        topk_topp.UNROLL = False
+    samples = time_calls(compiled, inputs, args.runs, args.warmup)
+    ms = sorted(s * 1e3 for s in samples)
+    return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": compile_s,
+            "features": dataclasses.asdict(features)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-rows", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cases", nargs="*", default=None, help="subset of case names (default: all)")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    cases = _cases()
+    names = args.cases or list(cases)
+    unknown = set(names) - set(cases) - {"dispatch"}
+    if unknown:
+        p.error(f"unknown case(s) {sorted(unknown)}; choose from {['dispatch', *cases]}")
+
+    results = []
+    if args.cases is None or "dispatch" in names:
+        tiny = jnp.zeros((8,), jnp.float32)
+        noop = jax.jit(lambda x: x + 1).lower(tiny).compile()
+        ms = sorted(s * 1e3 for s in time_calls(noop, (tiny,), args.runs, args.warmup))
+        results.append({"case": "dispatch", "median_ms": statistics.median(ms), "min_ms": ms[0],
+                        "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": 0.0})
+    print(f"sampler: {args.num_rows} rows x {args.vocab} vocab on {jax.devices()[0].device_kind}")
+    print(f"{'case':28s} {'median ms':>10s} {'min ms':>9s} {'p90 ms':>9s} {'compile s':>10s}")
+    for r in results:
+        print(f"{r['case']:28s} {r['median_ms']:10.3f} {r['min_ms']:9.3f} {r['p90_ms']:9.3f} {r['compile_s']:10.1f}")
+    for name in names:
+        if name == "dispatch":
+            continue
+        features, kind = cases[name]
+        r = run_case(name, features, kind, args)
+        results.append(r)
+        print(f"{name:28s} {r['median_ms']:10.3f} {r['min_ms']:9.3f} {r['p90_ms']:9.3f} {r['compile_s']:10.1f}",
+              flush=True)
+    report = {**describe_environment(), "num_rows": args.num_rows, "vocab": args.vocab, "results": results}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

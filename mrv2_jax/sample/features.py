@@ -1,0 +1,96 @@
+"""Which sampler features a compiled step contains, and how unused ones are skipped.
+
+A feature no request in the batch uses must cost (almost) nothing. There are two ways to get
+there, and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allows both:
+
+* **Static variants.** A feature whose flag is False is not in the program at all. A runner
+  may compile a few variants per bucket (say "temperature only" and "everything") and pick, on
+  the host, the smallest one that covers the batch (`covers`). Zero device cost; the price is
+  compile time and memory for each extra variant, and a host check per step.
+
+* **Runtime skips** (`runtime_skip=True`). Every feature compiled in is guarded on the device by
+  a test "does any row use it?", so one variant serves every batch. On the GPU, XLA runs these
+  conditionals inside its command buffers (CUDA graphs with conditional nodes), so the cost of
+  an unused feature is one tiny reduction over [R] per-row values plus a conditional node.
+  The catch: an XLA conditional whose result is the [R, V] logits must copy them in the branch
+  that does nothing (measured in the HLO: a `copy` of f32[R, V] appears), ~70 us on an H200 at
+  256 x 152K. So the sampler never lets [R, V] arrays out of a conditional:
+    - truncations (min_p / top_k / top_p) run under `lax.cond` but return only per-row
+      thresholds [R]; the masking itself is fused into the final argmax pass;
+    - the features that rewrite the logits (logit_bias, min_tokens, penalties) sit under ONE
+      conditional whose two branches each run the whole rest of the sampler and return only
+      tokens [R]: the tail is traced twice (more compile time), never copied at run time. A
+      batch using any of the three pays for all three compiled in (the penalty pass reads its
+      count table; bias-only batches are rare).
+  With runtime_skip=False, compiled-in features run unconditionally (rows that do not use them
+  carry neutral values, so results are the same; only the cost differs).
+
+Measured on an H200 (256 rows x 151,936, docs/sampler.md): the temperature-only variant takes
+0.55-0.63 ms per step, the all-features variant with runtime skips on a temperature-only batch
+0.77-0.89 ms. That +0.15-0.35 ms is about what a host round trip per executed conditional would
+cost (~4-6 of them), i.e. the conditionals were apparently NOT running inside command buffers
+in that setup; worth checking with XLA_FLAGS=--xla_gpu_enable_command_buffer=...,CONDITIONAL.
+Until then, static variants are the zero-cost option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+TOP_K_TOP_P_METHODS = ("threshold", "sort")
+
+
+@dataclass(frozen=True)
+class SamplerFeatures:
+    # Rows with temperature > 0 may exist (Gumbel noise). False: every row is greedy.
+    sampling: bool = True
+    logit_bias: bool = False
+    min_tokens: bool = False  # EOS / stop_token_ids masked until min_tokens outputs exist
+    penalties: bool = False  # repetition, presence, frequency
+    min_p: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    # Width n of the top-n logprobs output (0..20); None: the step returns no logprobs at all.
+    num_logprobs: int | None = None
+    runtime_skip: bool = True
+    # "threshold": k-ary search for the top-k / top-p cut-offs (a fixed number of passes over
+    # the logits, no sort); "sort": one full sort per row (reference; for speed comparisons).
+    top_k_top_p: str = "threshold"
+    # Candidates per search pass: passes = ceil(32 / log2(arity)), arity - 1 accumulators per
+    # pass. Measured on an H200 (256 x 152K, top_k + top_p): arity 4 (16 passes) 2.6 ms,
+    # 16 (8 passes) 3.3 ms, 64 45 ms: XLA's reduction slows down with many accumulators.
+    search_arity: int = 4
+
+    def __post_init__(self):
+        if self.top_k_top_p not in TOP_K_TOP_P_METHODS:
+            raise ValueError(f"top_k_top_p must be one of {TOP_K_TOP_P_METHODS}, got {self.top_k_top_p!r}")
+        if self.search_arity < 2 or self.search_arity & (self.search_arity - 1):
+            raise ValueError(f"search_arity must be a power of two >= 2, got {self.search_arity}")
+        if self.num_logprobs is not None and not 0 <= self.num_logprobs <= 20:
+            raise ValueError(f"num_logprobs must be None or in [0, 20], got {self.num_logprobs}")
+
+    @classmethod
+    def all(cls, **overrides) -> SamplerFeatures:
+        """Every feature compiled in, top-20 logprobs, runtime skips: one variant for any batch."""
+        on = dict(sampling=True, logit_bias=True, min_tokens=True, penalties=True, min_p=True,
+                  top_k=True, top_p=True, num_logprobs=20)
+        return cls(**(on | overrides))
+
+    @classmethod
+    def greedy(cls) -> SamplerFeatures:
+        return cls(sampling=False)
+
+    # Boolean feature flags, in a fixed order.
+    FLAGS = ("sampling", "logit_bias", "min_tokens", "penalties", "min_p", "top_k", "top_p")
+
+    def covers(self, needed: SamplerFeatures) -> bool:
+        """True when a step compiled with `self` computes what a batch needing `needed` asks for."""
+        if any(getattr(needed, f) and not getattr(self, f) for f in self.FLAGS):
+            return False
+        if needed.num_logprobs is not None:
+            return self.num_logprobs is not None and self.num_logprobs >= needed.num_logprobs
+        return True
+
+    def replace(self, **changes) -> SamplerFeatures:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,57 @@
+"""Logprobs of the sampled token and of the top-n tokens, without a [R, V] log-softmax.
+
+They come from the RAW logits, before bias, penalties, temperature and truncation: vLLM's
+default `logprobs_mode="raw_logprobs"`, i.e. what the model itself assigns to each token. A
+full log-softmax would write another [R, V] array; only log-softmax at the (1 + n) chosen ids is
+needed, which is logit - logsumexp: one reduction for logsumexp, `lax.top_k` for the top n, one
+count for the sampled token's rank.
+
+rank = 1 + number of tokens with a strictly larger logit (vLLM's definition; the top-n entries
+get ranks 1..n). Rows that asked for no logprobs get values too: callers read only the rows and
+columns they need.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Logprobs(NamedTuple):
+    logprobs: jax.Array  # f32[R, 1 + n]: column 0 = the sampled token, then the top n
+    token_ids: jax.Array  # i32[R, 1 + n]
+    sampled_rank: jax.Array  # i32[R]
+
+
+def top_n(x: jax.Array, n: int, block: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k in two stages: the top n of each block of `block` ids, then the top n of those.
+    A single top_k over a 152K row ran as a full sort on the H200 (~3.4 ms at 256 rows); short
+    rows sort in on-chip memory. Same result, ties included (lower ids first in both stages)."""
+    r, v = x.shape
+    if v <= block:
+        return jax.lax.top_k(x, n)
+    nb = -(-v // block)
+    padded = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
+    values, ids = jax.lax.top_k(padded.reshape(r, nb, block), n)  # [R, nb, n]
+    ids = ids + (jnp.arange(nb, dtype=ids.dtype) * block)[None, :, None]
+    values, pos = jax.lax.top_k(values.reshape(r, nb * n), n)
+    return values, jnp.take_along_axis(ids.reshape(r, nb * n), pos, axis=1)
+
+
+def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int) -> Logprobs:
+    raw = raw_logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(raw, axis=-1)
+    sampled = jnp.take_along_axis(raw, tokens[:, None], axis=1)  # [R, 1]
+    rank = 1 + jnp.sum(raw > sampled, axis=-1, dtype=jnp.int32)
+    values, ids = sampled, tokens[:, None].astype(jnp.int32)
+    if num_top > 0:
+        top_values, top_ids = top_n(raw, num_top)
+        values = jnp.concatenate([values, top_values], axis=1)
+        ids = jnp.concatenate([ids, top_ids.astype(jnp.int32)], axis=1)
+    return Logprobs(values - lse[:, None], ids, rank)
+
+
+def empty_logprobs(num_rows: int, num_top: int) -> Logprobs:
+    """What a step returns when no row asked for logprobs (same shapes, no work)."""
+    return Logprobs(jnp.zeros((num_rows, 1 + num_top), jnp.float32),
+                    jnp.zeros((num_rows, 1 + num_top), jnp.int32), jnp.zeros((num_rows,), jnp.int32))

@@ -1,0 +1,93 @@
+"""Repetition, presence and frequency penalties (vLLM semantics), fused in one elementwise pass.
+
+    seen      = token in the prompt OR already in the output
+    logit     = logit / rep   if seen and logit > 0
+                logit * rep   if seen and logit <= 0
+    logit    -= frequency * output_count + presence * (output_count > 0)
+
+The repetition penalty looks at prompt and output; presence and frequency at the output only.
+
+The data comes from the runner's persistent per-slot tables: output token counts
+`int32[N, V]` and the prompt's token set as a bit mask `uint32[N, ceil(V / 32)]` (32x smaller
+than a bool mask; token v is bit v % 32 of word v // 32). `rows[R]` maps each batch row to
+its table row, and the gather is fused into the penalty pass, so no [R, V] copy is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mrv2_jax.sample.tensors import SamplingTensors
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyData:
+    output_counts: jax.Array  # i32[N, V]
+    prompt_mask: jax.Array  # u32[N, ceil(V / 32)]
+    rows: jax.Array  # i32[R]: table row of each batch row
+
+
+def num_mask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def pack_token_mask(mask, xp=jnp):
+    """bool[..., V] -> uint32[..., ceil(V / 32)] (numpy or jnp)."""
+    v = mask.shape[-1]
+    w = num_mask_words(v)
+    pad = [(0, 0)] * (mask.ndim - 1) + [(0, w * 32 - v)]
+    bits = xp.pad(mask, pad).reshape(*mask.shape[:-1], w, 32).astype(xp.uint32)
+    return xp.sum(bits << xp.arange(32, dtype=xp.uint32), axis=-1, dtype=xp.uint32)
+
+
+def unpack_token_mask(words: jax.Array, vocab_size: int) -> jax.Array:
+    """uint32[..., W] -> bool[..., V]. Pure shifts and a reshape: fuses into its consumer."""
+    bits = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
+
+
+def penalize(logits, counts, in_prompt, t: SamplingTensors):
+    """The penalty formula, elementwise; `logits`, `counts`, `in_prompt` are [R, N] (any N)."""
+    in_output = counts > 0
+    rep = t.repetition_penalty[:, None]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(in_prompt | in_output, penalized, logits)
+    return (logits - t.frequency_penalty[:, None] * counts.astype(jnp.float32)
+            - t.presence_penalty[:, None] * in_output.astype(jnp.float32))
+
+
+def apply_penalties(logits: jax.Array, t: SamplingTensors, data: PenaltyData) -> jax.Array:
+    counts = data.output_counts[data.rows]
+    in_prompt = unpack_token_mask(data.prompt_mask[data.rows], logits.shape[-1])
+    return penalize(logits, counts, in_prompt, t)
+
+
+def penalize_at(values: jax.Array, t: SamplingTensors, data: PenaltyData, ids: jax.Array) -> jax.Array:
+    """The penalty of `values` [R, N] as if they were the logits of token ids `ids` [R, N]."""
+    rows = jnp.broadcast_to(data.rows[:, None], ids.shape)
+    counts = data.output_counts.at[rows, ids].get(mode="fill", fill_value=0)
+    words = data.prompt_mask.at[rows, ids >> 5].get(mode="fill", fill_value=0)
+    in_prompt = (words >> (ids & 31).astype(jnp.uint32)) & 1 == 1
+    return penalize(values, counts, in_prompt, t)
+
+
+def uses_penalties(t: SamplingTensors) -> jax.Array:
+    return jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0))
+
+
+def penalty_data_from_tokens(prompts: list[list[int]], outputs: list[list[int]], vocab_size: int,
+                             ) -> PenaltyData:
+    """Host helper (tests, benchmarks): PenaltyData for explicit token lists, one row each."""
+    n = len(prompts)
+    counts = np.zeros((n, vocab_size), np.int32)
+    mask = np.zeros((n, vocab_size), bool)
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        mask[i, prompt] = True
+        np.add.at(counts[i], np.asarray(output, np.int64), 1)
+    return PenaltyData(jnp.asarray(counts), jnp.asarray(pack_token_mask(mask, np)),
+                       jnp.arange(n, dtype=jnp.int32))
