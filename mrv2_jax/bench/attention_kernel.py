@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.timing import time_calls
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (
     default_tuning, ragged_paged_attention, ragged_paged_attention_reference)
@@ -124,14 +125,7 @@ def chained_attention(attn, inner):
 
 
 def time_call(fn, args, *, inner, runs, warmup):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  samples = []
-  for _ in range(runs):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    samples.append(time.perf_counter() - t0)
-  return statistics.median(samples) / inner
+  return statistics.median(time_calls(fn, args, runs, warmup)) / inner
 
 
 def pick_inner(args_inner, work_bytes):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.timing import time_calls
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample, topk_topp
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
 
@@ -89,17 +90,6 @@ def make_inputs(kind, r, v, rng):
     penalties = PenaltyData(jnp.asarray(counts), jnp.asarray(mask), jnp.arange(r, dtype=jnp.int32))
     return (jnp.asarray(logits), SamplingTensors(**{k: jnp.asarray(c) for k, c in cols.items()}),
             jnp.asarray(rng.integers(0, 4096, r), jnp.int32), penalties)
-
-
-def time_calls(fn, args, runs, warmup):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return samples
 
 
 def run_case(name, features, kind, args):
