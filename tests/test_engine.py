@@ -115,3 +115,22 @@ def test_bad_requests_raise_and_leave_nothing_behind(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(TypeError, match="no_such_arg"):
         LLM(str(MODEL), no_such_arg=1)
+
+
+def test_stop_string_spanning_tokens_with_the_demo_model():
+    """Text stops exactly before a stop string that does not sit on token boundaries."""
+    llm = LLM("demo", dtype="float32", runner="v2", max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=256, num_gpu_blocks=64, block_size=16, show_progress=False)
+    prompt = "The king said"
+    full = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    tokens = llm.tokenizer.convert_ids_to_tokens(full.token_ids)
+    assert len(full.text) > 20 and len(tokens) > 5
+    # A stop string that starts inside one token and ends inside a later one.
+    start = len(llm.tokenizer.decode(full.token_ids[:3])) + 1
+    stop = full.text[start : start + 6]
+    assert stop.strip() and stop not in full.text[:start]
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
+    assert out.outputs[0].text == full.text[:start]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    kv = llm.engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
