@@ -23,3 +23,30 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+# Test modules that must run on one xdist worker, each group as one unit of work: the server
+# modules each build a model + a live server in a module-scoped fixture, and running them one
+# after the other on one worker lets every build after the first load its compiled steps from
+# the persistent compilation cache instead of compiling them again. (The `xdist_group` marker
+# would say this, but pytest-xdist 3.8's loadgroup does not work with pytest 9: it renames
+# `item._nodeid`, which pytest 9 no longer reads. So the grouping is done here, by file name.)
+ONE_WORKER_GROUPS = {"test_openai_server.py": "server", "test_server_bad_input.py": "server",
+                     "test_serve_cli.py": "server"}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent when xdist is not loaded
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":  # an explicit --dist choice wins
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LoadWithGroups(LoadScopeScheduling):
+        """`--dist load` (each test its own unit), except that the modules of a group in
+        ONE_WORKER_GROUPS form a single unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            group = ONE_WORKER_GROUPS.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+            return f"group:{group}" if group else nodeid
+
+    return LoadWithGroups(config, log)

@@ -43,11 +43,13 @@ class EngineDeadError(RuntimeError):
 
 class RequestRejected(ValueError):
     """A request that cannot run as asked (the prompt is empty, too long, ...). ``code`` is a
-    machine-readable reason, e.g. ``"context_length_exceeded"``."""
+    machine-readable reason, e.g. ``"context_length_exceeded"``; ``param`` the request part
+    at fault: ``"prompt"`` or ``"max_tokens"``."""
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, param: str = "prompt"):
         super().__init__(message)
         self.code = code
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,14 @@ class RequestStream:
     async def __aexit__(self, *exc) -> None:
         self.abort()
 
+    def __del__(self):
+        # Safety net for a stream dropped without being read to the end or closed (e.g. a
+        # streaming response whose client left before its first byte): free the request.
+        try:
+            self.abort()
+        except Exception:  # interpreter shutdown; nothing left to free
+            pass
+
 
 class AsyncLLM:
     """Runs an `LLM` on a dedicated thread. Build it with `AsyncLLM.from_engine_args(...)` or
@@ -168,7 +178,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         # Guards the hand-over between "submit a command" and "the engine died", so that no
         # command is left in the inbox of a dead engine with a caller waiting on it forever.
-        self._lock = threading.Lock()
+        # Re-entrant: RequestStream.__del__ may run (garbage collection) on a thread that
+        # already holds it.
+        self._lock = threading.RLock()
         self._error: BaseException | None = None
         self._stopped = False
         self._num_aborted = 0
@@ -215,7 +227,7 @@ class AsyncLLM:
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
                 "for the completion); reduce the prompt or max_tokens",
-                code="context_length_exceeded")
+                code="context_length_exceeded", param="max_tokens")
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize off the event loop (a 1 MiB prompt takes a noticeable time)."""

@@ -38,7 +38,8 @@ def cmd_generate(args) -> int:
     from mrv2_jax.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed,
+                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.sampling_seed,
                             stop=args.stop or None, ignore_eos=args.ignore_eos)
     llm = LLM(**engine_kwargs(args), show_progress=False)
     prompt = args.prompt
@@ -101,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")

@@ -53,7 +53,8 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> Open
     for err in errors[:3]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
         if param is None and loc:
             param = loc[0]
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""

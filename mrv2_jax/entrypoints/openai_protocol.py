@@ -8,7 +8,8 @@ response_format, ...) are refused with a message saying they are not supported.
 
 Ranges are checked here rather than left to the engine because a value that reached the
 engine's int32 tables out of range would fail inside a step; every integer is therefore
-bounded to int32, and token ids to the vocabulary (which needs the model: `to_sampling_params`).
+bounded (to int32, or 64 bits for the seed), and token ids to the vocabulary (which needs the
+model: `to_sampling_params`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from mrv2_jax.entrypoints.openai_errors import OpenAIError, bad_request, from_value_error
 from mrv2_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -45,8 +46,8 @@ class _GenerationRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    # The runner keeps seeds in int32 tables.
-    seed: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
+    # Any 64-bit seed, as OpenAI's API allows; the sampler folds it into its int32 tables.
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False

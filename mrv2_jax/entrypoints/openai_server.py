@@ -21,7 +21,7 @@ import threading
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from mrv2_jax.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from mrv2_jax.entrypoints import openai_responses as R
@@ -134,9 +134,9 @@ async def _submit(engine: AsyncLLM, prompt, params, request_id: str, param: str)
     try:
         return await engine.generate(prompt, params, request_id=request_id)
     except ValueError as e:  # RequestRejected: empty / too long / bad token ids
-        err = from_value_error(e)
-        err.param = param if err.param is None else err.param
-        raise err from None
+        at_fault = getattr(e, "param", "prompt")
+        raise bad_request(str(e), param=param if at_fault == "prompt" else at_fault,
+                          code=getattr(e, "code", None)) from None
 
 
 async def _apply_chat_template(engine: AsyncLLM, req: ChatCompletionRequest) -> list[int]:
@@ -262,9 +262,10 @@ def _chat_events(stream, tracker, rid, model, fmt, include_usage):
 def _uvicorn_config(app, host: str, port: int, log_level: str):
     import uvicorn
 
-    # timeout_keep_alive: idle keep-alive connections are closed after this many seconds.
+    # Idle keep-alive connections close after 10 s; on Ctrl-C, open streams get 5 s to finish
+    # before they are cut (otherwise one long generation would hold the shutdown).
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=10,
-                          access_log=log_level == "debug")
+                          timeout_graceful_shutdown=5, access_log=log_level == "debug")
 
 
 def serve(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
@@ -275,6 +276,8 @@ def serve(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000, *, log_le
     app = create_app(engine, **app_kwargs)
     try:
         uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is the normal end
+        pass
     finally:
         engine.shutdown()
 

@@ -1,0 +1,53 @@
+"""Shared set-up of the server tests: the demo model on the V1 runner with small limits, and a
+real HTTP server on a free port of 127.0.0.1, run in this process on a background thread (so
+tests can look at the engine's state directly, e.g. that every KV block is free again)."""
+
+import time
+from contextlib import contextmanager
+
+from mrv2_jax.engine.async_llm import AsyncLLM
+from mrv2_jax.entrypoints.openai_server import ServerThread
+from mrv2_jax.llm import LLM
+
+MODEL_NAME = "demo"
+# Small limits keep the compile at start-up short on a CPU; 256 tokens of context make the
+# "too long" cases cheap to build.
+ENGINE_ARGS = dict(dtype="float32", runner="v1", max_num_seqs=16, max_num_batched_tokens=32,
+                   max_model_len=256, block_size=16, num_gpu_blocks=160, show_progress=False)
+
+
+def make_llm(**overrides) -> LLM:
+    return LLM(MODEL_NAME, **(ENGINE_ARGS | overrides))
+
+
+@contextmanager
+def running_server(llm: LLM, **app_kwargs):
+    """Serve `llm` (which then belongs to the engine thread) until the block exits."""
+    engine = AsyncLLM(llm)
+    try:
+        with ServerThread(engine, served_model_names=MODEL_NAME, **app_kwargs) as server:
+            yield server
+    finally:
+        engine.shutdown()
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def assert_openai_error(response, status: int | None = None):
+    """A 4xx with OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:500])
+    if status is not None:
+        assert response.status_code == status, (response.status_code, response.text[:500])
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+    assert isinstance(body["error"]["type"], str), body
+    return body["error"]

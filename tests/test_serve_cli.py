@@ -1,0 +1,77 @@
+"""`mrv2-jax serve` as a user runs it: a subprocess that serves, answers, and stops on Ctrl-C;
+and the wiring of its options (key from the environment, model names, safe host default)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from mrv2_jax.entrypoints import cli
+from tests.server_harness import ENGINE_ARGS
+
+# The same engine shapes as the other server tests, so the compilation cache is shared.
+ENGINE_FLAGS = ["--runner", ENGINE_ARGS["runner"], "--dtype", ENGINE_ARGS["dtype"],
+                "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+                "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
+                "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--block-size", str(ENGINE_ARGS["block_size"]),
+                "--num-gpu-blocks", str(ENGINE_ARGS["num_gpu_blocks"])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_subprocess_answers_and_stops_on_ctrl_c(tmp_path):
+    port = _free_port()
+    env = os.environ | {"MRV2_API_KEY": "k1"}
+    log = tmp_path / "serve.log"  # a file, not a pipe: a full pipe would block the server
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mrv2_jax.entrypoints.cli", "serve", "demo",
+                                 "--port", str(port), "--served-model-name", "poet", "--log-level", "warning",
+                                 *ENGINE_FLAGS], env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        auth = {"Authorization": "Bearer k1"}
+        assert httpx.get(url + "/v1/models").status_code == 401  # the key came from MRV2_API_KEY
+        r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
+                       json={"model": "poet", "prompt": "The king said", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, log.read_text()
+
+
+def test_serve_options_reach_the_server(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("mrv2_jax.engine.async_llm.AsyncLLM.from_engine_args",
+                        staticmethod(lambda **kw: seen.setdefault("engine_args", kw)))
+    monkeypatch.setattr("mrv2_jax.entrypoints.openai_server.serve",
+                        lambda engine, host, port, **kw: seen.update(host=host, port=port, **kw))
+    monkeypatch.setenv("MRV2_API_KEY", "from-env")
+    assert cli.main(["serve", "some/model/dir", "--max-num-seqs", "4"]) == 0
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000  # loopback unless asked
+    assert seen["api_key"] == "from-env" and seen["served_model_names"] == ["some/model/dir"]
+    assert seen["engine_args"]["model"] == "some/model/dir" and seen["engine_args"]["max_num_seqs"] == 4
+    assert seen["max_body_bytes"] == 1 << 20
+    assert cli.main(["serve", "a", "--model", "b"]) == 2  # two different models: an error, not a guess
