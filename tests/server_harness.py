@@ -1,4 +1,4 @@
-"""Shared set-up of the server tests: the demo model on the V1 runner with small limits, and a
+"""Shared set-up of the server tests: the demo model on the V2 runner (async) with small limits, and a
 real HTTP server on a free port of 127.0.0.1, run in this process on a background thread (so
 tests can look at the engine's state directly, e.g. that every KV block is free again)."""
 
@@ -12,7 +12,7 @@ from mrv2_jax.llm import LLM
 MODEL_NAME = "demo"
 # Small limits keep the compile at start-up short on a CPU; 256 tokens of context make the
 # "too long" cases cheap to build.
-ENGINE_ARGS = dict(dtype="float32", runner="v1", max_num_seqs=16, max_num_batched_tokens=32,
+ENGINE_ARGS = dict(dtype="float32", runner="v2", max_num_seqs=16, max_num_batched_tokens=32,
                    max_model_len=256, block_size=16, num_gpu_blocks=160, show_progress=False)
 
 
