@@ -45,7 +45,10 @@ from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.bench.timing import time_calls
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (
-    default_tuning, ragged_paged_attention, ragged_paged_attention_reference)
+    default_tuning,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 PEAK_BW = 4.3e12  # measured H200 copy bandwidth, bytes/s
 PEAK_FLOPS = 790e12  # bf16 dense
@@ -58,270 +61,318 @@ TUNING_KEYS = ("block_m", "block_n", "num_kv_splits", "num_warps", "num_stages")
 # Cases and inputs
 # ----------------------------------------------------------------------------------------
 
+
 def all_cases():
-  cases = {}
-  for b, c in itertools.product((1, 32, 256), (512, 4096, 32768)):
-    cases[f"decode_b{b}_c{c}"] = dict(kind="attn", rows=b, q_len=1, ctx=c)
-  cases["prefill_b1_c4096"] = dict(kind="attn", rows=1, q_len=4096, ctx=4096)
-  cases["prefill_b8_c1024"] = dict(kind="attn", rows=8, q_len=1024, ctx=1024)
-  cases["kv_write_t256"] = dict(kind="write", tokens=256, ctx=4096)
-  cases["kv_write_t8192"] = dict(kind="write", tokens=8192, ctx=4096)
-  return cases
+    cases = {}
+    for b, c in itertools.product((1, 32, 256), (512, 4096, 32768)):
+        cases[f"decode_b{b}_c{c}"] = dict(kind="attn", rows=b, q_len=1, ctx=c)
+    cases["prefill_b1_c4096"] = dict(kind="attn", rows=1, q_len=4096, ctx=4096)
+    cases["prefill_b8_c1024"] = dict(kind="attn", rows=8, q_len=1024, ctx=1024)
+    cases["kv_write_t256"] = dict(kind="write", tokens=256, ctx=4096)
+    cases["kv_write_t8192"] = dict(kind="write", tokens=8192, ctx=4096)
+    return cases
 
 
 def kv_gib(case, num_layers):
-  blocks = case.get("rows", 1) * math.ceil(case["ctx"] / BS) + 16
-  if case["kind"] == "write":
-    blocks = math.ceil(case["tokens"] / BS) * 4 + 16
-  return 2 * num_layers * blocks * HKV * BS * D * 2 / 2**30
+    blocks = case.get("rows", 1) * math.ceil(case["ctx"] / BS) + 16
+    if case["kind"] == "write":
+        blocks = math.ceil(case["tokens"] / BS) * 4 + 16
+    return 2 * num_layers * blocks * HKV * BS * D * 2 / 2**30
 
 
 @functools.partial(jax.jit, static_argnames=("shape",))
 def random_cache(key, shape):
-  """Random bf16 cache; a 4096-block random tile repeated, to avoid huge f32 temporaries."""
-  n = min(shape[1], 4096)
-  tile = jax.random.normal(key, (shape[0], n, *shape[2:]), jnp.float32).astype(DTYPE)
-  reps = -(-shape[1] // n)
-  return jnp.tile(tile, (1, reps, 1, 1, 1))[:, :shape[1]]
+    """Random bf16 cache; a 4096-block random tile repeated, to avoid huge f32 temporaries."""
+    n = min(shape[1], 4096)
+    tile = jax.random.normal(key, (shape[0], n, *shape[2:]), jnp.float32).astype(DTYPE)
+    reps = -(-shape[1] // n)
+    return jnp.tile(tile, (1, reps, 1, 1, 1))[:, : shape[1]]
 
 
 def attention_inputs(case, num_layers, seed=0):
-  """(q, k, v, layer, block_tables, seq_lens, query_start_loc, num_seqs) for a case."""
-  R, q_len, ctx = case["rows"], case["q_len"], case["ctx"]
-  T = R * q_len
-  max_blocks = math.ceil(ctx / BS)
-  num_blocks = R * max_blocks + 16
-  keys = jax.random.split(jax.random.key(seed), 4)
-  shape = (num_layers, num_blocks, HKV, BS, D)
-  k, v = random_cache(keys[0], shape), random_cache(keys[1], shape)
-  q = jax.random.normal(keys[2], (T, HQ, D), jnp.float32).astype(DTYPE)
-  perm = jax.random.permutation(keys[3], num_blocks)[:R * max_blocks]
-  block_tables = perm.reshape(R, max_blocks).astype(jnp.int32)
-  seq_lens = jnp.full((R,), ctx, jnp.int32)
-  qsl = jnp.arange(R + 1, dtype=jnp.int32) * q_len
-  return (q, k, v, jnp.int32(num_layers - 1), block_tables, seq_lens, qsl, jnp.int32(R))
+    """(q, k, v, layer, block_tables, seq_lens, query_start_loc, num_seqs) for a case."""
+    R, q_len, ctx = case["rows"], case["q_len"], case["ctx"]
+    T = R * q_len
+    max_blocks = math.ceil(ctx / BS)
+    num_blocks = R * max_blocks + 16
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shape = (num_layers, num_blocks, HKV, BS, D)
+    k, v = random_cache(keys[0], shape), random_cache(keys[1], shape)
+    q = jax.random.normal(keys[2], (T, HQ, D), jnp.float32).astype(DTYPE)
+    perm = jax.random.permutation(keys[3], num_blocks)[: R * max_blocks]
+    block_tables = perm.reshape(R, max_blocks).astype(jnp.int32)
+    seq_lens = jnp.full((R,), ctx, jnp.int32)
+    qsl = jnp.arange(R + 1, dtype=jnp.int32) * q_len
+    return (q, k, v, jnp.int32(num_layers - 1), block_tables, seq_lens, qsl, jnp.int32(R))
 
 
 def attention_work(case):
-  """(useful bytes, flops) of one attention call."""
-  R, q_len, ctx = case["rows"], case["q_len"], case["ctx"]
-  kv_bytes = 2 * R * ctx * HKV * D * 2
-  qo_bytes = 2 * R * q_len * HQ * D * 2
-  # Query j of a row sees ctx - q_len + j + 1 keys.
-  pairs = R * (q_len * (ctx - q_len) + q_len * (q_len + 1) // 2)
-  return kv_bytes + qo_bytes, 4 * HQ * D * pairs
+    """(useful bytes, flops) of one attention call."""
+    R, q_len, ctx = case["rows"], case["q_len"], case["ctx"]
+    kv_bytes = 2 * R * ctx * HKV * D * 2
+    qo_bytes = 2 * R * q_len * HQ * D * 2
+    # Query j of a row sees ctx - q_len + j + 1 keys.
+    pairs = R * (q_len * (ctx - q_len) + q_len * (q_len + 1) // 2)
+    return kv_bytes + qo_bytes, 4 * HQ * D * pairs
 
 
 # ----------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------
 
+
 def chained_attention(attn, inner):
-  def run(q, *rest):
-    for _ in range(inner):  # unrolled: one command buffer, each call depends on the last
-      q = attn(q, *rest)
-    return q
-  return jax.jit(run)
+    def run(q, *rest):
+        for _ in range(inner):  # unrolled: one command buffer, each call depends on the last
+            q = attn(q, *rest)
+        return q
+
+    return jax.jit(run)
 
 
 def time_call(fn, args, *, inner, runs, warmup):
-  return statistics.median(time_calls(fn, args, runs, warmup)) / inner
+    return statistics.median(time_calls(fn, args, runs, warmup)) / inner
 
 
 def pick_inner(args_inner, work_bytes):
-  if args_inner:
-    return args_inner
-  floor_s = work_bytes / PEAK_BW
-  expected_s = max(4 * floor_s, 5e-6)  # guess: ~25% of peak bandwidth, >= 5 us
-  return int(min(20, max(1, math.ceil(2e-3 / expected_s))))
+    if args_inner:
+        return args_inner
+    floor_s = work_bytes / PEAK_BW
+    expected_s = max(4 * floor_s, 5e-6)  # guess: ~25% of peak bandwidth, >= 5 us
+    return int(min(20, max(1, math.ceil(2e-3 / expected_s))))
 
 
 def figures(seconds, nbytes, flops):
-  return dict(ms=seconds * 1e3, gbps=nbytes / seconds / 1e9, frac_bw=nbytes / seconds / PEAK_BW,
-              tflops=flops / seconds / 1e12, frac_flops=flops / seconds / PEAK_FLOPS)
+    return dict(
+        ms=seconds * 1e3,
+        gbps=nbytes / seconds / 1e9,
+        frac_bw=nbytes / seconds / PEAK_BW,
+        tflops=flops / seconds / 1e12,
+        frac_flops=flops / seconds / PEAK_FLOPS,
+    )
 
 
 def bench_attention(case, tuning, opts, *, with_reference=True):
-  args = attention_inputs(case, opts.num_layers)
-  nbytes, flops = attention_work(case)
-  inner = pick_inner(opts.inner, nbytes)
-  scale = D**-0.5
-  T, R = args[0].shape[0], args[4].shape[0]
-  resolved = default_tuning(T, R, HQ, HKV, args[4].shape[1] * BS)
-  resolved.update({k: v for k, v in tuning.items() if v is not None})
-  attn = functools.partial(ragged_paged_attention, sm_scale=scale, interpret=opts.interpret,
-                           **resolved)
-  out = dict(config=resolved, inner=inner, bytes=nbytes, flops=flops)
-  out["kernel"] = figures(time_call(chained_attention(attn, inner), args, inner=inner,
-                                    runs=opts.runs, warmup=opts.warmup), nbytes, flops)
-  if with_reference:
-    # The per-token/per-row reference materialises about 2-4 copies of the gathered KV.
-    ref_gib = 4 * R * args[4].shape[1] * BS * HKV * D * 2 / 2**30
-    if ref_gib > opts.ref_max_gib:
-      out["reference"] = dict(skipped=f"needs ~{ref_gib:.0f} GiB")
-    else:
-      ref = functools.partial(ragged_paged_attention_reference, sm_scale=scale)
-      out["reference"] = figures(time_call(chained_attention(ref, inner), args, inner=inner,
-                                           runs=opts.runs, warmup=opts.warmup), nbytes, flops)
-      got = chained_attention(attn, 1)(*args).astype(jnp.float32)
-      want = chained_attention(ref, 1)(*args).astype(jnp.float32)
-      out["max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-  return out
+    args = attention_inputs(case, opts.num_layers)
+    nbytes, flops = attention_work(case)
+    inner = pick_inner(opts.inner, nbytes)
+    scale = D**-0.5
+    T, R = args[0].shape[0], args[4].shape[0]
+    resolved = default_tuning(T, R, HQ, HKV, args[4].shape[1] * BS)
+    resolved.update({k: v for k, v in tuning.items() if v is not None})
+    attn = functools.partial(ragged_paged_attention, sm_scale=scale, interpret=opts.interpret, **resolved)
+    out = dict(config=resolved, inner=inner, bytes=nbytes, flops=flops)
+    out["kernel"] = figures(
+        time_call(chained_attention(attn, inner), args, inner=inner, runs=opts.runs, warmup=opts.warmup),
+        nbytes,
+        flops,
+    )
+    if with_reference:
+        # The per-token/per-row reference materialises about 2-4 copies of the gathered KV.
+        ref_gib = 4 * R * args[4].shape[1] * BS * HKV * D * 2 / 2**30
+        if ref_gib > opts.ref_max_gib:
+            out["reference"] = dict(skipped=f"needs ~{ref_gib:.0f} GiB")
+        else:
+            ref = functools.partial(ragged_paged_attention_reference, sm_scale=scale)
+            out["reference"] = figures(
+                time_call(
+                    chained_attention(ref, inner), args, inner=inner, runs=opts.runs, warmup=opts.warmup
+                ),
+                nbytes,
+                flops,
+            )
+            got = chained_attention(attn, 1)(*args).astype(jnp.float32)
+            want = chained_attention(ref, 1)(*args).astype(jnp.float32)
+            out["max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    return out
 
 
 def bench_write(case, opts):
-  T = case["tokens"]
-  num_blocks = math.ceil(T / BS) * 4 + 16
-  shape = (opts.num_layers, num_blocks, HKV, BS, D)
-  keys = jax.random.split(jax.random.key(1), 4)
-  k, v = random_cache(keys[0], shape), random_cache(keys[1], shape)
-  k_new = jax.random.normal(keys[2], (T, HKV, D), jnp.float32).astype(DTYPE)
-  slots = jax.random.permutation(keys[3], num_blocks * BS)[:T].astype(jnp.int32)
-  layer = jnp.int32(opts.num_layers - 1)
-  nbytes = 2 * 2 * T * HKV * D * 2  # read k_new/v_new, write the slots
-  inner = pick_inner(opts.inner, nbytes)
-  out = dict(config={}, inner=inner, bytes=nbytes, flops=0)
-  kernel = functools.partial(write_kv, interpret=opts.interpret)
-  for name, fn in (("kernel", kernel), ("reference", write_kv_reference)):
-    def run(k, v, k_new, slots, fn=fn):
-      for i in range(inner):  # each write depends on the previous cache state
-        k, v = fn(k, v, k_new + i, k_new - i, slots, layer)
-      return k, v
-    run = jax.jit(run, donate_argnums=(0, 1))
-    state = [k, v]
+    T = case["tokens"]
+    num_blocks = math.ceil(T / BS) * 4 + 16
+    shape = (opts.num_layers, num_blocks, HKV, BS, D)
+    keys = jax.random.split(jax.random.key(1), 4)
+    k, v = random_cache(keys[0], shape), random_cache(keys[1], shape)
+    k_new = jax.random.normal(keys[2], (T, HKV, D), jnp.float32).astype(DTYPE)
+    slots = jax.random.permutation(keys[3], num_blocks * BS)[:T].astype(jnp.int32)
+    layer = jnp.int32(opts.num_layers - 1)
+    nbytes = 2 * 2 * T * HKV * D * 2  # read k_new/v_new, write the slots
+    inner = pick_inner(opts.inner, nbytes)
+    out = dict(config={}, inner=inner, bytes=nbytes, flops=0)
+    kernel = functools.partial(write_kv, interpret=opts.interpret)
+    for name, fn in (("kernel", kernel), ("reference", write_kv_reference)):
 
-    def call():
-      state[:] = run(state[0], state[1], k_new, slots)
-      return state[0]
-    for _ in range(opts.warmup):
-      jax.block_until_ready(call())
-    samples = []
-    for _ in range(opts.runs):
-      t0 = time.perf_counter()
-      jax.block_until_ready(call())
-      samples.append(time.perf_counter() - t0)
-    out[name] = figures(statistics.median(samples) / inner, nbytes, 0)
-    k, v = state
-  return out
+        def run(k, v, k_new, slots, fn=fn):
+            for i in range(inner):  # each write depends on the previous cache state
+                k, v = fn(k, v, k_new + i, k_new - i, slots, layer)
+            return k, v
+
+        run = jax.jit(run, donate_argnums=(0, 1))
+        state = [k, v]
+
+        def call():
+            state[:] = run(state[0], state[1], k_new, slots)
+            return state[0]
+
+        for _ in range(opts.warmup):
+            jax.block_until_ready(call())
+        samples = []
+        for _ in range(opts.runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            samples.append(time.perf_counter() - t0)
+        out[name] = figures(statistics.median(samples) / inner, nbytes, 0)
+        k, v = state
+    return out
 
 
 # ----------------------------------------------------------------------------------------
 # Sweep
 # ----------------------------------------------------------------------------------------
 
+
 def sweep_configs(case):
-  if case["q_len"] == 1:  # decode: small query tiles; vary the KV tile and the split
-    grid = itertools.product([16], [32, 64, 128], [1, 2, 4, 8], [4, 8], [2, 3])
-  else:  # prefill: query/key tile sizes and launch shape
-    grid = itertools.product([32, 64, 128], [32, 64, 128], [1], [4, 8], [2, 3])
-  for m, n, s, w, st in grid:
-    yield dict(block_m=m, block_n=n, num_kv_splits=s, num_warps=w, num_stages=st)
+    if case["q_len"] == 1:  # decode: small query tiles; vary the KV tile and the split
+        grid = itertools.product([16], [32, 64, 128], [1, 2, 4, 8], [4, 8], [2, 3])
+    else:  # prefill: query/key tile sizes and launch shape
+        grid = itertools.product([32, 64, 128], [32, 64, 128], [1], [4, 8], [2, 3])
+    for m, n, s, w, st in grid:
+        yield dict(block_m=m, block_n=n, num_kv_splits=s, num_warps=w, num_stages=st)
 
 
 def run_sweep(name, case, opts):
-  rows = []
-  for cfg in sweep_configs(case):
-    try:
-      r = bench_attention(case, cfg, opts, with_reference=False)
-      rows.append(dict(config=cfg, **r["kernel"]))
-      print(f"  {fmt_cfg(cfg):44s} {r['kernel']['ms']:9.4f} ms  "
-            f"{100 * r['kernel']['frac_bw']:5.1f}% BW  {100 * r['kernel']['frac_flops']:5.1f}% "
-            "FLOP", flush=True)
-    except Exception as e:  # e.g. out of shared memory / registers for a tile shape
-      rows.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:300]}"))
-      print(f"  {fmt_cfg(cfg):44s} failed: {type(e).__name__}", flush=True)
-  ok = [r for r in rows if "ms" in r]
-  best = min(ok, key=lambda r: r["ms"]) if ok else None
-  if best:
-    print(f"best for {name}: {fmt_cfg(best['config'])}  {best['ms']:.4f} ms "
-          f"({100 * best['frac_bw']:.1f}% of {PEAK_BW / 1e12:.1f} TB/s)", flush=True)
-  return dict(case=name, results=rows, best=best)
+    rows = []
+    for cfg in sweep_configs(case):
+        try:
+            r = bench_attention(case, cfg, opts, with_reference=False)
+            rows.append(dict(config=cfg, **r["kernel"]))
+            print(
+                f"  {fmt_cfg(cfg):44s} {r['kernel']['ms']:9.4f} ms  "
+                f"{100 * r['kernel']['frac_bw']:5.1f}% BW  {100 * r['kernel']['frac_flops']:5.1f}% "
+                "FLOP",
+                flush=True,
+            )
+        except Exception as e:  # e.g. out of shared memory / registers for a tile shape
+            rows.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(f"  {fmt_cfg(cfg):44s} failed: {type(e).__name__}", flush=True)
+    ok = [r for r in rows if "ms" in r]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    if best:
+        print(
+            f"best for {name}: {fmt_cfg(best['config'])}  {best['ms']:.4f} ms "
+            f"({100 * best['frac_bw']:.1f}% of {PEAK_BW / 1e12:.1f} TB/s)",
+            flush=True,
+        )
+    return dict(case=name, results=rows, best=best)
 
 
 # ----------------------------------------------------------------------------------------
 # Reporting
 # ----------------------------------------------------------------------------------------
 
+
 def fmt_cfg(cfg):
-  short = dict(block_m="m", block_n="n", num_kv_splits="s", num_warps="w", num_stages="st")
-  return " ".join(f"{short[k]}={cfg[k]}" for k in TUNING_KEYS if k in cfg)
+    short = dict(block_m="m", block_n="n", num_kv_splits="s", num_warps="w", num_stages="st")
+    return " ".join(f"{short[k]}={cfg[k]}" for k in TUNING_KEYS if k in cfg)
 
 
 def fmt_row(name, impl, cfg, r):
-  if "skipped" in r:
-    return f"{name:22s} {impl:9s} {'':40s} skipped ({r['skipped']})"
-  return (f"{name:22s} {impl:9s} {fmt_cfg(cfg):40s} {r['ms']:9.4f} {r['gbps']:9.1f} "
-          f"{100 * r['frac_bw']:6.1f}% {r['tflops']:8.2f} {100 * r['frac_flops']:6.1f}%")
+    if "skipped" in r:
+        return f"{name:22s} {impl:9s} {'':40s} skipped ({r['skipped']})"
+    return (
+        f"{name:22s} {impl:9s} {fmt_cfg(cfg):40s} {r['ms']:9.4f} {r['gbps']:9.1f} "
+        f"{100 * r['frac_bw']:6.1f}% {r['tflops']:8.2f} {100 * r['frac_flops']:6.1f}%"
+    )
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--output-json", type=pathlib.Path)
-  p.add_argument("--cases", default="all",
-                 help="comma-separated case names or prefixes (decode, prefill, kv_write)")
-  p.add_argument("--sweep", action="append", default=[],
-                 help="case to sweep tuning configs on (repeatable); 'default' = "
-                      "decode_b256_c4096; with --sweep only the sweeps run")
-  p.add_argument("--runs", type=int, default=20)
-  p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--inner", type=int, default=0, help="chained calls per sample (0: auto)")
-  p.add_argument("--num-layers", type=int, default=1)
-  p.add_argument("--max-kv-gib", type=float, default=40.0)
-  p.add_argument("--ref-max-gib", type=float, default=48.0)
-  p.add_argument("--no-reference", action="store_true")
-  p.add_argument("--interpret", action="store_true",
-                 help="run the kernels in the Pallas interpreter (CPU smoke test only)")
-  for key in TUNING_KEYS:
-    p.add_argument("--" + key.replace("_", "-"), type=int, default=None,
-                   help="kernel tuning override (default: default_tuning for the case)")
-  opts = p.parse_args(argv)
-  tuning = {k: getattr(opts, k) for k in TUNING_KEYS}
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output-json", type=pathlib.Path)
+    p.add_argument(
+        "--cases", default="all", help="comma-separated case names or prefixes (decode, prefill, kv_write)"
+    )
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        help="case to sweep tuning configs on (repeatable); 'default' = "
+        "decode_b256_c4096; with --sweep only the sweeps run",
+    )
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--inner", type=int, default=0, help="chained calls per sample (0: auto)")
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--max-kv-gib", type=float, default=40.0)
+    p.add_argument("--ref-max-gib", type=float, default=48.0)
+    p.add_argument("--no-reference", action="store_true")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="run the kernels in the Pallas interpreter (CPU smoke test only)",
+    )
+    for key in TUNING_KEYS:
+        p.add_argument(
+            "--" + key.replace("_", "-"),
+            type=int,
+            default=None,
+            help="kernel tuning override (default: default_tuning for the case)",
+        )
+    opts = p.parse_args(argv)
+    tuning = {k: getattr(opts, k) for k in TUNING_KEYS}
 
-  report = dict(**describe_environment(), argv=sys.argv[1:], peak_bw=PEAK_BW,
-                peak_flops=PEAK_FLOPS, results=[], sweeps=[])
-  print(f"# {report['date']}  jax {jax.__version__}  {report['device']}  "
-        f"sha {report['git_sha']}", flush=True)
+    report = dict(
+        **describe_environment(),
+        argv=sys.argv[1:],
+        peak_bw=PEAK_BW,
+        peak_flops=PEAK_FLOPS,
+        results=[],
+        sweeps=[],
+    )
+    print(
+        f"# {report['date']}  jax {jax.__version__}  {report['device']}  sha {report['git_sha']}", flush=True
+    )
 
-  cases = all_cases()
-  if opts.sweep:
-    for name in opts.sweep:
-      name = "decode_b256_c4096" if name == "default" else name
-      print(f"sweep {name}", flush=True)
-      report["sweeps"].append(run_sweep(name, cases[name], opts))
-  else:
-    wanted = [c.strip() for c in opts.cases.split(",")]
-    print(f"{'case':22s} {'impl':9s} {'config':40s} {'ms':>9s} {'GB/s':>9s} {'%BW':>7s} "
-          f"{'TFLOP/s':>8s} {'%FLOP':>7s}", flush=True)
-    for name, case in cases.items():
-      if "all" not in wanted and not any(name.startswith(w) for w in wanted):
-        continue
-      if kv_gib(case, opts.num_layers) > opts.max_kv_gib:
-        print(f"{name:22s} skipped: KV {kv_gib(case, opts.num_layers):.0f} GiB", flush=True)
-        continue
-      try:
-        if case["kind"] == "write":
-          r = bench_write(case, opts)
-        else:
-          r = bench_attention(case, tuning, opts, with_reference=not opts.no_reference)
-      except Exception as e:
-        print(f"{name:22s} FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
-        report["results"].append(dict(case=name, error=f"{type(e).__name__}: {e}"[:2000]))
-        continue
-      report["results"].append(dict(case=name, **case, **r))
-      for impl in ("kernel", "reference"):
-        if impl in r:
-          print(fmt_row(name, impl, r["config"] if impl == "kernel" else {}, r[impl]),
-                flush=True)
-      if "max_rel_err" in r:
-        print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}",
-              flush=True)
-      jax.clear_caches()  # keep compiled executables (and their buffers) from piling up
+    cases = all_cases()
+    if opts.sweep:
+        for name in opts.sweep:
+            name = "decode_b256_c4096" if name == "default" else name
+            print(f"sweep {name}", flush=True)
+            report["sweeps"].append(run_sweep(name, cases[name], opts))
+    else:
+        wanted = [c.strip() for c in opts.cases.split(",")]
+        print(
+            f"{'case':22s} {'impl':9s} {'config':40s} {'ms':>9s} {'GB/s':>9s} {'%BW':>7s} "
+            f"{'TFLOP/s':>8s} {'%FLOP':>7s}",
+            flush=True,
+        )
+        for name, case in cases.items():
+            if "all" not in wanted and not any(name.startswith(w) for w in wanted):
+                continue
+            if kv_gib(case, opts.num_layers) > opts.max_kv_gib:
+                print(f"{name:22s} skipped: KV {kv_gib(case, opts.num_layers):.0f} GiB", flush=True)
+                continue
+            try:
+                if case["kind"] == "write":
+                    r = bench_write(case, opts)
+                else:
+                    r = bench_attention(case, tuning, opts, with_reference=not opts.no_reference)
+            except Exception as e:
+                print(f"{name:22s} FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
+                report["results"].append(dict(case=name, error=f"{type(e).__name__}: {e}"[:2000]))
+                continue
+            report["results"].append(dict(case=name, **case, **r))
+            for impl in ("kernel", "reference"):
+                if impl in r:
+                    print(fmt_row(name, impl, r["config"] if impl == "kernel" else {}, r[impl]), flush=True)
+            if "max_rel_err" in r:
+                print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}", flush=True)
+            jax.clear_caches()  # keep compiled executables (and their buffers) from piling up
 
-  if opts.output_json:
-    opts.output_json.parent.mkdir(parents=True, exist_ok=True)
-    opts.output_json.write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {opts.output_json}")
+    if opts.output_json:
+        opts.output_json.parent.mkdir(parents=True, exist_ok=True)
+        opts.output_json.write_text(json.dumps(report, indent=1, default=str))
+        print(f"wrote {opts.output_json}")
 
 
 if __name__ == "__main__":
-  main()
+    main()
