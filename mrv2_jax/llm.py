@@ -34,7 +34,12 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
+        token_ids = [int(t) for t in prompt]
+        vocab = self.model_state.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        return None, token_ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
         text, token_ids = self._tokenize(prompt)

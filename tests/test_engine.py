@@ -111,6 +111,8 @@ def test_bad_requests_raise_and_leave_nothing_behind(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[5] * 10, [5] * 200], GREEDY, use_tqdm=False)
     assert not llm.engine.has_work()
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 96\)"):
+        llm.generate([[5, 96]], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(TypeError, match="no_such_arg"):
