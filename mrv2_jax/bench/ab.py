@@ -52,6 +52,9 @@ def run_arm(name, args, loaded, prompts):
         # In the middle of steady decode, keep one full-concurrency decode step and a copy of
         # the state it ran on, to replay it alone afterwards: its device time.
         execute, qualifying = engine.runner.execute, [0]
+        # Compile the copies now: a compile inside the timed step would inflate its wall time
+        # (and is an error under MRV2_STRICT_COMPILES=1).
+        jax.block_until_ready(jax.tree.map(jnp.copy, engine.runner.state))
 
         def execute_and_capture(out):
             snapshot = None
@@ -83,8 +86,8 @@ def run_arm(name, args, loaded, prompts):
             "gpu_busy_fraction": (device / wall) if (wall and device) else None}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -92,6 +95,8 @@ def main(argv=None):
     p.add_argument("--capture-step", type=int, default=100,
                    help="which full-concurrency decode step to replay for its device time")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG: output tok/s per arm, and steady-decode step wall vs device time")
     add_engine_args(p)
     args = p.parse_args(argv)
     from mrv2_jax.models.loader import load_model
@@ -119,6 +124,11 @@ def main(argv=None):
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2, default=str)
+    if args.plot:
+        from mrv2_jax.bench.plot import plot_ab  # matplotlib only when plotting
+
+        plot_ab(report, args.plot)
+        print(f"wrote {args.plot}")
     return report
 
 

@@ -14,12 +14,19 @@ from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 
-def random_prompts(num_prompts, input_len, range_ratio, vocab_size, seed):
+def random_prompts(num_prompts, input_len, range_ratio, vocab_size, seed, prefix_len=0):
+    """Random token prompts, as vllm's random dataset: each `prefix_len` shared tokens (the same
+    for every prompt) followed by `input_len` (+- range_ratio) tokens of its own."""
     rng = np.random.default_rng(seed)
     lo, hi = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
     lengths = rng.integers(max(lo, 1), hi + 1, num_prompts)
     # Avoid the top of the vocabulary, where special tokens live.
-    return [rng.integers(0, vocab_size - 1000 if vocab_size > 2000 else vocab_size, n).tolist() for n in lengths]
+    top = vocab_size - 1000 if vocab_size > 2000 else vocab_size
+    prompts = [rng.integers(0, top, n).tolist() for n in lengths]
+    if prefix_len:
+        prefix = np.random.default_rng([seed, prefix_len]).integers(0, top, prefix_len).tolist()
+        prompts = [prefix + p for p in prompts]
+    return prompts
 
 
 def run(args) -> dict:
@@ -30,7 +37,7 @@ def run(args) -> dict:
     llm = LLM(**engine_kwargs(args))
     startup = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, args.random_range_ratio,
-                             llm.model_state.vocab_size, args.dataset_seed)
+                             llm.model_state.vocab_size, args.dataset_seed, args.random_prefix_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     if args.warmup_prompts:
         llm.generate(prompts[: args.warmup_prompts], params, use_tqdm=False)
@@ -44,19 +51,23 @@ def run(args) -> dict:
         **describe_environment(), "elapsed_s": elapsed, "startup_s": startup,
         "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed, "num_prompts": len(prompts),
-        "input_len": args.input_len, "output_len": args.output_len, "num_input_tokens": num_in,
+        "input_len": args.input_len, "random_prefix_len": args.random_prefix_len,
+        "output_len": args.output_len, "num_input_tokens": num_in,
         "num_output_tokens": num_out, "runner": config.runner,
         "async_scheduling": llm.engine.async_scheduling,
         "settings": {k: v for k, v in vars(config).items()},
     }
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="a random prefix of this many tokens shared by every prompt, before its own "
+                        "--input-len tokens (prefix caching can reuse it)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--warmup-prompts", type=int, default=0)

@@ -1,4 +1,4 @@
-"""`mrv2-jax` command line: generate, serve, convert (bench comes with its issue)."""
+"""`mrv2-jax` command line: generate, serve, convert, bench."""
 
 import argparse
 import os
@@ -91,6 +91,20 @@ def cmd_serve(args) -> int:
     return 0
 
 
+BENCHMARKS = {
+    "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
+    "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
+}
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    module.main(args.bench_args, prog=f"mrv2-jax bench {args.benchmark}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mrv2-jax", description="JAX/XLA inference for Qwen and GLM models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,11 +151,30 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", default="bfloat16")
     conv.set_defaults(func=cmd_convert)
+
+    bench = sub.add_parser(
+        "bench", help="benchmarks: throughput, runner A/B",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a benchmark; the arguments after its name are its own "
+                    "(see `mrv2-jax bench BENCHMARK --help`).\n\nbenchmarks:\n"
+                    + "\n".join(f"  {name:12} {text}" for name, (_, text) in BENCHMARKS.items()),
+        epilog="example: mrv2-jax bench throughput --model qwen3-0.6b --load-format dummy "
+               "--input-len 128 --output-len 128 --num-prompts 1000 --output-json out.json")
+    bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="BENCHMARK",
+                       help="one of: " + ", ".join(BENCHMARKS))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="...",
+                       help="the benchmark's own arguments")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        # Straight to the benchmark, so that its options (--help included) are all its own.
+        args = argparse.Namespace(func=cmd_bench, benchmark=argv[1], bench_args=argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
