@@ -45,8 +45,8 @@ class ModelRunnerV1:
                  use_kernels: bool | None = None, show_progress: bool = True,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None):
         """`sampler_variants`: the sampler feature sets compiled per bucket; each step uses the
-        first that covers its batch (the last must cover everything). Default: one variant with
-        every feature and runtime skips."""
+        first that covers its batch (the last must cover everything). Default: argmax-only, then
+        every feature behind runtime skips."""
         self.model_state = model_state
         self.params = FlatParams(lm)
         self.block_size = block_size
@@ -64,7 +64,8 @@ class ModelRunnerV1:
         self.num_prompt = np.zeros(max_num_seqs, np.int32)
         self.sampling = SamplingTable(max_num_seqs, MAX_LOGIT_BIAS, MAX_STOP_IDS)
         self.table_row = np.full(max_num_seqs, -1, np.int32)  # slot if its device rows are valid
-        self.sampler_variants = tuple(sampler_variants or (SamplerFeatures.all(),))
+        # As V2: an argmax-only variant for plain-greedy batches, the full one otherwise.
+        self.sampler_variants = tuple(sampler_variants or (SamplerFeatures.greedy(), SamplerFeatures.all()))
         self.vocab_size = model_state.vocab_size
         self.eos_token_ids = tuple(model_state.eos_token_ids or ())
         # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot.

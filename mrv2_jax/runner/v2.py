@@ -34,7 +34,8 @@ from mrv2_jax.runner.step_result import StepResult, TokenLogprobs, token_logprob
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
-from mrv2_jax.sample.tensors import FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, sampling_row
+from mrv2_jax.sample.tensors import (FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, is_plain_greedy,
+                                     sampling_row)
 
 
 OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buffer is too small
@@ -71,7 +72,10 @@ class ModelRunnerV2:
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, use_prep_kernels: bool = False,
-                 show_progress: bool = True):
+                 sampler_variants: tuple[SamplerFeatures, ...] | None = None, show_progress: bool = True):
+        """`sampler_variants`: sampler feature sets compiled per bucket, cheapest first; a step
+        whose rows are all plain greedy uses the first, any other step the last (which must
+        cover everything)."""
         self.params = FlatParams(lm)
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -89,8 +93,10 @@ class ModelRunnerV2:
         self._seed_rng = np.random.default_rng()
         self._logprob_reqs: dict[str, int] = {}  # requests that asked for logprobs -> top n
         self.eos_token_ids = tuple(model_state.eos_token_ids or ())
-        # One sampler variant with every feature behind cheap runtime skips (as V1).
-        self.sampler_features = SamplerFeatures.all()
+        # Plain-greedy batches (the common benchmark case) take an argmax-only sampler; any
+        # other batch the variant with every feature behind cheap runtime skips.
+        self.sampler_variants = tuple(sampler_variants or (SamplerFeatures.greedy(), SamplerFeatures.all()))
+        self._needs_full_sampler: set[str] = set()  # live requests that are not plain greedy
         self.slot_state = slot_state.init_slot_state(max_num_seqs, model_state.vocab_size, MAX_LOGIT_BIAS,
                                                      MAX_STOP_IDS)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
@@ -141,9 +147,12 @@ class ModelRunnerV2:
         for bucket in tqdm(self.buckets, desc="compiling step buckets", disable=not show_progress):
             layout = self._layout(bucket)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            lowered = jax.jit(self._step_fn(layout, self.sampler_features), donate_argnums=(1, 2, 3)).lower(
-                self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
-            self.compiled[bucket] = (layout, lowered.compile())
+            variants = []
+            for features in self.sampler_variants:
+                lowered = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2, 3)).lower(
+                    self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
+                variants.append(lowered.compile())
+            self.compiled[bucket] = (layout, variants)
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
@@ -153,13 +162,14 @@ class ModelRunnerV2:
         for req_id in out.finished_req_ids:
             self.slots.free(req_id)
             self._logprob_reqs.pop(req_id, None)
+            self._needs_full_sampler.discard(req_id)
             self._prompts.pop(req_id, None)
             self._num_blocks.pop(req_id, None)
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:  # nothing scheduled: no new requests and no new blocks either
             return StepResult({})
         bucket = self.buckets.pick(out.total_num_scheduled_tokens, len(req_ids))
-        layout, compiled = self.compiled[bucket]
+        layout, variants = self.compiled[bucket]
         packed = layout.empty()  # a fresh buffer per step: the device may still read the last one
         view = lambda name: layout.view(packed, name)  # noqa: E731
         self._write_new_requests(out, view)
@@ -184,6 +194,8 @@ class ModelRunnerV2:
         capacity = layout.shapes["append_slot"][0]
         self._flush_block_appends(appends[capacity:])
         self._write_appends(view, appends[:capacity])
+        needs_full = self._needs_full_sampler and any(r in self._needs_full_sampler for r in req_ids)
+        compiled = variants[-1] if needs_full else variants[0]
         self.kv_cache, self.state, self.slot_state, result = compiled(
             self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
         self.last_dispatch = (compiled, packed)
@@ -224,6 +236,8 @@ class ModelRunnerV2:
                 view("new_sampler_row")[i] = slot
             if row.scalars["num_logprobs"] >= 0:
                 self._logprob_reqs[new.req_id] = row.scalars["num_logprobs"]
+            if not is_plain_greedy(row):
+                self._needs_full_sampler.add(new.req_id)
             self._prompts[new.req_id] = list(new.token_ids)
 
     def _collect_block_appends(self, out: SchedulerOutput) -> list[tuple[int, int, int]]:

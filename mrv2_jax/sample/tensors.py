@@ -119,6 +119,14 @@ class SamplingRow:
         return len(self.bias_ids) > 0 or len(self.stop_ids) > 0
 
 
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """An argmax of the raw logits serves this row: greedy, and nothing that changes logits
+    before the argmax (bias, min_tokens, penalties) or asks for logprobs. top_k / top_p / min_p
+    never remove the largest logit, so they do not matter for a greedy row."""
+    s = row.scalars
+    return s["temperature"] == 0 and not row.uses_penalties and not row.uses_sparse and s["num_logprobs"] < 0
+
+
 def seed_to_int32(seed: int) -> int:
     """Any Python int -> int32 whose uint32 view is seed mod 2**32 (what the noise keys use), so
     seeds in [0, 2**31) keep the exact noise they always had."""
