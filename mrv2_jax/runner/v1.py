@@ -20,7 +20,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from mrv2_jax.engine.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
@@ -28,6 +27,7 @@ from mrv2_jax.runner.buckets import Bucket, BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
 from mrv2_jax.runner.packed import PackedLayout
+from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.runner.slots import SlotAllocator
 from mrv2_jax.runner.step_result import StepResult, token_logprobs
 from mrv2_jax.sample import slot_state
@@ -107,15 +107,17 @@ class ModelRunnerV1:
     def _compile_all(self, show_progress: bool):
         """Every bucket is compiled ahead of time; a step outside them is an error, never a
         silent recompile."""
-        for bucket in tqdm(self.buckets, desc="compiling step buckets", disable=not show_progress):
-            layout = self._layout(bucket)
+        layouts, lowered = {}, {}
+        for bucket in self.buckets:
+            layouts[bucket] = layout = self._layout(bucket)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            variants = []
-            for features in self.sampler_variants:
-                lowered = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2)).lower(
+            for i, features in enumerate(self.sampler_variants):
+                lowered[bucket, i] = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2)).lower(
                     self.params.leaves, self.kv_cache, self.slot_state, packed)
-                variants.append((features, lowered.compile()))
-            self.compiled[bucket] = (layout, variants)
+        compiled = compile_all(lowered, show_progress)
+        for bucket, layout in layouts.items():
+            self.compiled[bucket] = (layout, [(features, compiled[bucket, i])
+                                              for i, features in enumerate(self.sampler_variants)])
 
     # --- per-step state changes ------------------------------------------------------------
     def _apply_scheduler_changes(self, out: SchedulerOutput):

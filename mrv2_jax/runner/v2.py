@@ -18,7 +18,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from mrv2_jax.engine.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
@@ -29,6 +28,7 @@ from mrv2_jax.runner.device_state import SAMPLING_FIELDS, init_device_state
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
 from mrv2_jax.runner.packed import PackedLayout
+from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.runner.slots import SlotAllocator
 from mrv2_jax.runner.step_result import StepResult, TokenLogprobs, token_logprobs
 from mrv2_jax.sample import slot_state
@@ -144,15 +144,16 @@ class ModelRunnerV2:
         return step
 
     def _compile_all(self, show_progress: bool):
-        for bucket in tqdm(self.buckets, desc="compiling step buckets", disable=not show_progress):
-            layout = self._layout(bucket)
+        layouts, lowered = {}, {}
+        for bucket in self.buckets:
+            layouts[bucket] = layout = self._layout(bucket)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            variants = []
-            for features in self.sampler_variants:
-                lowered = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2, 3)).lower(
+            for i, features in enumerate(self.sampler_variants):
+                lowered[bucket, i] = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2, 3)).lower(
                     self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
-                variants.append(lowered.compile())
-            self.compiled[bucket] = (layout, variants)
+        compiled = compile_all(lowered, show_progress)
+        for bucket, layout in layouts.items():
+            self.compiled[bucket] = (layout, [compiled[bucket, i] for i in range(len(self.sampler_variants))])
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
