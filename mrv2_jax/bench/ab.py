@@ -5,8 +5,11 @@
 
 Weights are loaded once and shared; each arm gets its own engine (KV cache, compiled buckets).
 Besides throughput it reports, for V2, one steady-decode step (every row decoding at full
-concurrency, the 100th such step): the engine's wall time per step around it, the device time of
-that same step replayed alone on a copy of its state, and their ratio, the GPU busy fraction.
+concurrency, the 100th such step): the step period around it (start of one `engine.step` to
+the next, so output processing counts), the device time of that same step replayed alone on a
+copy of its state (an upper bound: the replay adds a dispatch and a sync per call), and their
+ratio, an estimate of the GPU busy fraction; `wall_profile` follows the period through the run.
+`mrv2-jax bench timeline` measures the busy fraction from a profiler trace instead.
 """
 
 import argparse
@@ -27,11 +30,31 @@ ARMS = {"v1": ("v1", False), "v2-sync": ("v2", False), "v2-async": ("v2", True)}
 
 
 
+def step_periods(step_log) -> list[tuple[float, int, int]]:
+    """(seconds from this step's start to the next one's, tokens, rows) per step: the whole
+    loop around `engine.step`, output processing included, which is what the GPU waits on."""
+    return [(nxt[0] - cur[0], cur[2], cur[3]) for cur, nxt in zip(step_log, step_log[1:])]
+
+
 def local_wall(step_log, index, num_reqs, window=10) -> float | None:
-    """Median wall time of the full-concurrency decode steps within `window` steps of `index`."""
-    near = step_log[max(index - window, 0) : index + window]
-    walls = [end - start for start, end, tokens, reqs in near if tokens == reqs == num_reqs]
+    """Median period of the full-concurrency decode steps within `window` steps of `index`."""
+    near = step_periods(step_log)[max(index - window, 0) : index + window]
+    walls = [period for period, tokens, reqs in near if tokens == reqs == num_reqs]
     return statistics.median(walls) if walls else None
+
+
+def wall_profile(step_log, window=64) -> list[list]:
+    """[first step, median period ms, median engine.step ms, median rows] per window of `window`
+    steps: how the step time moves through the run (decode slows down as the context grows,
+    prefills stand out) and how much of each period is spent outside `engine.step`."""
+    periods = step_periods(step_log)
+    out = []
+    for i in range(0, len(periods), window):
+        chunk = periods[i : i + window]
+        inside = [e - s for s, e, _, _ in step_log[i : i + window]]
+        out.append([i, round(1e3 * statistics.median(p for p, _, _ in chunk), 3),
+                    round(1e3 * statistics.median(inside), 3), statistics.median(r for _, _, r in chunk)])
+    return out
 
 
 def run_arm(name, args, loaded, prompts):
@@ -83,7 +106,8 @@ def run_arm(name, args, loaded, prompts):
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
             "steady_step_wall_ms": wall and 1e3 * wall, "steady_step_device_ms": device and 1e3 * device,
-            "gpu_busy_fraction": (device / wall) if (wall and device) else None}
+            "gpu_busy_fraction": (device / wall) if (wall and device) else None,
+            "wall_profile": wall_profile(engine.step_log)}
 
 
 def main(argv=None, prog=None):

@@ -4,6 +4,11 @@ Owns one incremental detokenizer per request; when the detokenizer finds a stop 
 reports the request so the caller can finish it in the core (the scheduler never sees text).
 Also turns the runner's per-token logprobs into `{token_id: Logprob}` dicts, with each token's
 text (cached per id: the same top tokens come back again and again).
+
+A request added with `final_only` (offline `LLM.generate`, vLLM's FINAL_ONLY output kind) gets
+no output until it finishes, and, unless it has stop strings to watch for, is detokenized once
+at the end instead of every step: at 256 running requests, per-step snapshots and window
+decodes are host work that sits on the critical path of every step.
 """
 
 import time
@@ -24,6 +29,8 @@ class _Tracked:
     delta_text: str = ""
     first_token_time: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # None: the request asked for none
+    final_only: bool = False  # report the request only when it finishes
+    defer_detokenize: bool = False  # final_only and no stop strings: decode once, at the end
 
 
 class OutputProcessor:
@@ -32,13 +39,14 @@ class OutputProcessor:
         self.tracked: dict[str, _Tracked] = {}
         self._token_text: dict[int, str] = {}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, final_only: bool = False) -> None:
         detok = None
+        params = request.sampling_params
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
-                                                       request.sampling_params)
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids, params)
         self.tracked[request.request_id] = _Tracked(
-            request, detok, logprobs=None if request.sampling_params.logprobs is None else [])
+            request, detok, logprobs=None if params.logprobs is None else [], final_only=final_only,
+            defer_detokenize=final_only and not params.stop)
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
@@ -59,14 +67,17 @@ class OutputProcessor:
             if t.logprobs is not None:
                 t.logprobs.extend(self._logprob_dict(entry) for entry in out.new_logprobs or ())
             t.delta_text = ""
-            if t.detokenizer is not None:
-                delta, stop_string = t.detokenizer.update(out.new_token_ids)
+            if t.detokenizer is not None and (finish_reason is not None or not t.defer_detokenize):
+                new_ids = t.token_ids if t.defer_detokenize else out.new_token_ids
+                delta, stop_string = t.detokenizer.update(new_ids)
                 if stop_string is not None and finish_reason is None:
                     finish_reason, stop_reason = "stop", stop_string
                     stopped.append(out.req_id)
                 if finish_reason is not None:
                     delta += t.detokenizer.flush()
                 t.delta_text, t.text = delta, t.detokenizer.output_text
+            if t.final_only and finish_reason is None:
+                continue
             changed.append(self._snapshot(t, finish_reason, stop_reason, now))
             if finish_reason is not None:
                 del self.tracked[out.req_id]
