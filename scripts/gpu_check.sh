@@ -36,6 +36,11 @@ for s in $sections; do case $s in
       --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" ;;
   sampler) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" ;;
+  sampler-short) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" --cases \
+      dispatch greedy temperature all_unused all_used_threshold all_used_sort penalties logit_bias logprobs \
+      top_k_top_p_threshold top_k_top_p_sort top_p_threshold top_p_peaked ;;
+  attn-sweep) run_section attn-sweep python3 -m mrv2_jax.bench.attention_kernel --sweep decode_b256_c512 \
+      --output-json "$OUT/attention_sweep_c512.json" ;;
   prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
