@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.entrypoints import cli
 
 MODEL = str(Path(__file__).parent / "fixtures" / "qwen3-tiny")

@@ -8,25 +8,9 @@ import argparse
 import json
 import time
 
-import numpy as np
-
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
-
-
-def random_prompts(num_prompts, input_len, range_ratio, vocab_size, seed, prefix_len=0):
-    """Random token prompts, as vllm's random dataset: each `prefix_len` shared tokens (the same
-    for every prompt) followed by `input_len` (+- range_ratio) tokens of its own."""
-    rng = np.random.default_rng(seed)
-    lo, hi = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
-    lengths = rng.integers(max(lo, 1), hi + 1, num_prompts)
-    # Avoid the top of the vocabulary, where special tokens live.
-    top = vocab_size - 1000 if vocab_size > 2000 else vocab_size
-    prompts = [rng.integers(0, top, n).tolist() for n in lengths]
-    if prefix_len:
-        prefix = np.random.default_rng([seed, prefix_len]).integers(0, top, prefix_len).tolist()
-        prompts = [prefix + p for p in prompts]
-    return prompts
 
 
 def run(args) -> dict:

@@ -94,6 +94,7 @@ def cmd_serve(args) -> int:
 BENCHMARKS = {
     "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
+    "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
 }
 
 
@@ -153,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: throughput, runner A/B",
+        "bench", help="benchmarks: " + ", ".join(BENCHMARKS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a benchmark; the arguments after its name are its own "
                     "(see `mrv2-jax bench BENCHMARK --help`).\n\nbenchmarks:\n"
