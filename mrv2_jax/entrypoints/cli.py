@@ -95,6 +95,7 @@ BENCHMARKS = {
     "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
     "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
+    "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
 }
 
 
