@@ -96,6 +96,7 @@ BENCHMARKS = {
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
     "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
     "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
+    "xla-vs-cudagraph": ("mrv2_jax.bench.xla_vs_cudagraph", "a decode step: XLA command buffers vs a CUDA graph"),
 }
 
 
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a benchmark; the arguments after its name are its own "
                     "(see `mrv2-jax bench BENCHMARK --help`).\n\nbenchmarks:\n"
-                    + "\n".join(f"  {name:12} {text}" for name, (_, text) in BENCHMARKS.items()),
+                    + "\n".join(f"  {name:18} {text}" for name, (_, text) in BENCHMARKS.items()),
         epilog="example: mrv2-jax bench throughput --model qwen3-0.6b --load-format dummy "
                "--input-len 128 --output-len 128 --num-prompts 1000 --output-json out.json")
     bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="BENCHMARK",
