@@ -24,7 +24,11 @@ def run(args) -> dict:
                              llm.model_state.vocab_size, args.dataset_seed, args.random_prefix_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     if args.warmup_prompts:
-        llm.generate(prompts[: args.warmup_prompts], params, use_tqdm=False)
+        # Prompts of their own (another seed): reusing the timed ones would turn the run's
+        # prefills into prefix-cache hits.
+        warm = random_prompts(args.warmup_prompts, args.input_len, 0.0, llm.model_state.vocab_size,
+                              args.dataset_seed + 1)
+        llm.generate(warm, SamplingParams(max_tokens=min(args.output_len, 16), ignore_eos=True), use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
@@ -54,7 +58,8 @@ def main(argv=None, prog=None):
                         "--input-len tokens (prefix caching can reuse it)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dataset-seed", type=int, default=0)
-    p.add_argument("--warmup-prompts", type=int, default=0)
+    p.add_argument("--warmup-prompts", type=int, default=0,
+                   help="untimed prompts (of their own, 16 output tokens each) before the run")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args(argv)

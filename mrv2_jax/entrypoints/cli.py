@@ -96,6 +96,7 @@ BENCHMARKS = {
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
     "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
     "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
+    "compare": ("mrv2_jax.bench.compare", "side by side with vLLM (MRV2 and V1) on one GPU, with --plot"),
     "xla-vs-cudagraph": ("mrv2_jax.bench.xla_vs_cudagraph", "a decode step: XLA command buffers vs a CUDA graph"),
 }
 
