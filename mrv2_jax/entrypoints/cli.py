@@ -94,6 +94,10 @@ def cmd_serve(args) -> int:
 BENCHMARKS = {
     "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
+    "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
+    "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
+    "compare": ("mrv2_jax.bench.compare", "side by side with vLLM (MRV2 and V1) on one GPU, with --plot"),
+    "xla-vs-cudagraph": ("mrv2_jax.bench.xla_vs_cudagraph", "a decode step: XLA command buffers vs a CUDA graph"),
 }
 
 
@@ -153,11 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: throughput, runner A/B",
+        "bench", help="benchmarks: " + ", ".join(BENCHMARKS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a benchmark; the arguments after its name are its own "
                     "(see `mrv2-jax bench BENCHMARK --help`).\n\nbenchmarks:\n"
-                    + "\n".join(f"  {name:12} {text}" for name, (_, text) in BENCHMARKS.items()),
+                    + "\n".join(f"  {name:18} {text}" for name, (_, text) in BENCHMARKS.items()),
         epilog="example: mrv2-jax bench throughput --model qwen3-0.6b --load-format dummy "
                "--input-len 128 --output-len 128 --num-prompts 1000 --output-json out.json")
     bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="BENCHMARK",
