@@ -168,3 +168,12 @@ def test_generate_reports_only_final_outputs_and_matches_streamed_text():
         assert (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
     generated = llm.generate(prompts, params, use_tqdm=False)
     assert [g.outputs[0].text for g in generated] == [by_id[i].text for i in ids]
+
+
+def test_unrolled_layer_loop_gives_the_same_tokens():
+    prompts = random_prompts(6, seed=5)
+    want = [o.outputs[0].token_ids for o in make_llm(runner="v2").generate(prompts, GREEDY, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in make_llm(runner="v2", layer_unroll=0).generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    with pytest.raises(ValueError, match="layer_unroll"):
+        make_llm(layer_unroll=-1)

@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    g.add_argument("--layer-unroll", type=int, default=1,
+                   help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
