@@ -72,8 +72,8 @@ def runs():
             streams.setdefault(out.request_id, []).append(
                 (list(completion.token_ids), out.delta_text, completion.text, completion.finish_reason,
                  completion.stop_reason, out.finished, completion.logprobs))
-        results[k] = dict(streams=streams, compiles=num_compiles() - before, log=log,
-                          guard=llm.engine.compile_guard.num_unexpected, runner=llm.engine.runner, llm=llm)
+        results[k] = {"streams": streams, "compiles": num_compiles() - before, "log": log,
+                      "guard": llm.engine.compile_guard.num_unexpected, "runner": llm.engine.runner, "llm": llm}
     return prompts, params, results
 
 

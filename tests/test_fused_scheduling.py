@@ -13,9 +13,19 @@ from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
 from mrv2_jax.sampling_params import SamplingParams
-from tests.test_scheduler import (BLOCK_SIZE, EOS, DeviceRequest, Driver, FakeRunner, assert_all_blocks_free,
-                                  assert_matches_reference, kv_entry, next_token, random_workload,
-                                  reference_generate)
+from tests.test_scheduler import (
+    BLOCK_SIZE,
+    EOS,
+    DeviceRequest,
+    Driver,
+    FakeRunner,
+    assert_all_blocks_free,
+    assert_matches_reference,
+    kv_entry,
+    next_token,
+    random_workload,
+    reference_generate,
+)
 
 DEMO = Path(__file__).parent.parent / "checkpoints" / "demo-qwen3"
 
@@ -185,7 +195,7 @@ def test_last_prefill_token_is_not_fused():
     second = scheduler.schedule()
     assert second.num_scheduled_tokens == {"a": 1, "b": 1} and second.num_fused_steps == 1
     assert scheduler.schedule().num_fused_steps == 8
-    driver, results = run_fused(workload, 1, budget=8)
+    _, results = run_fused(workload, 1, budget=8)
     assert_matches_reference(results, workload)
 
 
