@@ -2,14 +2,19 @@
 # Everything the project checks on the GPU machine, in one call (device time is scarce):
 # versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
-# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy
-# has no .git.
+# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare), and
+# small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the same with the fused
+# while loop captured in XLA command buffers; fused-unroll: 4 steps per loop iteration).
+# Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: all)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
 sections=${*:-"env tests oracle load attention throughput"}
 summary=()
+# Small-batch decode (issue 12): Qwen3-0.6B, dummy weights, input 128 / output 512, batch 1/8/32.
+FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 128 --output-len 512
+            --max-model-len 1024 --max-num-batched-tokens 2048)
 
 run_section() {  # name, command...
   local name=$1; shift
@@ -37,6 +42,12 @@ for s in $sections; do case $s in
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" ;;
   sampler) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" ;;
   prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;
+  fused) run_section fused python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      --output-json "$OUT/fused_decode.json" ;;
+  fused-while) run_section fused-while env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" \
+      python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --output-json "$OUT/fused_decode_while.json" ;;
+  fused-unroll) run_section fused-unroll python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      --fused-steps 16 --fused-unroll 4 --output-json "$OUT/fused_decode_unroll4.json" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;

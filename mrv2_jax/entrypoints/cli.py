@@ -98,6 +98,7 @@ def cmd_serve(args) -> int:
 BENCHMARKS = {
     "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
+    "fused": ("mrv2_jax.bench.fused_decode", "small-batch decode latency with and without fused decode"),
 }
 
 
