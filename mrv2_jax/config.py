@@ -31,6 +31,9 @@ class SchedulerConfig:
     ``None`` means "take it from the model's config" and must be resolved by the engine
     before a scheduler is built. ``async_scheduling``: the engine schedules step N+1 before
     it has the sampled tokens of step N (the scheduler itself is the same in both modes).
+    ``max_fused_steps``: up to this many decode steps in one runner call when every running
+    request decodes, none is waiting and there are at most ``max_fused_rows`` of them (what
+    the runner compiled); 1 turns fused decode off.
     """
 
     max_num_seqs: int = 256
@@ -38,6 +41,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
+    max_fused_steps: int = 1
+    max_fused_rows: int = 0
 
     def __post_init__(self) -> None:
         _require_positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
@@ -48,6 +53,9 @@ class SchedulerConfig:
             _require_positive_int("SchedulerConfig", "max_model_len", self.max_model_len)
         _require_bool("SchedulerConfig", "enable_chunked_prefill", self.enable_chunked_prefill)
         _require_bool("SchedulerConfig", "async_scheduling", self.async_scheduling)
+        _require_positive_int("SchedulerConfig", "max_fused_steps", self.max_fused_steps)
+        if not isinstance(self.max_fused_rows, int) or self.max_fused_rows < 0:
+            raise ValueError(f"SchedulerConfig.max_fused_rows must be an int >= 0, got {self.max_fused_rows!r}")
         # Without chunking a prompt is prefilled in one step, so the largest prompt must fit
         # in one step's token budget or it could never be scheduled.
         if (

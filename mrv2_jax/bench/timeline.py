@@ -252,7 +252,11 @@ def run(args) -> dict:
     from mrv2_jax.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
+    # One dispatch per step unless asked otherwise: the timeline is per step, and a fused call
+    # (runner/fused.py) would be K steps in one.
+    kwargs = engine_kwargs(args)
+    kwargs["max_fused_steps"] = kwargs.get("max_fused_steps") or 1
+    llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, 0.0, llm.model_state.vocab_size, args.dataset_seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)

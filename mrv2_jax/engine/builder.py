@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from mrv2_jax.config import CacheConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
@@ -17,6 +16,7 @@ from mrv2_jax.models.loader import load_model, resolve_dtype
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 
 RUNNERS = ("v1", "v2")
+DEFAULT_MAX_FUSED_STEPS = 16
 
 
 @dataclass
@@ -39,6 +39,10 @@ class EngineConfig:
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
+    # V2: up to this many decode steps in one compiled call for small, stable batches
+    # (runner/fused.py); default 16 for v2, 1 (off) for v1. Speculative decoding needs 1.
+    max_fused_steps: int | None = None
+    fused_unroll: int = 1  # decode steps per iteration of the fused loop (1: a plain while loop)
     seed: int = 0
     show_progress: bool = True
 
@@ -51,6 +55,14 @@ class EngineConfig:
         resolve_dtype(self.dtype)
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
+        if self.max_fused_steps is None:
+            self.max_fused_steps = DEFAULT_MAX_FUSED_STEPS if self.runner == "v2" else 1
+        for name in ("max_fused_steps", "fused_unroll"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.runner == "v1" and self.max_fused_steps > 1:
+            raise ValueError("fused decode (max_fused_steps > 1) needs the v2 runner")
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -73,7 +85,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
-        return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels, **kwargs)
+        return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels,
+                             max_fused_steps=config.max_fused_steps, fused_unroll=config.fused_unroll, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)
@@ -107,10 +120,12 @@ def build_engine(config: EngineConfig, loaded_model=None):
         model_state, config.block_size, resolve_dtype(config.dtype), config.gpu_memory_utilization)
     runner = make_runner(config, model_state, lm, num_blocks, max_model_len)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
+    fused_rows = getattr(runner, "max_fused_rows", 0)  # the largest batch the runner can fuse
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-                        async_scheduling=async_scheduling),
+                        async_scheduling=async_scheduling,
+                        max_fused_steps=config.max_fused_steps if fused_rows else 1, max_fused_rows=fused_rows),
         CacheConfig(block_size=config.block_size, num_gpu_blocks=num_blocks,
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),

@@ -53,35 +53,55 @@ class OutputProcessor:
             self.tracked.pop(req_id, None)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """-> (outputs of the requests that changed, ids that just matched a stop string)."""
+        """-> (outputs of the requests that changed, ids that just matched a stop string).
+
+        An output with several tokens (a fused decode call) becomes one `RequestOutput` per
+        token, in order, so streaming stays per token; a stop string ends the request at the
+        token that completes it and the tokens after it are dropped."""
         now = time.monotonic()
         changed, stopped = [], []
         for out in core_outputs:
             t = self.tracked.get(out.req_id)
             if t is None:
                 continue
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if out.new_token_ids and t.first_token_time is None:
-                t.first_token_time = now
-            t.token_ids.extend(out.new_token_ids)
-            if t.logprobs is not None:
-                t.logprobs.extend(self._logprob_dict(entry) for entry in out.new_logprobs or ())
-            t.delta_text = ""
-            if t.detokenizer is not None and (finish_reason is not None or not t.defer_detokenize):
-                new_ids = t.token_ids if t.defer_detokenize else out.new_token_ids
-                delta, stop_string = t.detokenizer.update(new_ids)
-                if stop_string is not None and finish_reason is None:
-                    finish_reason, stop_reason = "stop", stop_string
+            tokens = out.new_token_ids
+            # Split into single tokens; an output without tokens (a finish) stays whole.
+            for i in range(max(len(tokens), 1)):
+                last = i >= len(tokens) - 1
+                logprobs = out.new_logprobs[i : i + 1] if out.new_logprobs else None
+                snapshot, stop_string = self._advance(
+                    t, tokens[i : i + 1], logprobs, out.finish_reason if last else None,
+                    out.stop_reason if last else None, now)
+                if stop_string:
                     stopped.append(out.req_id)
-                if finish_reason is not None:
-                    delta += t.detokenizer.flush()
-                t.delta_text, t.text = delta, t.detokenizer.output_text
-            if t.final_only and finish_reason is None:
-                continue
-            changed.append(self._snapshot(t, finish_reason, stop_reason, now))
-            if finish_reason is not None:
-                del self.tracked[out.req_id]
+                if snapshot is not None:
+                    changed.append(snapshot)
+                    if snapshot.finished:
+                        del self.tracked[out.req_id]
+                        break
         return changed, stopped
+
+    def _advance(self, t: _Tracked, token_ids: list[int], logprobs, finish_reason, stop_reason, now,
+                 ) -> tuple[RequestOutput | None, bool]:
+        """Apply one request's new tokens -> (its RequestOutput, or None for a final_only request
+        that has not finished; whether a stop string matched)."""
+        if token_ids and t.first_token_time is None:
+            t.first_token_time = now
+        t.token_ids.extend(token_ids)
+        if t.logprobs is not None:
+            t.logprobs.extend(self._logprob_dict(entry) for entry in logprobs or ())
+        t.delta_text = ""
+        matched = False
+        if t.detokenizer is not None and (finish_reason is not None or not t.defer_detokenize):
+            delta, stop_string = t.detokenizer.update(t.token_ids if t.defer_detokenize else token_ids)
+            if stop_string is not None and finish_reason is None:
+                finish_reason, stop_reason, matched = "stop", stop_string, True
+            if finish_reason is not None:
+                delta += t.detokenizer.flush()
+            t.delta_text, t.text = delta, t.detokenizer.output_text
+        if t.final_only and finish_reason is None:
+            return None, matched
+        return self._snapshot(t, finish_reason, stop_reason, now), matched
 
     def _logprob_dict(self, entry) -> dict[int, Logprob]:
         """runner TokenLogprobs -> {token_id: Logprob}, the sampled token first (if it is also in

@@ -67,6 +67,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
+        # Tokens the latest admission prefills (the prompt, plus the outputs so far when
+        # resumed after preemption): below it the next input token is a prefill token.
+        self.num_prefill_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

@@ -26,6 +26,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--max-fused-steps", type=int, default=None,
+                   help="v2: up to this many decode steps in one compiled call for small, stable batches "
+                        "(default 16; 1 turns fused decode off)")
+    g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
@@ -100,6 +104,7 @@ BENCHMARKS = {
     "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
     "compare": ("mrv2_jax.bench.compare", "side by side with vLLM (MRV2 and V1) on one GPU, with --plot"),
     "xla-vs-cudagraph": ("mrv2_jax.bench.xla_vs_cudagraph", "a decode step: XLA command buffers vs a CUDA graph"),
+    "fused": ("mrv2_jax.bench.fused_decode", "small-batch decode latency with and without fused decode"),
 }
 
 
