@@ -7,11 +7,15 @@ import subprocess
 
 
 def git_sha() -> str:
+    # An explicit MRV2_GIT_SHA wins: the GPU machine's copy of the checkout may carry a stale
+    # .git (seen: results stamped with the session's first commit).
+    if os.environ.get("MRV2_GIT_SHA"):
+        return os.environ["MRV2_GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MRV2_GIT_SHA", "unknown")  # set by scripts/gpu_check.sh callers
+        return "unknown"
 
 
 def gpu_name_from_driver() -> str | None:

@@ -1,12 +1,13 @@
 """XLA vs CUDA graphs: one Qwen3 decode step (every row decodes one token against a context of
 --context tokens, greedy sampling included) at several batch sizes, timed as
 
-    jax-cmdbuf        our V2 runner step (input prep + forward + sampling), XLA command buffers
-                      on (the default)
+    jax-cmdbuf        our V2 runner step (input prep + forward + sampling), XLA's default set of
+                      command buffers
     jax-no-cmdbuf     the same with XLA_FLAGS=--xla_gpu_enable_command_buffer= (every kernel
                       launched on its own)
     jax-cmdbuf-while  the same with WHILE added to the command-buffer set (the layer loop is a
-                      lax.scan, which the default set leaves outside the command buffers)
+                      lax.scan, which XLA's default set leaves outside the command buffers):
+                      the engine's default (mrv2_jax/xla_flags.py)
     torch-cudagraph   the Hugging Face PyTorch model (random weights from the same config.json),
                       a StaticCache, the step captured once in a CUDA graph and replayed
     torch-eager       the same model and cache, launched eagerly
@@ -43,10 +44,11 @@ from mrv2_jax.bench.environment import describe_environment
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 COPY_BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (../shared/reference/measured_h200.md)
+# XLA's command-buffer setting per arm (None: XLA's own default set, without WHILE).
 JAX_ARMS = {"jax-cmdbuf": None, "jax-no-cmdbuf": "--xla_gpu_enable_command_buffer=",
             "jax-cmdbuf-while": "--xla_gpu_enable_command_buffer=+WHILE"}
 TORCH_ARMS = ("torch-cudagraph", "torch-eager", "torch-compile")
-DEFAULT_ARMS = "jax-cmdbuf,jax-no-cmdbuf,torch-cudagraph,torch-eager"
+DEFAULT_ARMS = "jax-cmdbuf-while,jax-cmdbuf,jax-no-cmdbuf,torch-cudagraph,torch-eager"
 
 
 def floor_ms(param_bytes: int, kv_bytes: int) -> float:
@@ -76,16 +78,20 @@ def jax_worker(args) -> dict:
     from mrv2_jax.llm import LLM
     from mrv2_jax.sampling_params import SamplingParams
 
+    # One dispatch per decode step (fused decode off): the arms compare single steps.
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, runner="v2", async_scheduling=True,
               max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.context + 2 * args.runs + 64, show_progress=False)
+              max_model_len=args.context + 2 * args.runs + 64, max_fused_steps=1, show_progress=False)
     runner = llm.engine.runner
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params.leaves))
     results = {}
     for batch in args.batches:
         prompts = random_prompts(batch, args.context - 1, 0.0, llm.model_state.vocab_size, seed=batch)
         capture = DecodeStepCapture(llm.engine, rows=batch, which=2)
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        # The prompts are prefilled over several steps (token budget): the first ones must
+        # still be decoding when the last prefill is done, so that full-batch steps happen.
+        prefill_steps = -(-batch * args.context // args.max_num_batched_tokens)
+        llm.generate(prompts, SamplingParams(max_tokens=prefill_steps + 4, ignore_eos=True), use_tqdm=False)
         capture.release()
         if not capture.captured:
             results[batch] = {"error": "no full-batch decode step was captured"}
@@ -259,8 +265,11 @@ def collect(args) -> dict:
     for arm in args.arms:
         if arm in JAX_ARMS:
             print(f"== {arm}", flush=True)
-            flags = os.environ.get("XLA_FLAGS", "")
-            extra = {"XLA_FLAGS": f"{flags} {JAX_ARMS[arm]}".strip()} if JAX_ARMS[arm] else {}
+            # Only this arm's command-buffer setting: drop any from the environment (importing
+            # mrv2_jax adds the engine's default, +WHILE: mrv2_jax/xla_flags.py).
+            flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_gpu_enable_command_buffer")]
+            extra = {"XLA_FLAGS": " ".join([*flags, JAX_ARMS[arm] or ""]).strip(), "MRV2_DEFAULT_XLA_FLAGS": "0"}
             arms[arm] = run_worker("jax", args, sys.executable, extra)
     if args.torch_arms:
         print(f"== {', '.join(args.torch_arms)} ({args.torch_python})", flush=True)
