@@ -120,9 +120,14 @@ class _TensorReader:
         return self.handles[f].get_tensor(name)
 
     def assemble(self, source: WeightSource, layer: int | None = None) -> np.ndarray:
+        if source.experts:
+            return np.stack([self._assemble_one(source, layer, e) for e in range(source.experts)])
+        return self._assemble_one(source, layer, None)
+
+    def _assemble_one(self, source: WeightSource, layer, expert) -> np.ndarray:
         parts = []
         for template in source.hf_names:
-            t = self.get(template.format(i=layer))
+            t = self.get(template.format(i=layer, e=expert))
             parts.append(t.T if source.linear else t)
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
 
@@ -140,9 +145,18 @@ def load_safetensors(lm: CausalLM, path: Path) -> None:
     spec = lm.spec
     for name, source in spec.global_weight_sources().items():
         _set_param(getattr(lm, name), reader.assemble(source), name)
-    for name, source in spec.layer_weight_sources().items():
-        stacked = np.stack([reader.assemble(source, i) for i in range(spec.num_layers)])
-        _set_param(getattr(lm.layers, name), stacked, f"layers.{name}")
+    for attr, group in _stacked_groups(spec):
+        for name, source in group.sources.items():
+            stacked = np.stack([reader.assemble(source, i) for i in group.layers])
+            _set_param(getattr(getattr(lm, attr), name), stacked, f"{attr}.{name}")
+
+
+def _stacked_groups(spec):
+    """(model attribute, LayerGroup) for every stacked parameter group, MTP layers included."""
+    groups = list(spec.layer_groups().items())
+    if spec.mtp_group() is not None:
+        groups.append(("mtp", spec.mtp_group()))
+    return groups
 
 
 def save_hf_checkpoint(lm: CausalLM, out_dir, dtype=jnp.bfloat16) -> Path:
@@ -153,17 +167,25 @@ def save_hf_checkpoint(lm: CausalLM, out_dir, dtype=jnp.bfloat16) -> Path:
     tensors = {}
 
     def put(source: WeightSource, value: np.ndarray, layer=None):
-        pieces = np.split(value, np.cumsum(source.widths)[:-1], axis=-1) if source.widths else [value]
-        for n, piece in zip(source.hf_names, pieces):
-            tensors[n.format(i=layer)] = np.ascontiguousarray(piece.T if source.linear else piece)
+        for e in range(source.experts) if source.experts else (None,):
+            one = value if e is None else value[e]
+            pieces = np.split(one, np.cumsum(source.widths)[:-1], axis=-1) if source.widths else [one]
+            for n, piece in zip(source.hf_names, pieces):
+                tensors[n.format(i=layer, e=e)] = np.ascontiguousarray(piece.T if source.linear else piece)
 
-    as_np = lambda p: np.asarray(jnp.asarray(p.get_value(), dtype))  # noqa: E731
+    model_dtype = lm.embed_tokens.get_value().dtype
+
+    def as_np(p):  # `dtype`, except parameters the family keeps in another (f32 bias, FP8)
+        value = p.get_value()
+        return np.asarray(value if value.dtype != model_dtype else jnp.asarray(value, dtype))
+
     for name, source in spec.global_weight_sources().items():
         put(source, as_np(getattr(lm, name)))
-    for name, source in spec.layer_weight_sources().items():
-        stacked = as_np(getattr(lm.layers, name))
-        for i in range(spec.num_layers):
-            put(source, stacked[i], i)
+    for attr, group in _stacked_groups(spec):
+        for name, source in group.sources.items():
+            stacked = as_np(getattr(getattr(lm, attr), name))
+            for j, i in enumerate(group.layers):
+                put(source, stacked[j], i)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     spec.hf_config.dtype = jnp.dtype(dtype).name
     spec.hf_config.save_pretrained(str(out_dir))
