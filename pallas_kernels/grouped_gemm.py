@@ -140,7 +140,8 @@ def grouped_gemm(lhs, rhs, group_sizes, rhs_scale=None, *, block_m: int | None =
     block_k = min(block_k, max(16, 1 << (K - 1).bit_length()))
     block_n = min(block_n, max(16, 1 << (N - 1).bit_length()))
     has_scale = rhs_scale is not None
-    if has_scale:
+    if has_scale:  # one scale per tile: the tile must not cross a scale block
+        block_k, block_n = min(block_k, scale_block), min(block_n, scale_block)
         if scale_block % block_k or scale_block % block_n:
             raise ValueError(f"block_k={block_k} and block_n={block_n} must divide scale_block={scale_block}")
         expected = (G, pl.cdiv(K, scale_block), pl.cdiv(N, scale_block))

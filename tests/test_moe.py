@@ -184,3 +184,22 @@ def test_save_hf_checkpoint_round_trip(name, tmp_path):
     _, lm, _ = load_model(FIXTURES / name, dtype="float32")
     out = save_hf_checkpoint(lm, tmp_path / name, dtype=jnp.float32)
     assert max_logit_error(out, load_expected(name)) <= 1e-4
+
+
+@pytest.mark.parametrize("preset,params,gib", [("qwen3-30b-a3b", 30.53e9, 56.9),
+                                               ("glm-4.5-air-fp8", 106.9e9 + 2.4e9, 103.0)])
+def test_moe_presets_build_abstractly_with_published_sizes(preset, params, gib):
+    """Qwen3-30B-A3B: 30.5B parameters in bf16. GLM-4.5-Air: 106B (+ its MTP layer) in FP8
+    (~110 GB, fits one H200): experts, attention and shared experts FP8, the rest bf16."""
+    from flax import nnx
+
+    from mrv2_jax.models.loader import init_model, load_hf_config, resolve_model_path
+
+    cfg = load_hf_config(resolve_model_path(preset))
+    lm = nnx.eval_shape(lambda: init_model(cfg, jnp.bfloat16))
+    leaves = jax.tree.leaves(nnx.state(lm, nnx.Param))
+    n = sum(np.prod(x.shape) for x in leaves if not str(x.dtype) == "float32")
+    size = sum(np.prod(x.shape) * x.dtype.itemsize for x in leaves) / 2**30
+    assert abs(n - params) / params < 0.01, n
+    assert abs(size - gib) / gib < 0.01, size
+    assert len(leaves) < 60  # stacked: a handful of leaves per layer kind

@@ -10,8 +10,8 @@ import json
 import os
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -104,6 +104,20 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     return where
 
 
+def _read_fp8(f: Path, name: str) -> np.ndarray | None:
+    """An F8_E4M3 tensor, which safetensors' numpy reader cannot return: read it from the
+    file's JSON header and byte range as an ml_dtypes array (None for other dtypes)."""
+    with open(f, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        info = json.loads(handle.read(header_len))[name]
+        if info["dtype"] != "F8_E4M3":
+            return None
+        start, end = info["data_offsets"]
+        handle.seek(8 + header_len + start)
+        data = np.frombuffer(handle.read(end - start), dtype=ml_dtypes.float8_e4m3fn)
+    return data.reshape(info["shape"])
+
+
 class _TensorReader:
     """Reads tensors by name across shards, keeping each file open once."""
 
@@ -117,26 +131,51 @@ class _TensorReader:
         f = self.where[name]
         if f not in self.handles:
             self.handles[f] = safe_open(f, framework="numpy")
-        return self.handles[f].get_tensor(name)
+        try:
+            return self.handles[f].get_tensor(name)
+        except (AttributeError, TypeError):  # numpy has no float8 dtype of its own
+            t = _read_fp8(f, name)
+            if t is None:
+                raise
+            return t
 
-    def assemble(self, source: WeightSource, layer: int | None = None) -> np.ndarray:
+    def assemble(self, source: WeightSource, layer: int | None = None, dequantize: bool = False) -> np.ndarray:
+        """The parameter's value in our layout. `dequantize`: the model keeps this weight in
+        a wide dtype, so an FP8 tensor of the checkpoint is multiplied out by its block scales."""
         if source.experts:
-            return np.stack([self._assemble_one(source, layer, e) for e in range(source.experts)])
-        return self._assemble_one(source, layer, None)
+            return np.stack([self._assemble_one(source, layer, e, dequantize) for e in range(source.experts)])
+        return self._assemble_one(source, layer, None, dequantize)
 
-    def _assemble_one(self, source: WeightSource, layer, expert) -> np.ndarray:
+    def _assemble_one(self, source: WeightSource, layer, expert, dequantize) -> np.ndarray:
         parts = []
         for template in source.hf_names:
-            t = self.get(template.format(i=layer, e=expert))
+            name = template.format(i=layer, e=expert)
+            t = self.get(name)
+            if dequantize and t.dtype == ml_dtypes.float8_e4m3fn:
+                t = _dequantize_np(t, self.get(name.replace(".weight", ".weight_scale_inv")))
             parts.append(t.T if source.linear else t)
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+
+
+def _dequantize_np(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """FP8 [out, in] with [cdiv(out, b), cdiv(in, b)] block scales -> float32."""
+    b_out = -(-w.shape[0] // scale_inv.shape[0])
+    b_in = -(-w.shape[1] // scale_inv.shape[1])
+    full = np.repeat(np.repeat(scale_inv.astype(np.float32), b_out, 0), b_in, 1)[: w.shape[0], : w.shape[1]]
+    return w.astype(np.float32) * full
 
 
 def _set_param(param: nnx.Param, value: np.ndarray, what: str):
     expected = param.get_value()
     if tuple(value.shape) != tuple(expected.shape):
         raise ValueError(f"weight {what} has shape {value.shape}, the config implies {expected.shape}")
+    if (jnp.dtype(expected.dtype).itemsize == 1) != (value.dtype.itemsize == 1):
+        raise ValueError(f"weight {what} is {value.dtype} in the checkpoint, the model expects {expected.dtype}")
     param.set_value(jnp.asarray(value, dtype=expected.dtype))
+
+
+def _keeps_wide(param: nnx.Param) -> bool:
+    return jnp.dtype(param.get_value().dtype).itemsize > 1
 
 
 def load_safetensors(lm: CausalLM, path: Path) -> None:
@@ -144,11 +183,13 @@ def load_safetensors(lm: CausalLM, path: Path) -> None:
     reader = _TensorReader(path)
     spec = lm.spec
     for name, source in spec.global_weight_sources().items():
-        _set_param(getattr(lm, name), reader.assemble(source), name)
+        param = getattr(lm, name)
+        _set_param(param, reader.assemble(source, dequantize=_keeps_wide(param)), name)
     for attr, group in _stacked_groups(spec):
         for name, source in group.sources.items():
-            stacked = np.stack([reader.assemble(source, i) for i in group.layers])
-            _set_param(getattr(getattr(lm, attr), name), stacked, f"{attr}.{name}")
+            param = getattr(getattr(lm, attr), name)
+            stacked = np.stack([reader.assemble(source, i, _keeps_wide(param)) for i in group.layers])
+            _set_param(param, stacked, f"{attr}.{name}")
 
 
 def _stacked_groups(spec):

@@ -71,42 +71,43 @@ def grouped_sigmoid_router(logits, correction_bias, top_k: int, num_groups: int,
 
 # --- experts ---------------------------------------------------------------------------
 
-def _grouped(lhs, rhs, group_sizes, scale, backend):
+def _grouped(lhs, rhs, group_sizes, scale, backend, scale_block):
     from pallas_kernels import grouped_gemm as gg
 
     if backend == "pallas":
-        return gg.grouped_gemm(lhs, rhs, group_sizes, scale, interpret=jax.default_backend() != "gpu")
-    return gg.grouped_gemm_reference(lhs, rhs, group_sizes, scale)
+        return gg.grouped_gemm(lhs, rhs, group_sizes, scale, scale_block=scale_block,
+                               interpret=jax.default_backend() != "gpu")
+    return gg.grouped_gemm_reference(lhs, rhs, group_sizes, scale, scale_block=scale_block)
 
 
 def routed_experts(x, weights, ids, gate_up, down, *, backend: str = "auto",
-                   gate_up_scale=None, down_scale=None):
+                   gate_up_scale=None, down_scale=None, scale_block: int = 128):
     """x [T, H], routing (weights f32 [T, k], ids int32 [T, k]), gate_up [E, H, 2I],
     down [E, I, H] -> [T, H]: sum over k of weight * SwiGLU-MLP of the chosen expert."""
     backend = resolve_backend(backend)
     if backend == "dense":
-        return _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
+        return _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, scale_block)
     t, k = ids.shape
     num_experts = gate_up.shape[0]
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    h = _grouped(x[order // k], gate_up, group_sizes, gate_up_scale, backend)
+    h = _grouped(x[order // k], gate_up, group_sizes, gate_up_scale, backend, scale_block)
     gate, up = jnp.split(h, 2, axis=-1)
-    out = _grouped(jax.nn.silu(gate) * up, down, group_sizes, down_scale, backend)
+    out = _grouped(jax.nn.silu(gate) * up, down, group_sizes, down_scale, backend, scale_block)
     # Un-permute: row j of `out` belongs to pair order[j]; gather back to pair order.
     unsorted = out[jnp.argsort(order)].reshape(t, k, -1)
     combined = jnp.einsum("tkh,tk->th", unsorted.astype(jnp.float32), weights)
     return combined.astype(x.dtype)
 
 
-def _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale):
+def _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, scale_block):
     from pallas_kernels.grouped_gemm import dequantize_blocks
 
     if gate_up_scale is not None:
-        gate_up = dequantize_blocks(gate_up, gate_up_scale, dtype=x.dtype)
+        gate_up = dequantize_blocks(gate_up, gate_up_scale, scale_block, x.dtype)
     if down_scale is not None:
-        down = dequantize_blocks(down, down_scale, dtype=x.dtype)
+        down = dequantize_blocks(down, down_scale, scale_block, x.dtype)
     num_experts = gate_up.shape[0]
     dense_w = jnp.zeros((x.shape[0], num_experts), jnp.float32).at[
         jnp.arange(x.shape[0])[:, None], ids].add(weights)

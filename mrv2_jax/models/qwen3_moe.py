@@ -170,7 +170,7 @@ class Qwen3MoeModelState(ModelState):
         weights, ids = self.route(p, h)
         return routed_experts(h, weights, ids, p["experts_gate_up"], p["experts_down"],
                               backend=self.moe_backend, gate_up_scale=p.get("experts_gate_up_scale"),
-                              down_scale=p.get("experts_down_scale"))
+                              down_scale=p.get("experts_down_scale"), scale_block=self.fp8_block or 128)
 
     def dense_layer_forward(self, p, x, rope, attention, layer, kv_cache):
         x, kv_cache = self.attention_block(p, x, rope, attention, layer, kv_cache)
