@@ -7,6 +7,8 @@ cheap; and the scan carries the stacked KV cache, which XLA then updates in plac
 The family-specific math (norm placement, rotary variant, ...) comes from the `ModelState`.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,13 +25,14 @@ class StackedLayers(nnx.Module):
         self.names = tuple(sorted(shapes))
         for name in self.names:
             param_dtype = (dtypes or {}).get(name, dtype)
-            setattr(self, name, nnx.Param(init_weight(name, (num_layers, *shapes[name]), param_dtype, rngs)))
+            setattr(self, name, nnx.Param(init_weight(name, (num_layers, *shapes[name]), param_dtype,
+                                                     rngs.params())))
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in self.names}
 
 
-def init_weight(name: str, shape, dtype, rngs: nnx.Rngs) -> jax.Array:
+def init_weight(name: str, shape, dtype, key) -> jax.Array:
     """Norm scales start at one, everything else small and random (std 0.02). FP8 weights are
     unit-scale random values and their block scales 0.02, so that dequantised they look alike;
     biases of the router start at zero."""
@@ -39,9 +42,18 @@ def init_weight(name: str, shape, dtype, rngs: nnx.Rngs) -> jax.Array:
         return jnp.full(shape, 0.02, dtype)
     if name.endswith("_bias") and "router" in name:
         return jnp.zeros(shape, dtype)
-    if jnp.dtype(dtype).itemsize == 1:
-        return jax.random.normal(rngs.params(), shape, jnp.bfloat16).astype(dtype)
-    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    scale = 1.0 if jnp.dtype(dtype).itemsize == 1 else 0.02
+    return _random_normal(key, tuple(shape), dtype, scale)
+
+
+def _random_normal(key, shape, dtype, scale):
+    """scale * N(0, 1) in `dtype`. Huge stacked tensors (MoE experts: 20-66 G elements) are
+    made one slice of the leading axis at a time, so that no float32 temporary of the whole
+    tensor can exist next to the weights."""
+    if len(shape) >= 3 and math.prod(shape) > 2**28:
+        keys = jax.random.split(key, shape[0])
+        return jax.lax.map(lambda k: _random_normal(k, shape[1:], dtype, scale), keys)
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def layer_runs(groups) -> list[tuple[str, int, int]]:
@@ -65,15 +77,15 @@ class CausalLM(nnx.Module):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
         h, v = spec.hidden_size, spec.vocab_size
-        self.embed_tokens = nnx.Param(init_weight("embed_tokens", (v, h), dtype, rngs))
+        self.embed_tokens = nnx.Param(init_weight("embed_tokens", (v, h), dtype, rngs.params()))
         for name, group in spec.layer_groups().items():
             setattr(self, name, StackedLayers(group.shapes, len(group.layers), dtype, rngs, group.dtypes))
         mtp = spec.mtp_group()
         if mtp is not None:
             self.mtp = StackedLayers(mtp.shapes, len(mtp.layers), dtype, rngs, mtp.dtypes)
-        self.final_norm = nnx.Param(init_weight("final_norm", (h,), dtype, rngs))
+        self.final_norm = nnx.Param(init_weight("final_norm", (h,), dtype, rngs.params()))
         if not spec.tie_word_embeddings:
-            self.lm_head = nnx.Param(init_weight("lm_head", (h, v), dtype, rngs))
+            self.lm_head = nnx.Param(init_weight("lm_head", (h, v), dtype, rngs.params()))
 
     def __call__(self, input_ids, positions, attention, kv_cache=()):
         """Flattened tokens -> (final hidden states [T, H], updated kv_cache)."""

@@ -6,10 +6,12 @@ checkpoint (config.json + *.safetensors, sharded or not) or one written by `mrv2
 (config.json + an orbax `params/` folder).
 """
 
+import functools
 import json
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -17,7 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mrv2_jax.models.decoder import CausalLM
+from mrv2_jax.models.decoder import CausalLM, init_weight
 from mrv2_jax.models.model_state import ModelState, WeightSource, model_state_for
 
 CHECKPOINTS_DIR = Path(os.environ.get("MRV2_CHECKPOINTS", Path(__file__).resolve().parents[2] / "checkpoints"))
@@ -73,8 +75,8 @@ def load_model(model=None, dtype="bfloat16", load_format: str = "auto", seed: in
     if load_format == "auto":
         load_format = "orbax" if (path / "params").is_dir() else "safetensors"
     if load_format == "dummy":
-        # Random weights are made on the device inside one jit: fast even for 8B models.
-        lm = nnx.jit(lambda: init_model(hf_config, dtype, seed, layer_unroll))()
+        lm = nnx.eval_shape(lambda: init_model(hf_config, dtype, seed, layer_unroll))
+        init_dummy(lm, seed)
         return lm.spec, lm, path
     lm = nnx.eval_shape(lambda: init_model(hf_config, dtype, seed, layer_unroll))
     if load_format == "orbax":
@@ -84,6 +86,24 @@ def load_model(model=None, dtype="bfloat16", load_format: str = "auto", seed: in
     else:
         load_safetensors(lm, path)
     return lm.spec, lm, path
+
+
+def init_dummy(lm: CausalLM, seed: int = 0) -> None:
+    """Fill `lm` (abstract or concrete) with random weights made on the device, one parameter
+    per jitted call: fast even for 100B models, and the peak memory is the weights plus one
+    parameter's temporaries (one jit over the whole model may keep tens of GB of random-number
+    temporaries alive next to its outputs, too many for a 110 GB model on a 141 GB GPU)."""
+    key = jax.random.key(seed)
+    params = [(p, node) for p, node in nnx.iter_graph(lm) if isinstance(node, nnx.Param)]
+    for i, (param_path, param) in enumerate(params):
+        value = param.get_value()
+        param.set_value(_dummy_param(str(param_path[-1]), tuple(value.shape), jnp.dtype(value.dtype),
+                                     jax.random.fold_in(key, i)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _dummy_param(name, shape, dtype, key):
+    return init_weight(name, shape, dtype, key)
 
 
 # --- safetensors ------------------------------------------------------------------------

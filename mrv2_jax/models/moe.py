@@ -111,7 +111,9 @@ def _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, sc
     num_experts = gate_up.shape[0]
     dense_w = jnp.zeros((x.shape[0], num_experts), jnp.float32).at[
         jnp.arange(x.shape[0])[:, None], ids].add(weights)
-    h = jnp.einsum("th,ehi->tei", x, gate_up, preferred_element_type=jnp.float32).astype(x.dtype)
+    # (No preferred_element_type: XLA's CPU dot rejects bf16 x bf16 -> f32 in these
+    # contractions; GPUs accumulate bf16 dots in f32 anyway.)
+    h = jnp.einsum("th,ehi->tei", x, gate_up.astype(x.dtype))
     gate, up = jnp.split(h, 2, axis=-1)
-    out = jnp.einsum("tei,eih->teh", jax.nn.silu(gate) * up, down, preferred_element_type=jnp.float32)
-    return jnp.einsum("teh,te->th", out, dense_w).astype(x.dtype)
+    out = jnp.einsum("tei,eih->teh", jax.nn.silu(gate) * up, down.astype(x.dtype))
+    return jnp.einsum("teh,te->th", out.astype(jnp.float32), dense_w).astype(x.dtype)
