@@ -63,3 +63,18 @@ def test_bench_ab_report_and_plot(tmp_path):
         assert arms[name]["steady_step_wall_ms"] > 0 and arms[name]["steady_step_device_ms"] > 0
         assert arms[name]["gpu_busy_fraction"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_moe_smoke_at_tiny_shapes(tmp_path):
+    """The MoE benchmark runs end to end (CPU: the kernel in the Pallas interpreter)."""
+    from mrv2_jax.bench import moe
+
+    out = tmp_path / "moe.json"
+    report = moe.main(["--tokens", "8", "--experts", "4", "--top-k", "2", "--hidden", "128",
+                       "--moe-intermediate", "128", "--runs", "1", "--warmup", "1", "--output-json", str(out)])
+    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
+    cases = {r["case"]: r for r in report["results"]}
+    assert set(cases) == {"layer/pallas", "layer/ragged_dot", "layer/dense", "layer/pallas_fp8",
+                          "gemm/pallas", "gemm/ragged_dot"}
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in cases.values())
+    assert "layer/ragged_dot / layer/pallas @ 8" in report["speedups"]
