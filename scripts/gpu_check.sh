@@ -7,7 +7,8 @@
 # (xla-vs-cudagraph), the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
 # compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
 # same with the fused while loop captured in XLA command buffers; fused-unroll: 4 steps per
-# loop iteration). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
+# loop iteration), MoE grouped GEMM (moe) and the MoE presets A/B (moe-presets, moe-presets-s2).
+# Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
 #
 # serve-256 needs fastapi/uvicorn/pydantic and a Qwen3 tokenizer, compare-* needs vLLM: the GPU
@@ -50,6 +51,25 @@ for s in $sections; do case $s in
   ab-s2) run_section ab-s2 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" ;;
+  moe) run_section moe python3 -m mrv2_jax.bench.moe --sweep --output-json "$OUT/moe.json" ;;
+  # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
+  # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
+  moe-presets)
+    run_section moe-qwen3-30b python3 -m mrv2_jax.bench.ab --model qwen3-30b-a3b --load-format dummy \
+      --arms v1,v2-async --input-len 128 --output-len 512 --num-prompts 256 --max-num-seqs 256 \
+      --max-num-batched-tokens 2048 --max-model-len 1024 --output-json "$OUT/ab_qwen3_30b_a3b_s1.json"
+    run_section moe-glm-air env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 -m mrv2_jax.bench.ab \
+      --model glm-4.5-air-fp8 --load-format dummy --gpu-memory-utilization 0.97 \
+      --arms v1,v2-async --input-len 128 --output-len 512 --num-prompts 256 --max-num-seqs 256 \
+      --max-num-batched-tokens 2048 --max-model-len 1024 --output-json "$OUT/ab_glm_45_air_fp8_s1.json" ;;
+  moe-presets-s2)
+    run_section moe-qwen3-30b-s2 python3 -m mrv2_jax.bench.ab --model qwen3-30b-a3b --load-format dummy \
+      --arms v1,v2-async --input-len 1024 --output-len 128 --num-prompts 512 --max-num-seqs 1024 \
+      --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_qwen3_30b_a3b_s2.json"
+    run_section moe-glm-air-s2 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 -m mrv2_jax.bench.ab \
+      --model glm-4.5-air-fp8 --load-format dummy --gpu-memory-utilization 0.97 \
+      --arms v1,v2-async --input-len 1024 --output-len 128 --num-prompts 512 --max-num-seqs 1024 \
+      --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_glm_45_air_fp8_s2.json" ;;
   sampler) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" ;;
   sampler-short) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" --cases \
       dispatch greedy temperature all_unused all_used_threshold all_used_sort penalties logit_bias logprobs \

@@ -116,6 +116,8 @@ def test_timeline_device_busy_from_trace_events(tmp_path):
     assert d["steps"][5] == {"device_busy_ms": 0.06, "device_idle_ms": 0.04, "max_idle_gap_ms": 0.03}
     assert d["steps"][6]["device_busy_ms"] == 0.02 and d["steps"][6]["max_idle_gap_ms"] == 0.02
     assert abs(d["busy_fraction"] - 80 / 150) < 1e-9
+
+
 def test_bench_fused_decode(tmp_path):
     out = tmp_path / "fused.json"
     engine = [a for a in ENGINE if a not in ("--max-num-seqs", "8")]
@@ -131,3 +133,18 @@ def test_bench_fused_decode(tmp_path):
         assert (r["fused_calls"] > 0) == (k > 1)
     # Fused decode needs fewer dispatches per token.
     assert rows[4, 1]["dispatches_per_token"] < rows[1, 1]["dispatches_per_token"]
+
+
+def test_bench_moe_smoke_at_tiny_shapes(tmp_path):
+    """The MoE benchmark runs end to end (CPU: the kernel in the Pallas interpreter)."""
+    from mrv2_jax.bench import moe
+
+    out = tmp_path / "moe.json"
+    report = moe.main(["--tokens", "8", "--experts", "4", "--top-k", "2", "--hidden", "128",
+                       "--moe-intermediate", "128", "--runs", "1", "--warmup", "1", "--output-json", str(out)])
+    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
+    cases = {r["case"]: r for r in report["results"]}
+    assert set(cases) == {"layer/pallas", "layer/ragged_dot", "layer/dense", "layer/pallas_fp8",
+                          "gemm/pallas", "gemm/ragged_dot"}
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in cases.values())
+    assert "layer/ragged_dot / layer/pallas @ 8" in report["speedups"]
