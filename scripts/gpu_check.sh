@@ -73,7 +73,7 @@ for s in $sections; do case $s in
   sampler) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" ;;
   sampler-short) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" --cases \
       dispatch greedy temperature all_unused all_used_threshold all_used_sort penalties logit_bias logprobs \
-      top_k_top_p_threshold top_k_top_p_sort top_p_threshold top_p_peaked ;;
+      top_k_top_p_threshold top_k_top_p_sort top_p_threshold top_p_peaked noise_threefry noise_hash ;;
   attn-sweep) run_section attn-sweep python3 -m mrv2_jax.bench.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
   prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;

@@ -312,3 +312,27 @@ def test_block_top_n_matches_top_k(block):
         got, want = top_n_by_blocks(jnp.asarray(x), n, block=block), jax.lax.top_k(jnp.asarray(x), n)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+
+
+def _np_fmix32(h):
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def test_hashed_gumbel_noise_matches_numpy_and_is_gumbel():
+    from mrv2_jax.sample.gumbel import hashed_gumbel_noise
+
+    seeds, pos, v = np.array([1234, 0, 2**31 - 1]), np.array([7, 0, 99]), 20_000
+    got = np.asarray(hashed_gumbel_noise(jnp.asarray(seeds), jnp.asarray(pos), v))
+    with np.errstate(over="ignore"):
+        key = _np_fmix32(seeds.astype(np.uint32) ^ _np_fmix32(pos.astype(np.uint32) * np.uint32(0x9E3779B9) + np.uint32(1)))
+        ids = np.arange(v, dtype=np.uint32)
+        bits = _np_fmix32(_np_fmix32(ids[None] * np.uint32(0x9E3779B9) ^ key[:, None]) + key[:, None])
+    u = ((bits >> np.uint32(9)).astype(np.float64) + 0.5) / 2**23
+    np.testing.assert_allclose(got, -np.log(-np.log(u)), rtol=1e-5, atol=1e-5)
+    for row in got:  # each row is a standard Gumbel sample
+        assert stats.kstest(row, stats.gumbel_r.cdf).pvalue > 1e-3
+    assert abs(np.corrcoef(got[0], got[1])[0, 1]) < 0.05  # rows (seeds / positions) independent

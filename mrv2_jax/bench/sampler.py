@@ -18,6 +18,8 @@ over --runs calls (after --warmup), each ended by block_until_ready, so it inclu
   top_p_peaked                    top_p alone on rows whose top 64 tokens hold most of the mass
                                   (the fast path); top_p_threshold is the flat-row search
   top_k_top_p_arity16             top_p-only search with 16-ary passes (default 4)
+  noise_threefry, noise_hash      argmax(logits + noise) alone, with the sampler's threefry noise
+                                  and with the counter-hash candidate (sample/gumbel.py)
   penalties, logit_bias, logprobs the other features alone (on top of temperature)
 """
 
@@ -36,6 +38,7 @@ import numpy as np
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.bench.timing import time_calls
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
+from mrv2_jax.sample.gumbel import gumbel_noise, hashed_gumbel_noise
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
 
 T = SamplerFeatures()  # temperature only, runtime skips on
@@ -111,6 +114,23 @@ def run_case(name, features, kind, args):
             "features": dataclasses.asdict(features)}
 
 
+NOISE_CASES = {"noise_threefry": gumbel_noise, "noise_hash": hashed_gumbel_noise}
+
+
+def run_noise_case(name, args):
+    """One fused pass argmax(logits + noise): the cost of making the noise."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(0, 2, (args.num_rows, args.vocab)).astype(np.float32))
+    seeds = jnp.asarray(rng.integers(0, 2**31, args.num_rows), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, 4096, args.num_rows), jnp.int32)
+    noise = NOISE_CASES[name]
+    fn = jax.jit(lambda x, s, p: jnp.argmax(x + noise(s, p, x.shape[-1]), axis=-1))
+    compiled = fn.lower(logits, seeds, positions).compile()
+    ms = sorted(s * 1e3 for s in time_calls(compiled, (logits, seeds, positions), args.runs, args.warmup))
+    return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": 0.0}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-rows", type=int, default=256)
@@ -122,11 +142,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     cases = _cases()
     names = args.cases or list(cases)
-    unknown = set(names) - set(cases) - {"dispatch"}
+    unknown = set(names) - set(cases) - {"dispatch", *NOISE_CASES}
     if unknown:
         p.error(f"unknown case(s) {sorted(unknown)}; choose from {['dispatch', *cases]}")
 
     results = []
+    for name in [n for n in NOISE_CASES if n in names]:
+        results.append(run_noise_case(name, args))
+    names = [n for n in names if n not in NOISE_CASES]
     if args.cases is None or "dispatch" in names:
         tiny = jnp.zeros((8,), jnp.float32)
         noop = jax.jit(lambda x: x + 1).lower(tiny).compile()

@@ -8,6 +8,7 @@ Do not change the key derivation: seeded outputs are expected to stay the same a
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
@@ -17,3 +18,40 @@ def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax
         return jax.random.gumbel(key, (vocab_size,), jnp.float32)
 
     return jax.vmap(row)(seeds, positions)
+
+
+# --- candidate replacement: a counter hash instead of threefry ------------------------------
+# On an H200, temperature-only sampling of 256 x 151,936 costs 0.60 ms against 0.145 ms for
+# greedy (docs/benchmarks.md): nearly all of the difference is making the noise with threefry,
+# row by row. A counter hash (murmur3's 32-bit finalizer, applied to (seed, position, token id))
+# is a handful of integer ops per element that XLA can fuse into the argmax pass. It is not the
+# sampler's noise yet: switching changes every seeded output, so it waits for its measured gain
+# (`python -m mrv2_jax.bench.sampler --cases noise_threefry noise_hash`).
+
+_GOLDEN = 0x9E3779B9
+
+
+def fmix32(h):
+    """murmur3's 32-bit finalizer (every input bit affects every output bit); works on jnp and
+    numpy uint32 arrays alike."""
+    # numpy uint32 constants: a Python int this large would be taken as an (overflowing) int32.
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def hashed_gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+    """[R, vocab] float32 Gumbel noise from a hash of (seed, position, token id) per element."""
+    u32 = jnp.uint32
+    row_key = fmix32(seeds.astype(u32) ^ fmix32(positions.astype(u32) * u32(_GOLDEN) + u32(1)))
+    ids = jnp.arange(vocab_size, dtype=u32)
+    bits = fmix32(fmix32(ids[None, :] * u32(_GOLDEN) ^ row_key[:, None]) + row_key[:, None])
+    # u = (m + 0.5) / 2**23 from 23 bits, and 1 - u, are both exact in f32; -log(u) is taken as
+    # -log1p(-(1 - u)) for u >= 1/2, where log(u) would lose the digits of the large-noise tail
+    # (the tokens the argmax picks).
+    m = (bits >> 9).astype(jnp.float32)
+    u, one_minus_u = (m + 0.5) * 2.0**-23, ((1 << 23) - m - 0.5) * 2.0**-23
+    neg_log_u = jnp.where(u < 0.5, -jnp.log(u), -jnp.log1p(-one_minus_u))
+    return -jnp.log(neg_log_u)
