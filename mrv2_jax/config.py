@@ -31,6 +31,9 @@ class SchedulerConfig:
     ``None`` means "take it from the model's config" and must be resolved by the engine
     before a scheduler is built. ``async_scheduling``: the engine schedules step N+1 before
     it has the sampled tokens of step N (the scheduler itself is the same in both modes).
+    ``num_speculative_tokens``: drafts scheduled per decoding request (0: no speculation);
+    ``num_lookahead_tokens``: KV slots kept allocated past the scheduled tokens (a draft model
+    writes its own drafts' KV there).
     """
 
     max_num_seqs: int = 256
@@ -38,6 +41,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         _require_positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
@@ -48,6 +53,10 @@ class SchedulerConfig:
             _require_positive_int("SchedulerConfig", "max_model_len", self.max_model_len)
         _require_bool("SchedulerConfig", "enable_chunked_prefill", self.enable_chunked_prefill)
         _require_bool("SchedulerConfig", "async_scheduling", self.async_scheduling)
+        for name in ("num_speculative_tokens", "num_lookahead_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
         # Without chunking a prompt is prefilled in one step, so the largest prompt must fit
         # in one step's token budget or it could never be scheduled.
         if (

@@ -67,6 +67,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
+        # Tokens prefilled at the latest admission (prompt, plus outputs after a resume): once
+        # they are computed the request decodes, and only then may it carry draft tokens.
+        self.num_prefill_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
