@@ -2,7 +2,8 @@
 # Everything the project checks on the GPU machine, in one call (device time is scarce):
 # versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
-# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy
+# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare), the
+# speculative-decoding benchmark (spec: ~5 min). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy
 # has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: all)
 set -uo pipefail
@@ -37,6 +38,9 @@ for s in $sections; do case $s in
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" ;;
   sampler) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" ;;
   prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;
+  spec) run_section spec python3 -m mrv2_jax.bench.spec_decode --suites demo,qwen3-0.6b --runners v1,v2-async \
+      --num-speculative-tokens 3 --acceptance-rates 0.6,0.8 --num-prompts 128 --input-len 128 --output-len 256 \
+      --max-num-seqs 32 --output-json "$OUT/spec_decode.json" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;

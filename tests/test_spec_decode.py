@@ -11,7 +11,6 @@ import functools
 import json
 
 import jax
-import numpy as np
 import pytest
 
 from mrv2_jax.llm import LLM
@@ -96,7 +95,7 @@ def test_v1_runner_with_spec_decode(spec):
 
 
 def test_ngram_on_repetitive_text_accepts_drafts():
-    llm = engine("v2", '{"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}')
+    llm = engine("v2", {"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     before = llm.engine.scheduler.get_stats().spec_decode.num_accepted_tokens
     prompts = ["the the the the the the the the the", "and so and so and so and so and so"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -171,5 +170,4 @@ def test_spec_decode_outputs_are_strings_too():
     llm = engine("v2", {"method": "draft_model", "k": 3, "model": DRAFT})
     chunks = [o.delta_text for o in llm.stream(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0))]
     full = engine().generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
-    assert "".join(chunks) == full[0].outputs[0].text
-    np.testing.assert_equal(len(chunks) > 1, True)
+    assert "".join(chunks) == full[0].outputs[0].text and len(chunks) > 1

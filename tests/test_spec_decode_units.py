@@ -181,3 +181,54 @@ def test_scheduler_gives_no_drafts_to_penalty_or_logprob_requests_and_stops_mid_
     assert len(s.kv_cache_manager.get_block_ids("s")) == 3
     outs = {o.req_id: o for o in s.update_from_output(out, {"p": [4], "s": [42, 7, 8]})}
     assert outs["s"].new_token_ids == [42] and outs["s"].finish_reason == "stop"
+
+
+# --- CLI and metrics ------------------------------------------------------------------------------
+
+def test_cli_speculative_config_reaches_the_engine_config():
+    import argparse
+
+    from mrv2_jax.engine.builder import EngineConfig
+    from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert EngineConfig(**engine_kwargs(args)).speculative_config.k == 2
+    with pytest.raises(ValueError, match="speculative_config is not valid JSON"):
+        EngineConfig(speculative_config="{")
+
+
+def test_spec_decode_metrics_on_the_metrics_endpoint():
+    from mrv2_jax.engine.async_llm import EngineStats
+    from mrv2_jax.entrypoints.server_metrics import ServerMetrics
+    from mrv2_jax.spec_decode.metrics import SpecDecodeStats
+
+    class Engine:
+        stats = EngineStats(spec_decode=SpecDecodeStats(2, num_drafts=3, num_draft_tokens=6, num_accepted_tokens=4,
+                                                        accepted_per_position=[3, 1]))
+        is_healthy = True
+
+    text = ServerMetrics(Engine(), "demo").render()[0].decode()
+    assert 'mrv2_spec_decode_num_accepted_tokens_total{model_name="demo"} 4.0' in text
+    assert 'mrv2_spec_decode_num_accepted_tokens_per_pos_total{model_name="demo",position="1"} 1.0' in text
+    stats = Engine.stats.spec_decode
+    assert stats.acceptance_rate == 4 / 6 and stats.per_position_acceptance == [1.0, 1 / 3]
+
+
+def test_spec_benchmark_arms_and_table(capsys):
+    """The benchmark's plan and report (its engine runs are the engine tests' code paths; the
+    GPU run is `scripts/gpu_check.sh spec`)."""
+    import argparse
+
+    from mrv2_jax.bench.spec_decode import print_table, suite_arms
+
+    args = argparse.Namespace(num_speculative_tokens=3, acceptance_rates=[0.6, 0.8])
+    model, load_format, arms = suite_arms("qwen3-0.6b", args)
+    assert (model, load_format) == ("qwen3-0.6b", "dummy")
+    assert [spec and spec["acceptance_rate"] for _, spec in arms] == [None, 0.6, 0.8]
+    assert suite_arms("demo", args)[2][1][1]["method"] == "draft_model"
+    row = dict(suite="demo", spec="draft k=3", output_tokens_per_s=100.0, acceptance_rate=0.5,
+               mean_acceptance_length=2.5)
+    print_table([row | dict(runner="v1", mean_tpot_ms=2.0), row | dict(runner="v2-async", mean_tpot_ms=1.5)])
+    assert "-25.0%" in capsys.readouterr().out

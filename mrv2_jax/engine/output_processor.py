@@ -26,6 +26,21 @@ class _Tracked:
     logprobs: list[dict[int, Logprob]] | None = None  # None: the request asked for none
 
 
+def _detokenize(detokenizer: IncrementalDetokenizer, token_ids: list[int]):
+    """-> (new text, stop string or None, the tokens kept). A step of speculative decoding brings
+    several tokens: they go in one at a time, so a stop string ends the output at the token that
+    completed it, exactly as without speculation."""
+    if len(token_ids) <= 1:
+        return *detokenizer.update(token_ids), token_ids
+    delta = ""
+    for n, token in enumerate(token_ids):
+        piece, stop_string = detokenizer.update([token])
+        delta += piece
+        if stop_string is not None:
+            return delta, stop_string, token_ids[: n + 1]
+    return delta, None, token_ids
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -55,18 +70,21 @@ class OutputProcessor:
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if out.new_token_ids and t.first_token_time is None:
                 t.first_token_time = now
-            t.token_ids.extend(out.new_token_ids)
-            if t.logprobs is not None:
-                t.logprobs.extend(self._logprob_dict(entry) for entry in out.new_logprobs or ())
+            new_ids = out.new_token_ids
             t.delta_text = ""
             if t.detokenizer is not None:
-                delta, stop_string = t.detokenizer.update(out.new_token_ids)
-                if stop_string is not None and finish_reason is None:
+                delta, stop_string, new_ids = _detokenize(t.detokenizer, new_ids)
+                # A stop string before the step's last token ends the request there, whatever
+                # the scheduler decided about the later tokens.
+                if stop_string is not None and (finish_reason is None or len(new_ids) < len(out.new_token_ids)):
                     finish_reason, stop_reason = "stop", stop_string
                     stopped.append(out.req_id)
                 if finish_reason is not None:
                     delta += t.detokenizer.flush()
                 t.delta_text, t.text = delta, t.detokenizer.output_text
+            t.token_ids.extend(new_ids)
+            if t.logprobs is not None:
+                t.logprobs.extend(self._logprob_dict(entry) for entry in (out.new_logprobs or ())[: len(new_ids)])
             changed.append(self._snapshot(t, finish_reason, stop_reason, now))
             if finish_reason is not None:
                 del self.tracked[out.req_id]

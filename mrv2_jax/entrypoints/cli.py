@@ -27,6 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
+                        "methods: ngram (prompt_lookup_min/max), draft_model (model), mtp, "
+                        "synthetic (acceptance_rate); rejection_sampling: strict (default) or probabilistic")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -94,6 +98,7 @@ def cmd_serve(args) -> int:
 BENCHMARKS = {
     "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
+    "spec": ("mrv2_jax.bench.spec_decode", "speculative decoding: tok/s and TPOT, spec on vs off, v2-async vs v1"),
 }
 
 
