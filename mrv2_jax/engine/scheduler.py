@@ -267,9 +267,9 @@ class Scheduler:
     ) -> list[int] | None:
         """Allocates KV for the step, preempting the newest running requests until it fits.
         Returns None if ``request`` itself had to be preempted."""
-        num_new += self._lookahead(request.num_computed_tokens + num_new)
+        lookahead = self._lookahead(request.num_computed_tokens + num_new)
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -315,7 +315,7 @@ class Scheduler:
                     break
                 num_new = budget
             lookahead = self._lookahead(num_hit_tokens + num_new)
-            if kv.allocate_slots(request, num_new + lookahead, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, hit_blocks, num_lookahead_tokens=lookahead) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)

@@ -232,7 +232,7 @@ class ModelRunnerV1:
         if self.spec.proposer.reads_token_table:  # n-gram: drafted here, from the CPU table
             drafts = self.spec.proposer.propose_host(self.token_ids[sampling_slots], self.num_tokens[sampling_slots])
         else:
-            drafts = np.asarray(drafts)[samples]
+            drafts = np.asarray(drafts)[: len(rows)][samples]
         width = self.token_ids.shape[1]
         for s, row_drafts in zip(sampling_slots, drafts):
             n = self.num_tokens[s]
