@@ -1,5 +1,9 @@
 """mrv2-jax: a JAX/XLA inference engine for Qwen and GLM models (vLLM Model Runner V2 ideas)."""
 
+from mrv2_jax.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()
+
 __all__ = ["LLM", "SamplingParams"]
 
 

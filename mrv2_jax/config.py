@@ -34,6 +34,9 @@ class SchedulerConfig:
     ``num_speculative_tokens``: drafts scheduled per decoding request (0: no speculation);
     ``num_lookahead_tokens``: KV slots kept allocated past the scheduled tokens (a draft model
     writes its own drafts' KV there).
+    ``max_fused_steps``: up to this many decode steps in one runner call when every running
+    request decodes, none is waiting and there are at most ``max_fused_rows`` of them (what
+    the runner compiled); 1 turns fused decode off.
     """
 
     max_num_seqs: int = 256
@@ -43,6 +46,8 @@ class SchedulerConfig:
     async_scheduling: bool = True
     num_speculative_tokens: int = 0
     num_lookahead_tokens: int = 0
+    max_fused_steps: int = 1
+    max_fused_rows: int = 0
 
     def __post_init__(self) -> None:
         _require_positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
@@ -57,6 +62,16 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
+        _require_positive_int("SchedulerConfig", "max_fused_steps", self.max_fused_steps)
+        if not isinstance(self.max_fused_rows, int) or self.max_fused_rows < 0:
+            raise ValueError(f"SchedulerConfig.max_fused_rows must be an int >= 0, got {self.max_fused_rows!r}")
+        # A fused call runs K plain decode steps with no draft verification, so the scheduler
+        # never mixes it with speculative rows; refuse the combination instead of ignoring one.
+        if self.num_speculative_tokens > 0 and self.max_fused_steps > 1:
+            raise ValueError(
+                "SchedulerConfig: speculative decoding (num_speculative_tokens="
+                f"{self.num_speculative_tokens}) requires max_fused_steps=1, got {self.max_fused_steps}"
+            )
         # Without chunking a prompt is prefilled in one step, so the largest prompt must fit
         # in one step's token budget or it could never be scheduled.
         if (

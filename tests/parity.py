@@ -9,7 +9,8 @@ import numpy as np
 from mrv2_jax.models.loader import load_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
-FAMILY_FIXTURES = ("qwen3-tiny", "qwen3-tiny-tied", "glm4-tiny")
+FAMILY_FIXTURES = ("qwen3-tiny", "qwen3-tiny-tied", "glm4-tiny", "qwen3-moe-tiny", "glm4-moe-tiny",
+                   "glm4-moe-tiny-plain")
 
 
 def max_logit_error(model_dir, expected: dict, **load_kwargs) -> float:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.entrypoints import cli
 
 MODEL = str(Path(__file__).parent / "fixtures" / "qwen3-tiny")
@@ -63,3 +63,88 @@ def test_bench_ab_report_and_plot(tmp_path):
         assert arms[name]["steady_step_wall_ms"] > 0 and arms[name]["steady_step_device_ms"] > 0
         assert arms[name]["gpu_busy_fraction"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_timeline_host_breakdown(tmp_path):
+    """On the CPU there are no device events: the host breakdown is complete, the device part is
+    None with a note, and the trace of the window is still exported."""
+    out = tmp_path / "timeline.json"
+    assert cli.main(["bench", "timeline", "--num-prompts", "8", "--input-len", "8", "--output-len", "12",
+                     "--skip-steps", "2", "--window", "4", "--disable-tqdm", "--runner", "v2",
+                     "--output-json", str(out), *ENGINE]) == 0
+    report = json.loads(out.read_text())
+    assert ENVIRONMENT_KEYS <= report.keys()
+    assert report["runner"] == "v2" and report["async_scheduling"] is True
+    assert report["num_window_steps"] == 4 and report["num_steady_steps"] > 4
+    steps = report["steps"]
+    assert len(steps) == report["num_steps"] and [s["step"] for s in steps] == list(range(len(steps)))
+    for s in steps:
+        for key in ("schedule_ms", "dispatch_ms", "wait_ms", "update_ms", "outside_ms", "engine_ms", "wall_ms"):
+            assert s[key] >= 0, (key, s)
+        assert s["schedule_ms"] + s["dispatch_ms"] + s["wait_ms"] + s["update_ms"] <= s["engine_ms"] + 1e-3
+        assert s["engine_ms"] <= s["wall_ms"] + 1e-3
+    assert sum(s["dispatch_ms"] > 0 for s in steps) >= len(steps) - 2
+    for key in ("steady_median", "window_median"):
+        assert report[key]["wall_ms"] > 0 and report[key]["schedule_ms"] > 0
+    assert report["device"]["busy_fraction"] is None and "CPU" in report["device"]["note"]
+    assert report["window_median"]["device_busy_ms"] is None
+    assert (tmp_path / "timeline.trace.json.gz").stat().st_size > 0
+
+
+def test_timeline_device_busy_from_trace_events(tmp_path):
+    """The device arithmetic on a synthetic trace: two steps, kernels on a Stream line, a derived
+    line that must be ignored."""
+    import gzip
+
+    from mrv2_jax.bench.timeline import device_timeline
+
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+              {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Modules"}},
+              {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 50, "name": "mrv2_step", "args": {"step": "5"}},
+              {"ph": "X", "pid": 1, "tid": 1, "ts": 100, "dur": 50, "name": "mrv2_step", "args": {"step": "6"}},
+              {"ph": "X", "pid": 2, "tid": 8, "ts": 0, "dur": 200, "name": "jit_step"},
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 10, "dur": 30, "name": "k1"},
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 30, "dur": 40, "name": "k2"},  # overlaps k1
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 120, "dur": 20, "name": "k3"}]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    d = device_timeline(str(path))
+    assert d["device_source"] == "GPU Stream lines"
+    assert d["steps"][5] == {"device_busy_ms": 0.06, "device_idle_ms": 0.04, "max_idle_gap_ms": 0.03}
+    assert d["steps"][6]["device_busy_ms"] == 0.02 and d["steps"][6]["max_idle_gap_ms"] == 0.02
+    assert abs(d["busy_fraction"] - 80 / 150) < 1e-9
+
+
+def test_bench_fused_decode(tmp_path):
+    out = tmp_path / "fused.json"
+    engine = [a for a in ENGINE if a not in ("--max-num-seqs", "8")]
+    engine[engine.index("--max-num-batched-tokens") + 1] = "8"  # one bucket: a quick start-up
+    assert cli.main(["bench", "fused", "--batches", "1", "2", "--fused-steps", "1", "4", "--input-len", "8",
+                     "--output-len", "12", "--output-json", str(out), *engine]) == 0
+    report = json.loads(out.read_text())
+    assert ENVIRONMENT_KEYS <= report.keys() and report["settings"]["max_num_seqs"] == 2
+    rows = {(r["max_fused_steps"], r["batch"]): r for r in report["results"]}
+    assert set(rows) == {(1, 1), (1, 2), (4, 1), (4, 2)}
+    for (k, _), r in rows.items():
+        assert r["output_tokens_per_s"] > 0 and r["ms_per_token"] > 0 and r["device_ms_per_token"] > 0
+        assert (r["fused_calls"] > 0) == (k > 1)
+    # Fused decode needs fewer dispatches per token.
+    assert rows[4, 1]["dispatches_per_token"] < rows[1, 1]["dispatches_per_token"]
+
+
+def test_bench_moe_smoke_at_tiny_shapes(tmp_path):
+    """The MoE benchmark runs end to end (CPU: the kernel in the Pallas interpreter)."""
+    from mrv2_jax.bench import moe
+
+    out = tmp_path / "moe.json"
+    report = moe.main(["--tokens", "8", "--experts", "4", "--top-k", "2", "--hidden", "128",
+                       "--moe-intermediate", "128", "--runs", "1", "--warmup", "1", "--output-json", str(out)])
+    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
+    cases = {r["case"]: r for r in report["results"]}
+    assert set(cases) == {"layer/pallas", "layer/ragged_dot", "layer/dense", "layer/pallas_fp8",
+                          "gemm/pallas", "gemm/ragged_dot"}
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in cases.values())
+    assert "layer/ragged_dot / layer/pallas @ 8" in report["speedups"]

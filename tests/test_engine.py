@@ -136,3 +136,44 @@ def test_stop_string_spanning_tokens_with_the_demo_model():
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     kv = llm.engine.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_generate_reports_only_final_outputs_and_matches_streamed_text():
+    """`generate` detokenizes once per request at the end (no stop strings) or every step (stop
+    strings): its text must equal the concatenated deltas of the same requests streamed."""
+    llm = LLM("demo", dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=64,
+              max_model_len=256, num_gpu_blocks=96, block_size=16, show_progress=False)
+    prompts = ["The king said", "O Romeo", "Good morrow, sir", "What"]
+    params = [SamplingParams(max_tokens=n, temperature=0.9, seed=s) for n, s in [(25, 1), (7, 2), (40, 3), (1, 4)]]
+    params.append(SamplingParams(max_tokens=30, temperature=0.8, seed=5, stop=["e t", "ng,"]))
+    prompts.append("Now is the winter")
+    streamed: dict[str, str] = {}
+    finals = {}
+    for out in llm.stream(prompts, params):
+        streamed[out.request_id] = streamed.get(out.request_id, "") + out.delta_text
+        if out.finished:
+            finals[out.request_id] = out.outputs[0]
+    ids = [llm.add_request(p, sp, final_only=True) for p, sp in zip(prompts, params)]
+    reported = []
+    while llm.engine.has_work():
+        for out in llm.step():
+            assert out.finished, "a final_only request was reported before it finished"
+            reported.append(out)
+    assert sorted(o.request_id for o in reported) == sorted(ids)
+    by_id = {o.request_id: o.outputs[0] for o in reported}
+    for stream_id, gen_id in zip(sorted(finals, key=int), ids):
+        want, got = finals[stream_id], by_id[gen_id]
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text == streamed[stream_id]
+        assert (got.finish_reason, got.stop_reason) == (want.finish_reason, want.stop_reason)
+    generated = llm.generate(prompts, params, use_tqdm=False)
+    assert [g.outputs[0].text for g in generated] == [by_id[i].text for i in ids]
+
+
+def test_unrolled_layer_loop_gives_the_same_tokens():
+    prompts = random_prompts(6, seed=5)
+    want = [o.outputs[0].token_ids for o in make_llm(runner="v2").generate(prompts, GREEDY, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in make_llm(runner="v2", layer_unroll=0).generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    with pytest.raises(ValueError, match="layer_unroll"):
+        make_llm(layer_unroll=-1)

@@ -11,8 +11,8 @@ import pytest
 from scipy import stats
 
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
+from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.gumbel import gumbel_noise
-from mrv2_jax.sample.logprobs import top_n
 from mrv2_jax.sample.penalties import PenaltyData, penalty_data_from_tokens
 from mrv2_jax.sample.sampler import adjust_logits, sample_tokens, truncation_threshold
 from mrv2_jax.sample.tensors import needed_features
@@ -116,6 +116,32 @@ def test_truncation_matches_reference(features):
         want = ref.kept_tokens(scaled[i], min_p=min_p[i], top_k=int(top_k[i]), top_p=top_p[i])
         got = scaled[i] >= thresh[i]
         assert (got == want).all(), f"case {cases[i]} (p={top_p[i]:.4f}), row {i}"
+
+
+@pytest.mark.parametrize("runtime_skip", [True, False])
+def test_truncation_fast_path_on_wide_rows(runtime_skip):
+    """Rows wide enough for the block-maxima candidates (V > 64 blocks of 128): top_k below,
+    at and above the candidate width, ties at the k-th value running past the candidates,
+    top_p alone on flat and on peaked rows, and rows mixing the fast path with the search."""
+    rng = np.random.default_rng(11)
+    v = 64 * 128 + 300
+    cases = [(0.0, 1, 1.0), (0.0, 20, None), (0.05, 50, None), (0.0, 63, 1.0), (0.0, 64, None),
+             (0.0, 200, None), (0.0, 0, None), (0.0, 30, None), (0.0, 30, 1.0), (0.0, 0, 1.0),
+             (0.0, 0, None), (0.02, 0, None)]
+    scaled = rng.normal(0, 2.0, (len(cases), v)).astype(np.float32)
+    scaled[7, rng.choice(v, 100, replace=False)] = scaled[7].max() + 1  # 100 tied at the top, k=30
+    scaled[8] = np.round(scaled[8] * 2)  # ties everywhere
+    scaled[10:, rng.choice(v, 40, replace=False)] += 14  # peaked: top_p alone cut among the top 64
+    min_p, top_k, top_p = (np.array(c, np.float64) for c in zip(*cases))
+    for i, (mp, k, p) in enumerate(cases):
+        if p is None:
+            top_p[i] = ref.safe_top_p(scaled[i], ref.kept_tokens(scaled[i], min_p=mp, top_k=k), rng)
+    t = make_tensors(len(cases), temperature=1.0, min_p=min_p, top_k=top_k.astype(int), top_p=top_p)
+    f = ALL.replace(runtime_skip=runtime_skip)
+    thresh = np.asarray(jax.jit(lambda s, t: truncation_threshold(s, t, f))(jnp.asarray(scaled), t))
+    for i in range(len(cases)):
+        want = ref.kept_tokens(scaled[i], min_p=min_p[i], top_k=int(top_k[i]), top_p=top_p[i])
+        assert ((scaled[i] >= thresh[i]) == want).all(), f"case {cases[i]} (p={top_p[i]:.4f}), row {i}"
 
 
 def test_kth_largest_search_is_exact_on_awkward_values():
@@ -272,10 +298,17 @@ def test_logprobs_and_ranks_match_log_softmax_of_raw_logits():
     np.testing.assert_array_equal(no_logprobs.tokens, out.tokens)
 
 
-def test_two_stage_top_n_matches_top_k():
-    x = np.random.default_rng(9).normal(size=(4, 5000)).astype(np.float32)
-    x[0, 100:130] = 9.0  # more ties at the top than n
-    for n in (1, 20):
-        got, want = top_n(jnp.asarray(x), n, block=256), jax.lax.top_k(jnp.asarray(x), n)
+@pytest.mark.parametrize("block", [1, 7, 256, 4096])
+def test_block_top_n_matches_top_k(block):
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(5, 5000)).astype(np.float32)
+    x[0, 100:130] = 9.0  # more ties at the top than n, inside one block
+    x[1, ::250] = 9.0  # ties at the top spread over blocks
+    x[2] = np.round(x[2])  # ties everywhere
+    x[3, 4990:] = 50.0  # the top in the last, partly padded block
+    x[4, :] = -np.inf
+    x[4, 4000:4003] = 1.0
+    for n in (1, 3, 20):
+        got, want = top_n_by_blocks(jnp.asarray(x), n, block=block), jax.lax.top_k(jnp.asarray(x), n)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])

@@ -199,6 +199,21 @@ def test_cli_speculative_config_reaches_the_engine_config():
         EngineConfig(speculative_config="{")
 
 
+
+def test_speculative_decoding_turns_fused_decode_off():
+    """Spec decode and fused decode never run together: with a speculative_config,
+    max_fused_steps defaults to 1 and an explicit K > 1 is refused (engine and scheduler)."""
+    from mrv2_jax.engine.builder import DEFAULT_MAX_FUSED_STEPS, EngineConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    assert EngineConfig(runner="v2").max_fused_steps == DEFAULT_MAX_FUSED_STEPS
+    assert EngineConfig(runner="v2", speculative_config=spec).max_fused_steps == 1
+    assert EngineConfig(runner="v2", speculative_config=spec, max_fused_steps=1).max_fused_steps == 1
+    with pytest.raises(ValueError, match="max_fused_steps=4 with speculative_config"):
+        EngineConfig(runner="v2", speculative_config=spec, max_fused_steps=4)
+    with pytest.raises(ValueError, match="requires max_fused_steps=1"):
+        SchedulerConfig(max_model_len=64, num_speculative_tokens=2, max_fused_steps=4, max_fused_rows=8)
+
 def test_spec_decode_metrics_on_the_metrics_endpoint():
     from mrv2_jax.engine.async_llm import EngineStats
     from mrv2_jax.entrypoints.server_metrics import ServerMetrics

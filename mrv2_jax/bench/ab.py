@@ -5,8 +5,11 @@
 
 Weights are loaded once and shared; each arm gets its own engine (KV cache, compiled buckets).
 Besides throughput it reports, for V2, one steady-decode step (every row decoding at full
-concurrency, the 100th such step): the engine's wall time per step around it, the device time of
-that same step replayed alone on a copy of its state, and their ratio, the GPU busy fraction.
+concurrency, the 100th such step): the step period around it (start of one `engine.step` to
+the next, so output processing counts), the device time of that same step replayed alone on a
+copy of its state (an upper bound: the replay adds a dispatch and a sync per call), and their
+ratio, an estimate of the GPU busy fraction; `wall_profile` follows the period through the run.
+`mrv2-jax bench timeline` measures the busy fraction from a profiler trace instead.
 """
 
 import argparse
@@ -15,9 +18,7 @@ import json
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-
+from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.bench.throughput import random_prompts
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
@@ -25,13 +26,31 @@ from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 ARMS = {"v1": ("v1", False), "v2-sync": ("v2", False), "v2-async": ("v2", True)}
 
 
+def step_periods(step_log) -> list[tuple[float, int, int]]:
+    """(seconds from this step's start to the next one's, tokens, rows) per step: the whole
+    loop around `engine.step`, output processing included, which is what the GPU waits on."""
+    return [(nxt[0] - cur[0], cur[2], cur[3]) for cur, nxt in zip(step_log, step_log[1:])]
 
 
 def local_wall(step_log, index, num_reqs, window=10) -> float | None:
-    """Median wall time of the full-concurrency decode steps within `window` steps of `index`."""
-    near = step_log[max(index - window, 0) : index + window]
-    walls = [end - start for start, end, tokens, reqs in near if tokens == reqs == num_reqs]
+    """Median period of the full-concurrency decode steps within `window` steps of `index`."""
+    near = step_periods(step_log)[max(index - window, 0) : index + window]
+    walls = [period for period, tokens, reqs in near if tokens == reqs == num_reqs]
     return statistics.median(walls) if walls else None
+
+
+def wall_profile(step_log, window=64) -> list[list]:
+    """[first step, median period ms, median engine.step ms, median rows] per window of `window`
+    steps: how the step time moves through the run (decode slows down as the context grows,
+    prefills stand out) and how much of each period is spent outside `engine.step`."""
+    periods = step_periods(step_log)
+    out = []
+    for i in range(0, len(periods), window):
+        chunk = periods[i : i + window]
+        inside = [e - s for s, e, _, _ in step_log[i : i + window]]
+        out.append([i, round(1e3 * statistics.median(p for p, _, _ in chunk), 3),
+                    round(1e3 * statistics.median(inside), 3), statistics.median(r for _, _, r in chunk)])
+    return out
 
 
 def run_arm(name, args, loaded, prompts):
@@ -40,50 +59,37 @@ def run_arm(name, args, loaded, prompts):
 
     runner, async_scheduling = ARMS[name]
     t0 = time.perf_counter()
-    llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | dict(runner=runner, async_scheduling=async_scheduling)))
+    # The arms compare runners step by step (one step = one dispatch), so fused decode is off;
+    # bench/fused_decode.py measures it.
+    llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | {"runner": runner, "async_scheduling": async_scheduling,
+                                                             "max_fused_steps": 1}))
     startup = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[: min(len(prompts), args.max_num_seqs)][:64], params, use_tqdm=False)  # warm-up
     engine = llm.engine
     engine.step_log = []
-    capture = {}
     rows = min(args.max_num_seqs, len(prompts))
-    if runner == "v2":
-        # In the middle of steady decode, keep one full-concurrency decode step and a copy of
-        # the state it ran on, to replay it alone afterwards: its device time.
-        execute, qualifying = engine.runner.execute, [0]
-        # Compile the copies now: a compile inside the timed step would inflate its wall time
-        # (and is an error under MRV2_STRICT_COMPILES=1).
-        jax.block_until_ready(jax.tree.map(jnp.copy, engine.runner.state))
-
-        def execute_and_capture(out):
-            snapshot = None
-            if out.total_num_scheduled_tokens == len(out.num_scheduled_tokens) == rows:
-                qualifying[0] += 1
-                if qualifying[0] == args.capture_step:  # copy before the step donates the state
-                    snapshot = jax.tree.map(jnp.copy, engine.runner.state)
-            pending = execute(out)
-            if snapshot is not None:
-                capture.update(dispatch=engine.runner.last_dispatch, step=len(engine.step_log), state=snapshot)
-            return pending
-
-        engine.runner.execute = execute_and_capture
+    # V2: in the middle of steady decode, keep one full-concurrency decode step to replay it
+    # alone afterwards: its device time.
+    capture = DecodeStepCapture(engine, rows, args.capture_step) if runner == "v2" else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p) for p in prompts)
     wall = device = None
-    if "dispatch" in capture:
-        engine.runner.state = capture["state"]
-        device = engine.runner.replay(capture["dispatch"], 20)
-        wall = local_wall(engine.step_log, capture["step"], rows)
-        engine.runner.execute = None  # break the capture closure's cycle so the KV cache is freed
+    if capture is not None:
+        capture.release()
+        if capture.captured:
+            engine.runner.state = capture.state
+            device = engine.runner.replay(capture.dispatch, 20)
+            wall = local_wall(engine.step_log, capture.step_index, rows)
     return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
             "steady_step_wall_ms": wall and 1e3 * wall, "steady_step_device_ms": device and 1e3 * device,
-            "gpu_busy_fraction": (device / wall) if (wall and device) else None}
+            "gpu_busy_fraction": (device / wall) if (wall and device) else None,
+            "wall_profile": wall_profile(engine.step_log)}
 
 
 def main(argv=None, prog=None):
@@ -115,7 +121,7 @@ def main(argv=None, prog=None):
           f"max_num_seqs {args.max_num_seqs}, weights loaded in {load_s:.1f} s")
     print(f"{'arm':10} {'out tok/s':>10} {'total tok/s':>12} {'vs v1':>6} {'step wall ms':>13} "
           f"{'step dev ms':>12} {'GPU busy':>9} {'startup s':>10}")
-    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    fmt = lambda v, f: format(v, f) if v is not None else "-"
     for r in results:
         print(f"{r['arm']:10} {r['output_tokens_per_s']:10.0f} {r['total_tokens_per_s']:12.0f} "
               f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:6.2f} {fmt(r['steady_step_wall_ms'], '13.3f')} "

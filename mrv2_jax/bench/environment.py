@@ -1,19 +1,46 @@
 """What every benchmark result records about where it ran."""
 
 import datetime
+import importlib.metadata
 import os
 import subprocess
 
-import jax
 
-
-def describe_environment() -> dict:
+def git_sha() -> str:
+    # An explicit MRV2_GIT_SHA wins: the GPU machine's copy of the checkout may carry a stale
+    # .git (seen: results stamped with the session's first commit).
+    if os.environ.get("MRV2_GIT_SHA"):
+        return os.environ["MRV2_GIT_SHA"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        sha = os.environ.get("MRV2_GIT_SHA", "unknown")  # set by scripts/gpu_check.sh callers
-    device = jax.devices()[0]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_sha": sha, "jax_version": jax.__version__, "backend": jax.default_backend(),
-            "device": getattr(device, "device_kind", str(device))}
+        return "unknown"
+
+
+def gpu_name_from_driver() -> str | None:
+    """The first GPU's name as nvidia-smi reports it, without starting CUDA in this process."""
+    try:
+        run = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return run.stdout.strip().splitlines()[0] if run.stdout.strip() else None
+
+
+def describe_environment(probe_device: bool = True) -> dict:
+    """Date, git sha, jax version, backend and device. `probe_device=False` is for processes that
+    only drive others (a benchmark client, the comparison's orchestrator): asking JAX for its
+    devices would start the GPU backend there and take most of the GPU memory from the engine
+    under test, so the device name comes from nvidia-smi instead."""
+    env = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "git_sha": git_sha()}
+    if probe_device:
+        import jax
+
+        device = jax.devices()[0]
+        return env | {"jax_version": jax.__version__, "backend": jax.default_backend(),
+                      "device": getattr(device, "device_kind", str(device))}
+    gpu = gpu_name_from_driver()
+    return env | {"jax_version": importlib.metadata.version("jax"), "backend": "gpu" if gpu else "cpu",
+                  "device": gpu or "cpu"}

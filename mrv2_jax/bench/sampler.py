@@ -15,8 +15,9 @@ over --runs calls (after --warmup), each ended by block_until_ready, so it inclu
                                   min_p 0.05, penalties, 16 biased ids, min_tokens stops, 20 logprobs)
   all_used_static                 the same, compiled without runtime skips
   top_k_{threshold,sort}, top_p_{threshold,sort}, top_k_top_p_{threshold,sort}
-  top_k_top_p_arity{2,16,64}      the search with other arities (default 4)
-  top_k_top_p_unrolled            the search passes unrolled instead of a fori_loop
+  top_p_peaked                    top_p alone on rows whose top 64 tokens hold most of the mass
+                                  (the fast path); top_p_threshold is the flat-row search
+  top_k_top_p_arity16             top_p-only search with 16-ary passes (default 4)
   penalties, logit_bias, logprobs the other features alone (on top of temperature)
 """
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.bench.timing import time_calls
-from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample, topk_topp
+from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
 
 T = SamplerFeatures()  # temperature only, runtime skips on
@@ -59,9 +60,9 @@ def _cases():
         cases[f"top_k_{method}"] = (T.replace(top_k=True, top_k_top_p=method), dict(top_k=50))
         cases[f"top_p_{method}"] = (T.replace(top_p=True, top_k_top_p=method), dict(top_p=0.9))
         cases[f"top_k_top_p_{method}"] = (T.replace(top_k=True, top_p=True, top_k_top_p=method), trunc)
-    for arity in (2, 16, 64):
-        cases[f"top_k_top_p_arity{arity}"] = (T.replace(top_k=True, top_p=True, search_arity=arity), trunc)
-    cases["top_k_top_p_unrolled"] = (T.replace(top_k=True, top_p=True), trunc)
+    # A peaked row (as a real model's mostly are): top_p alone finishes on the top 64 values.
+    cases["top_p_peaked"] = (T.replace(top_p=True), dict(top_p=0.9, peaked=True))
+    cases["top_k_top_p_arity16"] = (T.replace(top_k=True, top_p=True, search_arity=16), dict(top_p=0.9))
     return cases
 
 
@@ -77,6 +78,8 @@ def make_inputs(kind, r, v, rng):
     else:
         params = kind if isinstance(kind, dict) else {}
     for name, value in params.items():
+        if name == "peaked":
+            continue
         if name == "bias":
             cols["bias_ids"][:, :16] = rng.integers(0, v, (r, 16))
             cols["bias_values"][:, :16] = rng.uniform(-5, 5, (r, 16))
@@ -85,6 +88,8 @@ def make_inputs(kind, r, v, rng):
         else:
             cols[name][:] = value
     logits = rng.normal(0, 2, (r, v)).astype(np.float32)
+    if params.get("peaked"):
+        logits[np.arange(r)[:, None], rng.integers(0, v, (r, 40))] += 14
     counts = rng.poisson(0.002, (r, v)).astype(np.int32)
     mask = pack_token_mask(rng.random((r, v)) < 0.002, np)
     penalties = PenaltyData(jnp.asarray(counts), jnp.asarray(mask), jnp.arange(r, dtype=jnp.int32))
@@ -95,14 +100,10 @@ def make_inputs(kind, r, v, rng):
 def run_case(name, features, kind, args):
     rng = np.random.default_rng(0)
     inputs = make_inputs(kind, args.num_rows, args.vocab, rng)
-    topk_topp.UNROLL = name.endswith("_unrolled")  # read at trace time
-    try:
-        fn = jax.jit(lambda x, t, p, pen: sample(x, t, p, features, pen if features.penalties else None))
-        t0 = time.perf_counter()
-        compiled = fn.lower(*inputs).compile()
-        compile_s = time.perf_counter() - t0
-    finally:
-        topk_topp.UNROLL = False
+    fn = jax.jit(lambda x, t, p, pen: sample(x, t, p, features, pen if features.penalties else None))
+    t0 = time.perf_counter()
+    compiled = fn.lower(*inputs).compile()
+    compile_s = time.perf_counter() - t0
     samples = time_calls(compiled, inputs, args.runs, args.warmup)
     ms = sorted(s * 1e3 for s in samples)
     return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],

@@ -21,8 +21,8 @@ import json
 import statistics
 import time
 
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment
-from mrv2_jax.bench.throughput import random_prompts
 from mrv2_jax.models.loader import CHECKPOINTS_DIR
 
 RUNNERS = {"v1": ("v1", False), "v2-async": ("v2", True), "v2-sync": ("v2", False)}
@@ -50,8 +50,10 @@ def run_arm(loaded, runner: str, spec, prompts, args) -> dict:
 
     kind, async_scheduling = RUNNERS[runner]
     t0 = time.perf_counter()
+    # max_fused_steps=1 in every arm: the spec-off baseline is plain one-step decode, so the
+    # difference is speculation alone (fused decode, off with spec anyway, is `bench fused`).
     llm = LLM(loaded_model=loaded, runner=kind, async_scheduling=async_scheduling, speculative_config=spec,
-              dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_fused_steps=1, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.input_len + args.output_len + 16, block_size=16, show_progress=False,
               enable_prefix_caching=False)
     startup = time.perf_counter() - t0

@@ -8,25 +8,9 @@ import argparse
 import json
 import time
 
-import numpy as np
-
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
-
-
-def random_prompts(num_prompts, input_len, range_ratio, vocab_size, seed, prefix_len=0):
-    """Random token prompts, as vllm's random dataset: each `prefix_len` shared tokens (the same
-    for every prompt) followed by `input_len` (+- range_ratio) tokens of its own."""
-    rng = np.random.default_rng(seed)
-    lo, hi = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
-    lengths = rng.integers(max(lo, 1), hi + 1, num_prompts)
-    # Avoid the top of the vocabulary, where special tokens live.
-    top = vocab_size - 1000 if vocab_size > 2000 else vocab_size
-    prompts = [rng.integers(0, top, n).tolist() for n in lengths]
-    if prefix_len:
-        prefix = np.random.default_rng([seed, prefix_len]).integers(0, top, prefix_len).tolist()
-        prompts = [prefix + p for p in prompts]
-    return prompts
 
 
 def run(args) -> dict:
@@ -40,7 +24,11 @@ def run(args) -> dict:
                              llm.model_state.vocab_size, args.dataset_seed, args.random_prefix_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     if args.warmup_prompts:
-        llm.generate(prompts[: args.warmup_prompts], params, use_tqdm=False)
+        # Prompts of their own (another seed): reusing the timed ones would turn the run's
+        # prefills into prefix-cache hits.
+        warm = random_prompts(args.warmup_prompts, args.input_len, 0.0, llm.model_state.vocab_size,
+                              args.dataset_seed + 1)
+        llm.generate(warm, SamplingParams(max_tokens=min(args.output_len, 16), ignore_eos=True), use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
@@ -70,7 +58,8 @@ def main(argv=None, prog=None):
                         "--input-len tokens (prefix caching can reuse it)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dataset-seed", type=int, default=0)
-    p.add_argument("--warmup-prompts", type=int, default=0)
+    p.add_argument("--warmup-prompts", type=int, default=0,
+                   help="untimed prompts (of their own, 16 output tokens each) before the run")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args(argv)

@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from mrv2_jax.config import CacheConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
@@ -18,6 +17,7 @@ from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
+DEFAULT_MAX_FUSED_STEPS = 16
 
 
 @dataclass
@@ -37,6 +37,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     prep_kernels: bool = False  # V2: input prep as Pallas kernels instead of fused jnp
+    # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
+    # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
+    layer_unroll: int = 1
+    # V2: up to this many decode steps in one compiled call for small, stable batches
+    # (runner/fused.py); default 16 for v2, 1 (off) for v1. Speculative decoding needs 1.
+    max_fused_steps: int | None = None
+    fused_unroll: int = 1  # decode steps per iteration of the fused loop (1: a plain while loop)
     seed: int = 0
     show_progress: bool = True
     # Speculative decoding: a SpeculativeConfig, a dict or a JSON string
@@ -51,6 +58,24 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         resolve_dtype(self.dtype)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.layer_unroll < 0:
+            raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
+        if self.max_fused_steps is None:
+            # Fused decode runs K plain decode steps per call with no draft verification, so
+            # speculative decoding turns it off (docs/architecture.md, "Speculative decoding").
+            on = self.runner == "v2" and self.speculative_config is None
+            self.max_fused_steps = DEFAULT_MAX_FUSED_STEPS if on else 1
+        for name in ("max_fused_steps", "fused_unroll"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.runner == "v1" and self.max_fused_steps > 1:
+            raise ValueError("fused decode (max_fused_steps > 1) needs the v2 runner")
+        if self.speculative_config is not None and self.max_fused_steps > 1:
+            raise ValueError(
+                f"max_fused_steps={self.max_fused_steps} with speculative_config: speculative decoding "
+                "and fused decode do not run together; leave max_fused_steps unset or set it to 1"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -87,7 +112,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
-        return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels, **kwargs)
+        return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels,
+                             max_fused_steps=config.max_fused_steps, fused_unroll=config.fused_unroll, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)
@@ -111,6 +137,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
     reuse (benchmarks that build several engines over one set of weights)."""
     enable_compilation_cache()
     model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
+    lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len
     if max_model_len > model_state.max_model_len:
@@ -121,12 +148,14 @@ def build_engine(config: EngineConfig, loaded_model=None):
     spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len)
     runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
+    fused_rows = getattr(runner, "max_fused_rows", 0)  # the largest batch the runner can fuse
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                         async_scheduling=async_scheduling,
                         num_speculative_tokens=spec_decoder.k if spec_decoder else 0,
-                        num_lookahead_tokens=spec_decoder.num_lookahead_tokens if spec_decoder else 0),
+                        num_lookahead_tokens=spec_decoder.num_lookahead_tokens if spec_decoder else 0,
+                        max_fused_steps=config.max_fused_steps if fused_rows else 1, max_fused_rows=fused_rows),
         CacheConfig(block_size=config.block_size, num_gpu_blocks=num_blocks,
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),

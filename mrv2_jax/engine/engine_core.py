@@ -72,9 +72,11 @@ class EngineCore:
     def _update(self, scheduled: SchedulerOutput, result) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduled, result.result())
         # Logprobs travel beside the tokens: each output carries this step's tokens of one
-        # request, so it takes that request's logprobs (dropped tokens drop theirs too).
+        # request, so it takes that request's logprobs (dropped tokens drop theirs too: a
+        # fused call's tokens after a stop).
         logprobs = result.logprobs() if hasattr(result, "logprobs") else None
         if logprobs:
             for out in outputs:
-                out.new_logprobs = logprobs.get(out.req_id)
+                entries = logprobs.get(out.req_id)
+                out.new_logprobs = None if entries is None else entries[: len(out.new_token_ids)]
         return outputs

@@ -81,6 +81,12 @@ class KVCacheManager:
         """A copy of the request's block table (empty if it holds no blocks)."""
         return list(self._blocks.get(request_id, ()))
 
+    def num_blocks_to_grow(self, request: _RequestView, num_new_tokens: int) -> int:
+        """Blocks that ``allocate_slots(request, num_new_tokens)`` would take for a request
+        that already holds blocks."""
+        num_scheduled_end = request.num_computed_tokens + num_new_tokens
+        return max(0, -(-num_scheduled_end // self.block_size) - len(self._blocks.get(request.request_id, ())))
+
     def get_computed_blocks(self, request: _RequestView) -> tuple[list[int], int]:
         """The longest cached prefix of a request that holds no blocks yet.
 

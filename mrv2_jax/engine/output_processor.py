@@ -4,6 +4,11 @@ Owns one incremental detokenizer per request; when the detokenizer finds a stop 
 reports the request so the caller can finish it in the core (the scheduler never sees text).
 Also turns the runner's per-token logprobs into `{token_id: Logprob}` dicts, with each token's
 text (cached per id: the same top tokens come back again and again).
+
+A request added with `final_only` (offline `LLM.generate`, vLLM's FINAL_ONLY output kind) gets
+no output until it finishes, and, unless it has stop strings to watch for, is detokenized once
+at the end instead of every step: at 256 running requests, per-step snapshots and window
+decodes are host work that sits on the critical path of every step.
 """
 
 import time
@@ -24,21 +29,8 @@ class _Tracked:
     delta_text: str = ""
     first_token_time: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # None: the request asked for none
-
-
-def _detokenize(detokenizer: IncrementalDetokenizer, token_ids: list[int]):
-    """-> (new text, stop string or None, the tokens kept). A step of speculative decoding brings
-    several tokens: they go in one at a time, so a stop string ends the output at the token that
-    completed it, exactly as without speculation."""
-    if len(token_ids) <= 1:
-        return *detokenizer.update(token_ids), token_ids
-    delta = ""
-    for n, token in enumerate(token_ids):
-        piece, stop_string = detokenizer.update([token])
-        delta += piece
-        if stop_string is not None:
-            return delta, stop_string, token_ids[: n + 1]
-    return delta, None, token_ids
+    final_only: bool = False  # report the request only when it finishes
+    defer_detokenize: bool = False  # final_only and no stop strings: decode once, at the end
 
 
 class OutputProcessor:
@@ -47,48 +39,71 @@ class OutputProcessor:
         self.tracked: dict[str, _Tracked] = {}
         self._token_text: dict[int, str] = {}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, final_only: bool = False) -> None:
         detok = None
+        params = request.sampling_params
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids,
-                                                       request.sampling_params)
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids, params)
         self.tracked[request.request_id] = _Tracked(
-            request, detok, logprobs=None if request.sampling_params.logprobs is None else [])
+            request, detok, logprobs=None if params.logprobs is None else [], final_only=final_only,
+            defer_detokenize=final_only and not params.stop)
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
             self.tracked.pop(req_id, None)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """-> (outputs of the requests that changed, ids that just matched a stop string)."""
+        """-> (outputs of the requests that changed, ids that just matched a stop string).
+
+        An output with several tokens (a fused decode call, a speculative step) becomes one `RequestOutput` per
+        token, in order, so streaming stays per token; a stop string ends the request at the
+        token that completes it and the tokens after it are dropped."""
         now = time.monotonic()
         changed, stopped = [], []
         for out in core_outputs:
             t = self.tracked.get(out.req_id)
             if t is None:
                 continue
-            finish_reason, stop_reason = out.finish_reason, out.stop_reason
-            if out.new_token_ids and t.first_token_time is None:
-                t.first_token_time = now
-            new_ids = out.new_token_ids
-            t.delta_text = ""
-            if t.detokenizer is not None:
-                delta, stop_string, new_ids = _detokenize(t.detokenizer, new_ids)
-                # A stop string before the step's last token ends the request there, whatever
-                # the scheduler decided about the later tokens.
-                if stop_string is not None and (finish_reason is None or len(new_ids) < len(out.new_token_ids)):
-                    finish_reason, stop_reason = "stop", stop_string
+            tokens = out.new_token_ids
+            # Split into single tokens (a fused call or a speculative step brings several): a
+            # stop string then ends the output at the token that completed it, and streams look
+            # the same whatever the step size. An output without tokens (a finish) stays whole.
+            for i in range(max(len(tokens), 1)):
+                last = i >= len(tokens) - 1
+                logprobs = out.new_logprobs[i : i + 1] if out.new_logprobs else None
+                snapshot, stop_string = self._advance(
+                    t, tokens[i : i + 1], logprobs, out.finish_reason if last else None,
+                    out.stop_reason if last else None, now)
+                if stop_string:
                     stopped.append(out.req_id)
-                if finish_reason is not None:
-                    delta += t.detokenizer.flush()
-                t.delta_text, t.text = delta, t.detokenizer.output_text
-            t.token_ids.extend(new_ids)
-            if t.logprobs is not None:
-                t.logprobs.extend(self._logprob_dict(entry) for entry in (out.new_logprobs or ())[: len(new_ids)])
-            changed.append(self._snapshot(t, finish_reason, stop_reason, now))
-            if finish_reason is not None:
-                del self.tracked[out.req_id]
+                if snapshot is not None:
+                    changed.append(snapshot)
+                    if snapshot.finished:
+                        del self.tracked[out.req_id]
+                        break
         return changed, stopped
+
+    def _advance(self, t: _Tracked, token_ids: list[int], logprobs, finish_reason, stop_reason, now,
+                 ) -> tuple[RequestOutput | None, bool]:
+        """Apply one request's new tokens -> (its RequestOutput, or None for a final_only request
+        that has not finished; whether a stop string matched)."""
+        if token_ids and t.first_token_time is None:
+            t.first_token_time = now
+        t.token_ids.extend(token_ids)
+        if t.logprobs is not None:
+            t.logprobs.extend(self._logprob_dict(entry) for entry in logprobs or ())
+        t.delta_text = ""
+        matched = False
+        if t.detokenizer is not None and (finish_reason is not None or not t.defer_detokenize):
+            delta, stop_string = t.detokenizer.update(t.token_ids if t.defer_detokenize else token_ids)
+            if stop_string is not None and finish_reason is None:
+                finish_reason, stop_reason, matched = "stop", stop_string, True
+            if finish_reason is not None:
+                delta += t.detokenizer.flush()
+            t.delta_text, t.text = delta, t.detokenizer.output_text
+        if t.final_only and finish_reason is None:
+            return None, matched
+        return self._snapshot(t, finish_reason, stop_reason, now), matched
 
     def _logprob_dict(self, entry) -> dict[int, Logprob]:
         """runner TokenLogprobs -> {token_id: Logprob}, the sampled token first (if it is also in

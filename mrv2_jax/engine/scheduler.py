@@ -36,6 +36,14 @@ drafts come off both again. With async scheduling the next step may be scheduled
 correction: its counts are then too high by the rejected drafts, which only over-reserves KV
 blocks; the runner places tokens by its own device-side counts. KV written for rejected drafts
 stays in the blocks and is overwritten by later steps before anything reads it.
+
+Fused decode. When every running request is decoding, nothing is waiting and the batch is
+small enough for the runner's fused variants, ``schedule()`` plans K decode steps in one
+runner call (``SchedulerOutput.num_fused_steps``): each request gets its blocks for up to K
+more tokens now and counts them all as placeholders, capped per request by what max_tokens
+(and max_model_len) leave. The device stops a request early on its stop ids; the tokens
+come back as one list per request and are checked here one by one, so whatever follows a
+stop (or, in the output processor, a stop string) is dropped, as with async placeholders.
 """
 
 from __future__ import annotations
@@ -169,6 +177,9 @@ class Scheduler:
     # ---- planning a step -------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        num_fused_steps = self._num_fused_steps()
+        if num_fused_steps > 1:
+            return self._schedule_fused(num_fused_steps)
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         scheduled: dict[str, Request] = {}
@@ -229,6 +240,60 @@ class Scheduler:
             preempted_req_ids=preempted,
             scheduled_requests=scheduled,
             num_spec_tokens=num_spec,
+        )
+
+    def _num_outputs_left(self, request: Request) -> int:
+        """Tokens the request may still sample beyond those known or in flight."""
+        return request.max_output_tokens - request.num_output_tokens - request.num_output_placeholders
+
+    def _num_fused_steps(self) -> int:
+        """K for a fused decode call now, or 1 for an ordinary step: K > 1 only when no request
+        needs the host before K more tokens (nothing waiting to be admitted, no prefill to
+        do, blocks for every token up front) and the batch fits the runner's fused variants."""
+        config = self.config
+        if (config.max_fused_steps <= 1 or self.waiting or not self.running
+                or len(self.running) > min(config.max_fused_rows, config.max_num_batched_tokens)):
+            return 1
+        num_steps, num_blocks = 1, 0
+        for request in self.running:
+            if (request.num_computed_tokens < request.num_prefill_tokens
+                    or request.num_tokens_with_placeholders - request.num_computed_tokens != 1):
+                return 1  # a prefill (chunk) to schedule
+            n = min(config.max_fused_steps, self._num_outputs_left(request))
+            num_steps = max(num_steps, n)
+            if n > 0:
+                num_blocks += self.kv_cache_manager.num_blocks_to_grow(request, n)
+        # Short of blocks: ordinary steps, which may preempt; a fused call never does.
+        return num_steps if num_blocks <= self.kv_cache_manager.num_free_blocks else 1
+
+    def _schedule_fused(self, num_steps: int) -> SchedulerOutput:
+        """Every running request decodes up to `num_steps` tokens in one runner call."""
+        num_scheduled: dict[str, int] = {}
+        scheduled: dict[str, Request] = {}
+        cached_reqs: list[CachedRequestData] = []
+        for request in self.running:
+            n = min(num_steps, self._num_outputs_left(request))
+            if n <= 0:
+                continue  # all its tokens are in flight already
+            new_blocks = self.kv_cache_manager.allocate_slots(request, n)
+            if new_blocks is None:  # _num_fused_steps counted the blocks
+                raise RuntimeError(f"no KV blocks for the fused decode of {request.request_id!r}")
+            cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            request.num_computed_tokens += n
+            request.num_output_placeholders += n
+            num_scheduled[request.request_id] = n
+            scheduled[request.request_id] = request
+        finished_req_ids = self._finished_since_last_schedule
+        self._finished_since_last_schedule = set()
+        return SchedulerOutput(
+            new_reqs=[],
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished_req_ids,
+            sampling_req_ids=set(num_scheduled),
+            scheduled_requests=scheduled,
+            num_fused_steps=num_steps,
         )
 
     def _num_running_tokens_to_schedule(self, request: Request, budget: int) -> int:
@@ -347,11 +412,14 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, list[int]],
     ) -> list[EngineCoreOutput]:
-        """Applies one step's sampled tokens (per request in ``sampling_req_ids``: one, or with
-        n drafts scheduled 1 .. 1 + n).
+        """Applies one step's sampled tokens: per request in ``sampling_req_ids`` one, with n
+        drafts scheduled 1 .. 1 + n (the accepted drafts and the bonus/correction token), or for
+        a fused call up to ``num_scheduled_tokens`` of them (fewer only when the last one stops
+        the request).
 
-        Returns one ``EngineCoreOutput`` per request that received a token. A request that
-        finished after this step was scheduled gets nothing: its token is dropped.
+        Returns one ``EngineCoreOutput`` per request that received tokens. A request that
+        finished after this step was scheduled gets nothing: its tokens are dropped, as are
+        the tokens that follow a stop.
         """
         outputs = []
         now = time.monotonic()
@@ -366,28 +434,37 @@ class Scheduler:
                 continue
             token_ids = sampled_token_ids.get(req_id, ())
             num_draft = scheduler_output.num_spec_tokens.get(req_id, 0)
-            if not 1 <= len(token_ids) <= 1 + num_draft:
+            fused = scheduler_output.num_fused_steps > 1  # (never with drafts: SchedulerConfig)
+            # The placeholders schedule() counted for this request's sampled tokens.
+            expected = scheduler_output.num_scheduled_tokens[req_id] if fused else 1 + num_draft
+            if not 1 <= len(token_ids) <= expected:
                 raise RuntimeError(
                     f"runner returned {len(token_ids)} tokens for {req_id!r}, expected "
-                    + (f"1 to {1 + num_draft}" if num_draft else "1")
+                    + (f"1 to {expected}" if num_draft else str(expected))
                 )
-            request.num_output_placeholders -= 1 + num_draft
+            request.num_output_placeholders -= expected
             if num_draft:
                 self.spec_stats.observe(num_draft, len(token_ids) - 1)
                 if request.status == RequestStatus.RUNNING:  # (a preempted one restarts from 0)
+                    # Rejected drafts were counted as computed; their KV is overwritten later.
                     request.num_computed_tokens -= num_draft - (len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
-            kept = []
+            accepted, finish_status = [], None
             for token_id in token_ids:  # tokens after a stop are dropped
                 request.append_output_token(token_id)
-                kept.append(token_id)
+                accepted.append(token_id)
                 finish_status = self._check_stop(request, token_id)
                 if finish_status is not None:
-                    self._finish(request, finish_status)
                     break
+            if finish_status is not None:
+                self._finish(request, finish_status)
+            elif fused and len(token_ids) < expected:
+                # A fused row ends early only on a stop; fewer spec tokens means rejected drafts.
+                raise RuntimeError(f"runner stopped {req_id!r} after {len(token_ids)} of {expected} "
+                                   "tokens, on a token that does not stop it")
             outputs.append(
-                EngineCoreOutput(req_id, kept, request.finish_reason, request.stop_reason)
+                EngineCoreOutput(req_id, accepted, request.finish_reason, request.stop_reason)
             )
         return outputs
 

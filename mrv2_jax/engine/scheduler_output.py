@@ -59,6 +59,11 @@ class SchedulerOutput:
     ``finished_req_ids``: requests finished, aborted or preempted since the previous
     step; the runner frees their slots before adding ``new_reqs``. An output may schedule
     no tokens at all and still carry finished ids.
+
+    ``num_fused_steps`` K > 1: a fused decode call (runner/fused.py). Every scheduled request
+    is decoding and there are no new requests; the runner runs up to K decode steps in one
+    call, request r computing (and sampling) at most ``num_scheduled_tokens[r]`` tokens, one
+    per step. A request returns fewer only if the device saw it sample a stop id.
     """
 
     new_reqs: list[NewRequestData]
@@ -70,6 +75,7 @@ class SchedulerOutput:
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
     # The subset of finished_req_ids preempted by this very schedule() call.
     preempted_req_ids: set[str] = field(default_factory=set)
+    num_fused_steps: int = 1
     # Host-side only (runners ignore it): the exact request objects scheduled, so a token
     # arriving late is never credited to a newer request that reused an aborted id.
     scheduled_requests: dict[str, Request] = field(default_factory=dict, repr=False)

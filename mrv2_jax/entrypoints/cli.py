@@ -26,7 +26,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--max-fused-steps", type=int, default=None,
+                   help="v2: up to this many decode steps in one compiled call for small, stable batches "
+                        "(default 16, or 1 with --speculative-config; 1 turns fused decode off)")
+    g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    g.add_argument("--layer-unroll", type=int, default=1,
+                   help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
                         "methods: ngram (prompt_lookup_min/max), draft_model (model), mtp, "
@@ -99,6 +105,11 @@ BENCHMARKS = {
     "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
     "spec": ("mrv2_jax.bench.spec_decode", "speculative decoding: tok/s and TPOT, spec on vs off, v2-async vs v1"),
+    "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
+    "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
+    "compare": ("mrv2_jax.bench.compare", "side by side with vLLM (MRV2 and V1) on one GPU, with --plot"),
+    "xla-vs-cudagraph": ("mrv2_jax.bench.xla_vs_cudagraph", "a decode step: XLA command buffers vs a CUDA graph"),
+    "fused": ("mrv2_jax.bench.fused_decode", "small-batch decode latency with and without fused decode"),
 }
 
 
@@ -158,11 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: throughput, runner A/B",
+        "bench", help="benchmarks: " + ", ".join(BENCHMARKS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a benchmark; the arguments after its name are its own "
                     "(see `mrv2-jax bench BENCHMARK --help`).\n\nbenchmarks:\n"
-                    + "\n".join(f"  {name:12} {text}" for name, (_, text) in BENCHMARKS.items()),
+                    + "\n".join(f"  {name:18} {text}" for name, (_, text) in BENCHMARKS.items()),
         epilog="example: mrv2-jax bench throughput --model qwen3-0.6b --load-format dummy "
                "--input-len 128 --output-len 128 --num-prompts 1000 --output-json out.json")
     bench.add_argument("benchmark", choices=list(BENCHMARKS), metavar="BENCHMARK",

@@ -7,6 +7,8 @@ cheap; and the scan carries the stacked KV cache, which XLA then updates in plac
 The family-specific math (norm placement, rotary variant, ...) comes from the `ModelState`.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,20 +20,56 @@ from mrv2_jax.models.layers import rms_norm
 class StackedLayers(nnx.Module):
     """Holds one `nnx.Param` per layer-weight kind, each shaped [num_layers, ...]."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype, rngs: nnx.Rngs):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype, rngs: nnx.Rngs,
+                 dtypes: dict | None = None):
         self.names = tuple(sorted(shapes))
         for name in self.names:
-            setattr(self, name, nnx.Param(init_weight(name, (num_layers, *shapes[name]), dtype, rngs)))
+            param_dtype = (dtypes or {}).get(name, dtype)
+            setattr(self, name, nnx.Param(init_weight(name, (num_layers, *shapes[name]), param_dtype,
+                                                     rngs.params())))
 
     def arrays(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in self.names}
 
 
-def init_weight(name: str, shape, dtype, rngs: nnx.Rngs) -> jax.Array:
-    """Norm scales start at one, everything else small and random (std 0.02)."""
+def init_weight(name: str, shape, dtype, key) -> jax.Array:
+    """Norm scales start at one, everything else small and random (std 0.02). FP8 weights are
+    unit-scale random values and their block scales 0.02, so that dequantised they look alike;
+    biases of the router start at zero."""
     if "norm" in name:
         return jnp.ones(shape, dtype)
-    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    if name.endswith("_scale"):
+        return jnp.full(shape, 0.02, dtype)
+    if name.endswith("_bias") and "router" in name:
+        return jnp.zeros(shape, dtype)
+    scale = 1.0 if jnp.dtype(dtype).itemsize == 1 else 0.02
+    return _random_normal(key, tuple(shape), dtype, scale)
+
+
+def _random_normal(key, shape, dtype, scale):
+    """scale * N(0, 1) in `dtype`. Huge stacked tensors (MoE experts: 20-66 G elements) are
+    made one slice of the leading axis at a time, so that no float32 temporary of the whole
+    tensor can exist next to the weights."""
+    if len(shape) >= 3 and math.prod(shape) > 2**28:
+        keys = jax.random.split(key, shape[0])
+        return jax.lax.map(lambda k: _random_normal(k, shape[1:], dtype, scale), keys)
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def layer_runs(groups) -> list[tuple[str, int, int]]:
+    """Maximal runs of consecutive layers of one group, in layer order:
+    [(group name, index of the run's first layer within the group, run length)]."""
+    owner = {layer: (name, j) for name, g in groups.items() for j, layer in enumerate(g.layers)}
+    if sorted(owner) != list(range(len(owner))):
+        raise ValueError(f"layer groups must cover layers 0..N-1 exactly once, got {sorted(owner)}")
+    runs = []
+    for layer in range(len(owner)):
+        name, j = owner[layer]
+        if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == j:
+            runs[-1] = (name, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((name, j, 1))
+    return runs
 
 
 class CausalLM(nnx.Module):
@@ -39,26 +77,41 @@ class CausalLM(nnx.Module):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
         h, v = spec.hidden_size, spec.vocab_size
-        self.embed_tokens = nnx.Param(init_weight("embed_tokens", (v, h), dtype, rngs))
-        self.layers = StackedLayers(spec.layer_param_shapes(), spec.num_layers, dtype, rngs)
-        self.final_norm = nnx.Param(init_weight("final_norm", (h,), dtype, rngs))
+        self.embed_tokens = nnx.Param(init_weight("embed_tokens", (v, h), dtype, rngs.params()))
+        for name, group in spec.layer_groups().items():
+            setattr(self, name, StackedLayers(group.shapes, len(group.layers), dtype, rngs, group.dtypes))
+        mtp = spec.mtp_group()
+        if mtp is not None:
+            self.mtp = StackedLayers(mtp.shapes, len(mtp.layers), dtype, rngs, mtp.dtypes)
+        self.final_norm = nnx.Param(init_weight("final_norm", (h,), dtype, rngs.params()))
         if not spec.tie_word_embeddings:
-            self.lm_head = nnx.Param(init_weight("lm_head", (h, v), dtype, rngs))
+            self.lm_head = nnx.Param(init_weight("lm_head", (h, v), dtype, rngs.params()))
 
     def __call__(self, input_ids, positions, attention, kv_cache=()):
         """Flattened tokens -> (final hidden states [T, H], updated kv_cache)."""
         x = self.embed_tokens[...][input_ids]
         rope = self.spec.rope(positions)
+        groups = self.spec.layer_groups()
+        for name, start, count in layer_runs(groups):
+            group = groups[name]
+            stack = getattr(self, name).arrays()
+            layer_ids = jnp.asarray(group.layers[start:start + count], dtype=jnp.int32)
+            if count == len(group.layers):  # the usual case: the scan walks the whole stack
+                xs = (stack, layer_ids)
+                take = lambda xs_params: xs_params
+            else:
+                # Part of a stack: index it inside the loop (a dynamic slice of one layer)
+                # rather than slicing the run out first, which XLA would copy.
+                xs = (jnp.arange(start, start + count, dtype=jnp.int32), layer_ids)
+                take = lambda j, stack=stack: {k: v[j] for k, v in stack.items()}
 
-        def one_layer(carry, xs):
-            x, kv = carry
-            params, layer = xs
-            x, kv = self.spec.layer_forward(params, x, rope, attention, layer, kv)
-            return (x, kv), None
+            def one_layer(carry, xs, forward=group.forward, take=take):
+                x, kv = carry
+                params, layer = xs
+                x, kv = forward(take(params), x, rope, attention, layer, kv)
+                return (x, kv), None
 
-        layer_ids = jnp.arange(self.spec.num_layers, dtype=jnp.int32)
-        (x, kv_cache), _ = jax.lax.scan(
-            one_layer, (x, kv_cache), (self.layers.arrays(), layer_ids), unroll=self.layer_unroll)
+            (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), xs, unroll=self.layer_unroll)
         return rms_norm(x, self.final_norm[...], self.spec.rms_norm_eps), kv_cache
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
@@ -67,6 +120,15 @@ class CausalLM(nnx.Module):
             return jnp.einsum("nh,vh->nv", hidden, self.embed_tokens[...],
                               preferred_element_type=jnp.float32)
         return jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def forward_mtp(self, depth, input_ids, prev_hidden, positions, attention, kv_cache=()):
+        """Multi-token-prediction layer `depth` (families with `spec.has_mtp`): the next tokens'
+        ids and the previous model's hidden states [T, H] -> (hidden [T, H] for
+        `compute_logits`, kv_cache). Its attention uses layer index `num_layers + depth`."""
+        group = self.spec.mtp_group()
+        params = {k: v[depth] for k, v in self.mtp.arrays().items()}
+        return group.forward(params, self.embed_tokens[...][input_ids], prev_hidden,
+                             self.spec.rope(positions), attention, group.layers[depth], kv_cache)
 
     def forward_dense(self, input_ids, positions, segment_ids):
         """Logits for every token, attending within segments (tests and training)."""

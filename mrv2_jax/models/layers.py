@@ -79,3 +79,12 @@ def dense_causal_attention(q, k, v, segment_ids, positions, scale):
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("hgqk,khd->qhgd", probs, v.astype(jnp.float32))
     return out.reshape(t, num_heads, head_dim).astype(q.dtype)
+
+
+def apply_rope_halves_partial(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """"Halves" RoPE on the first `2 * cos.shape[-1]` dims only; the rest pass through
+    (GLM-4.5 / GLM-4-MoE partial rotary)."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rope_halves(x, cos, sin)
+    return jnp.concatenate([apply_rope_halves(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], axis=-1)

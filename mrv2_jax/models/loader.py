@@ -6,18 +6,20 @@ checkpoint (config.json + *.safetensors, sharded or not) or one written by `mrv2
 (config.json + an orbax `params/` folder).
 """
 
+import functools
 import json
 import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mrv2_jax.models.decoder import CausalLM
+from mrv2_jax.models.decoder import CausalLM, init_weight
 from mrv2_jax.models.model_state import ModelState, WeightSource, model_state_for
 
 CHECKPOINTS_DIR = Path(os.environ.get("MRV2_CHECKPOINTS", Path(__file__).resolve().parents[2] / "checkpoints"))
@@ -73,8 +75,8 @@ def load_model(model=None, dtype="bfloat16", load_format: str = "auto", seed: in
     if load_format == "auto":
         load_format = "orbax" if (path / "params").is_dir() else "safetensors"
     if load_format == "dummy":
-        # Random weights are made on the device inside one jit: fast even for 8B models.
-        lm = nnx.jit(lambda: init_model(hf_config, dtype, seed, layer_unroll))()
+        lm = nnx.eval_shape(lambda: init_model(hf_config, dtype, seed, layer_unroll))
+        init_dummy(lm, seed)
         return lm.spec, lm, path
     lm = nnx.eval_shape(lambda: init_model(hf_config, dtype, seed, layer_unroll))
     if load_format == "orbax":
@@ -84,6 +86,24 @@ def load_model(model=None, dtype="bfloat16", load_format: str = "auto", seed: in
     else:
         load_safetensors(lm, path)
     return lm.spec, lm, path
+
+
+def init_dummy(lm: CausalLM, seed: int = 0) -> None:
+    """Fill `lm` (abstract or concrete) with random weights made on the device, one parameter
+    per jitted call: fast even for 100B models, and the peak memory is the weights plus one
+    parameter's temporaries (one jit over the whole model may keep tens of GB of random-number
+    temporaries alive next to its outputs, too many for a 110 GB model on a 141 GB GPU)."""
+    key = jax.random.key(seed)
+    params = [(p, node) for p, node in nnx.iter_graph(lm) if isinstance(node, nnx.Param)]
+    for i, (param_path, param) in enumerate(params):
+        value = param.get_value()
+        param.set_value(_dummy_param(str(param_path[-1]), tuple(value.shape), jnp.dtype(value.dtype),
+                                     jax.random.fold_in(key, i)))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _dummy_param(name, shape, dtype, key):
+    return init_weight(name, shape, dtype, key)
 
 
 # --- safetensors ------------------------------------------------------------------------
@@ -104,6 +124,20 @@ def _safetensors_files(path: Path) -> dict[str, Path]:
     return where
 
 
+def _read_fp8(f: Path, name: str) -> np.ndarray | None:
+    """An F8_E4M3 tensor, which safetensors' numpy reader cannot return: read it from the
+    file's JSON header and byte range as an ml_dtypes array (None for other dtypes)."""
+    with open(f, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        info = json.loads(handle.read(header_len))[name]
+        if info["dtype"] != "F8_E4M3":
+            return None
+        start, end = info["data_offsets"]
+        handle.seek(8 + header_len + start)
+        data = np.frombuffer(handle.read(end - start), dtype=ml_dtypes.float8_e4m3fn)
+    return data.reshape(info["shape"])
+
+
 class _TensorReader:
     """Reads tensors by name across shards, keeping each file open once."""
 
@@ -117,21 +151,51 @@ class _TensorReader:
         f = self.where[name]
         if f not in self.handles:
             self.handles[f] = safe_open(f, framework="numpy")
-        return self.handles[f].get_tensor(name)
+        try:
+            return self.handles[f].get_tensor(name)
+        except (AttributeError, TypeError):  # numpy has no float8 dtype of its own
+            t = _read_fp8(f, name)
+            if t is None:
+                raise
+            return t
 
-    def assemble(self, source: WeightSource, layer: int | None = None) -> np.ndarray:
+    def assemble(self, source: WeightSource, layer: int | None = None, dequantize: bool = False) -> np.ndarray:
+        """The parameter's value in our layout. `dequantize`: the model keeps this weight in
+        a wide dtype, so an FP8 tensor of the checkpoint is multiplied out by its block scales."""
+        if source.experts:
+            return np.stack([self._assemble_one(source, layer, e, dequantize) for e in range(source.experts)])
+        return self._assemble_one(source, layer, None, dequantize)
+
+    def _assemble_one(self, source: WeightSource, layer, expert, dequantize) -> np.ndarray:
         parts = []
         for template in source.hf_names:
-            t = self.get(template.format(i=layer))
+            name = template.format(i=layer, e=expert)
+            t = self.get(name)
+            if dequantize and t.dtype == ml_dtypes.float8_e4m3fn:
+                t = _dequantize_np(t, self.get(name.replace(".weight", ".weight_scale_inv")))
             parts.append(t.T if source.linear else t)
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+
+
+def _dequantize_np(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
+    """FP8 [out, in] with [cdiv(out, b), cdiv(in, b)] block scales -> float32."""
+    b_out = -(-w.shape[0] // scale_inv.shape[0])
+    b_in = -(-w.shape[1] // scale_inv.shape[1])
+    full = np.repeat(np.repeat(scale_inv.astype(np.float32), b_out, 0), b_in, 1)[: w.shape[0], : w.shape[1]]
+    return w.astype(np.float32) * full
 
 
 def _set_param(param: nnx.Param, value: np.ndarray, what: str):
     expected = param.get_value()
     if tuple(value.shape) != tuple(expected.shape):
         raise ValueError(f"weight {what} has shape {value.shape}, the config implies {expected.shape}")
+    if (jnp.dtype(expected.dtype).itemsize == 1) != (value.dtype.itemsize == 1):
+        raise ValueError(f"weight {what} is {value.dtype} in the checkpoint, the model expects {expected.dtype}")
     param.set_value(jnp.asarray(value, dtype=expected.dtype))
+
+
+def _keeps_wide(param: nnx.Param) -> bool:
+    return jnp.dtype(param.get_value().dtype).itemsize > 1
 
 
 def load_safetensors(lm: CausalLM, path: Path) -> None:
@@ -139,10 +203,21 @@ def load_safetensors(lm: CausalLM, path: Path) -> None:
     reader = _TensorReader(path)
     spec = lm.spec
     for name, source in spec.global_weight_sources().items():
-        _set_param(getattr(lm, name), reader.assemble(source), name)
-    for name, source in spec.layer_weight_sources().items():
-        stacked = np.stack([reader.assemble(source, i) for i in range(spec.num_layers)])
-        _set_param(getattr(lm.layers, name), stacked, f"layers.{name}")
+        param = getattr(lm, name)
+        _set_param(param, reader.assemble(source, dequantize=_keeps_wide(param)), name)
+    for attr, group in _stacked_groups(spec):
+        for name, source in group.sources.items():
+            param = getattr(getattr(lm, attr), name)
+            stacked = np.stack([reader.assemble(source, i, _keeps_wide(param)) for i in group.layers])
+            _set_param(param, stacked, f"{attr}.{name}")
+
+
+def _stacked_groups(spec):
+    """(model attribute, LayerGroup) for every stacked parameter group, MTP layers included."""
+    groups = list(spec.layer_groups().items())
+    if spec.mtp_group() is not None:
+        groups.append(("mtp", spec.mtp_group()))
+    return groups
 
 
 def save_hf_checkpoint(lm: CausalLM, out_dir, dtype=jnp.bfloat16) -> Path:
@@ -153,17 +228,25 @@ def save_hf_checkpoint(lm: CausalLM, out_dir, dtype=jnp.bfloat16) -> Path:
     tensors = {}
 
     def put(source: WeightSource, value: np.ndarray, layer=None):
-        pieces = np.split(value, np.cumsum(source.widths)[:-1], axis=-1) if source.widths else [value]
-        for n, piece in zip(source.hf_names, pieces):
-            tensors[n.format(i=layer)] = np.ascontiguousarray(piece.T if source.linear else piece)
+        for e in range(source.experts) if source.experts else (None,):
+            one = value if e is None else value[e]
+            pieces = np.split(one, np.cumsum(source.widths)[:-1], axis=-1) if source.widths else [one]
+            for n, piece in zip(source.hf_names, pieces):
+                tensors[n.format(i=layer, e=e)] = np.ascontiguousarray(piece.T if source.linear else piece)
 
-    as_np = lambda p: np.asarray(jnp.asarray(p.get_value(), dtype))  # noqa: E731
+    model_dtype = lm.embed_tokens.get_value().dtype
+
+    def as_np(p):  # `dtype`, except parameters the family keeps in another (f32 bias, FP8)
+        value = p.get_value()
+        return np.asarray(value if value.dtype != model_dtype else jnp.asarray(value, dtype))
+
     for name, source in spec.global_weight_sources().items():
         put(source, as_np(getattr(lm, name)))
-    for name, source in spec.layer_weight_sources().items():
-        stacked = as_np(getattr(lm.layers, name))
-        for i in range(spec.num_layers):
-            put(source, stacked[i], i)
+    for attr, group in _stacked_groups(spec):
+        for name, source in group.sources.items():
+            stacked = as_np(getattr(getattr(lm, attr), name))
+            for j, i in enumerate(group.layers):
+                put(source, stacked[j], i)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     spec.hf_config.dtype = jnp.dtype(dtype).name
     spec.hf_config.save_pretrained(str(out_dir))

@@ -6,8 +6,9 @@ The runner, scheduler and sampler only ever talk to a `ModelState`; a family mod
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from flax import nnx
@@ -20,16 +21,37 @@ class WeightSource:
     """How one stacked parameter is assembled from Hugging Face tensors.
 
     `hf_names` are concatenated along the output axis; `linear` tensors are stored by HF as
-    [out, in] and transposed to our [in, out]. Per-layer names contain `{i}`.
+    [out, in] and transposed to our [in, out]. Per-layer names contain `{i}`. With
+    `experts=E`, the names also contain `{e}` and the E per-expert tensors are stacked on a new
+    leading axis ([E, in, out]): the hub stores MoE experts one module per expert.
     """
 
     hf_names: tuple[str, ...]
     linear: bool = False
     widths: tuple[int, ...] = ()  # output width of each name, needed when there are several
+    experts: int = 0
 
     def __post_init__(self):
         if len(self.hf_names) > 1 and len(self.widths) != len(self.hf_names):
             raise ValueError(f"fused weight {self.hf_names} needs one width per name")
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Decoder layers that share one parameter layout and one forward function.
+
+    Each group's parameters are stacked over its layers (`[len(layers), ...]`), and the model
+    runs every maximal run of consecutive layers of one group as one `lax.scan`. A dense family
+    has a single group; a MoE family with dense layers in between (GLM's first dense layers,
+    Qwen3-MoE's `mlp_only_layers`) has two, so the parameter leaves stay few whatever the
+    per-layer pattern is.
+    """
+
+    layers: tuple[int, ...]  # global layer indices, ascending
+    shapes: dict[str, tuple[int, ...]]
+    sources: dict[str, "WeightSource"]
+    forward: Callable  # (params, x, rope, attention, layer, kv_cache) -> (x, kv_cache)
+    dtypes: dict[str, Any] = field(default_factory=dict)  # parameters not in the model dtype
 
 
 class ModelState(ABC):
@@ -58,13 +80,29 @@ class ModelState(ABC):
             (eos,) if eos is not None else ())
 
     # --- the parameter layout -------------------------------------------------------
-    @abstractmethod
+    def layer_groups(self) -> dict[str, LayerGroup]:
+        """The decoder layers by parameter layout; the key is the model attribute holding the
+        group's stacked parameters. Families with one layout implement the three `layer_*`
+        methods below; families with several override this."""
+        return {"layers": LayerGroup(tuple(range(self.num_layers)), self.layer_param_shapes(),
+                                     self.layer_weight_sources(), self.layer_forward)}
+
+    def mtp_group(self) -> LayerGroup | None:
+        """Multi-token-prediction layers (loaded as `lm.mtp`), or None. Their `layers` are
+        the hub's layer indices (after the decoder layers)."""
+        return None
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_group() is not None
+
     def layer_param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes of ONE layer's parameters, by our name (stacked over layers in the model)."""
+        raise NotImplementedError
 
-    @abstractmethod
     def layer_weight_sources(self) -> dict[str, WeightSource]:
         """For each layer parameter, the HF tensors (with `{i}`) that it is built from."""
+        raise NotImplementedError
 
     def global_weight_sources(self) -> dict[str, WeightSource]:
         sources = {
@@ -84,9 +122,9 @@ class ModelState(ABC):
     def rope(self, positions):
         """Per-token rotary tables shared by all layers of one forward pass."""
 
-    @abstractmethod
     def layer_forward(self, params, x, rope, attention, layer, kv_cache):
         """One decoder layer: (params of this layer, hidden [T, H]) -> (hidden, kv_cache)."""
+        raise NotImplementedError
 
     # --- helpers the engine uses -------------------------------------------------------
     def build_model(self, dtype=jnp.bfloat16, seed: int = 0) -> CausalLM:

@@ -23,10 +23,17 @@ class DeviceState(NamedTuple):
     num_prompt: jax.Array  # int32[S]: the original prompt's length (outputs = num_tokens - num_prompt)
     sampler_row: jax.Array  # int32[S]: the slot if its sampler tables (penalties, bias) are this request's, else -1
     sampling: dict  # name -> [S]: the request's sampler scalars (temperature, top_k, seeds, ...)
+    # int32[S, MAX_DEVICE_STOP_IDS]: token ids that end the request (EOS unless ignored, stop
+    # token ids), -1 padding. Fused decode (runner/fused.py) stops a row on them on the device.
+    stop_ids: jax.Array
 
 
 # The sampler scalars kept per slot; `num_output_tokens` is not stored, it is derived each step.
 SAMPLING_FIELDS = tuple(f for f in SCALAR_FIELDS if f != "num_output_tokens")
+# Stop ids kept per slot. The host stays the authority on stops (it checks every token), so a
+# request with more stop ids keeps only the first ones here: the device then merely runs past
+# a stop it does not know, and the host drops those tokens, as it drops any overshoot.
+MAX_DEVICE_STOP_IDS = 8
 
 
 def init_device_state(max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> DeviceState:
@@ -36,4 +43,5 @@ def init_device_state(max_num_seqs: int, max_model_len: int, max_blocks_per_seq:
     return DeviceState(token_ids=zeros(s, max_model_len + 1), num_tokens=zeros(s), prefill_len=zeros(s),
                        num_computed=zeros(s), block_table=zeros(s, max_blocks_per_seq), num_prompt=zeros(s),
                        sampler_row=jnp.full((s,), -1, jnp.int32),
-                       sampling={name: jnp.asarray(getattr(neutral, name)) for name in SAMPLING_FIELDS})
+                       sampling={name: jnp.asarray(getattr(neutral, name)) for name in SAMPLING_FIELDS},
+                       stop_ids=jnp.full((s, MAX_DEVICE_STOP_IDS), -1, jnp.int32))

@@ -28,10 +28,10 @@ class StepInputs(NamedTuple):
 
 
 def apply_new_requests(state: DeviceState, slot, prefill_len, num_computed, num_prompt=None,
-                       sampler_row=None, sampling: dict | None = None) -> DeviceState:
+                       sampler_row=None, sampling: dict | None = None, stop_ids=None) -> DeviceState:
     """Initialise the rows of newly added (or resumed) requests; `slot == -1` entries are unused.
     Fields not given keep their defaults for those rows (prompt = prefill, no sampler tables,
-    neutral = greedy sampling)."""
+    neutral = greedy sampling, no stop ids)."""
     s = state.num_tokens.shape[0]
     idx = jnp.where(slot >= 0, slot, s)  # out of bounds -> dropped
     put = lambda table, values: table.at[idx].set(values, mode="drop")  # noqa: E731
@@ -43,7 +43,8 @@ def apply_new_requests(state: DeviceState, slot, prefill_len, num_computed, num_
         num_prompt=put(state.num_prompt, prefill_len if num_prompt is None else num_prompt),
         sampler_row=put(state.sampler_row, -1 if sampler_row is None else sampler_row),
         sampling={name: put(table, sampling.get(name, getattr(neutral, name)))
-                  for name, table in state.sampling.items()})
+                  for name, table in state.sampling.items()},
+        stop_ids=put(state.stop_ids, -1 if stop_ids is None else stop_ids))
 
 
 def batch_sampling(state: DeviceState, idx_mapping, num_reqs) -> tuple[SamplingTensors, jax.Array]:

@@ -28,7 +28,8 @@ from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
 from pallas_kernels.prepare_inputs import prepare_ops
 from mrv2_jax.runner.buckets import Bucket, BucketPlan
-from mrv2_jax.runner.device_state import SAMPLING_FIELDS, init_device_state
+from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, SAMPLING_FIELDS, init_device_state
+from mrv2_jax.runner.fused import device_stop_ids, fused_layout, make_fused_decode
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
 from mrv2_jax.runner.packed import PackedLayout
@@ -47,7 +48,9 @@ OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buff
 
 class PendingStep:
     """The sampled tokens (and logprobs) of a dispatched step; `result()` blocks until they are
-    on the host."""
+    on the host. Tokens are `[R]` (one step), `[K, R]` (a fused call: -1 where a row sampled
+    nothing, so each row's tokens are a prefix of its column) or `[R, 1 + k]` with `num_sampled`
+    `[R]` (a speculative step: row r keeps its first num_sampled[r])."""
 
     def __init__(self, out: SamplerOutput, req_ids: list[str], sampling_req_ids: set[str],
                  logprob_req_ids: set[str]):
@@ -61,19 +64,30 @@ class PendingStep:
                 array.copy_to_host_async()
         self._out, self._req_ids, self._sampling, self._logprob_reqs = out, req_ids, sampling_req_ids, logprob_req_ids
 
-    def result(self) -> dict[str, list[int]]:
+    def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """-> (tokens [K, R], number of valid tokens per row [R])."""
         tokens = np.asarray(self._out.tokens)
-        if self._num_sampled is not None:
-            counts = np.asarray(self._num_sampled)
-            return {r: tokens[i, : counts[i]].tolist() for i, r in enumerate(self._req_ids) if r in self._sampling}
-        return {r: [int(tokens[i])] for i, r in enumerate(self._req_ids) if r in self._sampling}
+        if self._num_sampled is not None:  # a spec step: [R, 1 + k], each row's count on the side
+            return tokens.T, np.asarray(self._num_sampled)
+        if tokens.ndim == 1:
+            return tokens[None], np.ones(tokens.shape[0], np.int64)
+        return tokens, (tokens >= 0).sum(axis=0)
+
+    def result(self) -> dict[str, list[int]]:
+        tokens, counts = self._tokens()
+        columns = tokens.T.tolist()
+        return {r: columns[i][: counts[i]] for i, r in enumerate(self._req_ids) if r in self._sampling}
 
     def logprobs(self) -> dict[str, list[TokenLogprobs]]:
         if not self._logprob_reqs:
             return {}
-        values, ids = np.asarray(self._out.logprobs), np.asarray(self._out.logprob_token_ids)
-        ranks = np.asarray(self._out.sampled_rank)
-        return {r: [token_logprobs(values[i], ids[i], ranks[i], self._logprob_reqs[r])]
+        _, counts = self._tokens()
+        shape = (-1, len(counts))  # [K, R, ...] also for a single step
+        values = np.asarray(self._out.logprobs).reshape(*shape, self._out.logprobs.shape[-1])
+        ids = np.asarray(self._out.logprob_token_ids).reshape(values.shape)
+        ranks = np.asarray(self._out.sampled_rank).reshape(shape)
+        return {r: [token_logprobs(values[k, i], ids[k, i], ranks[k, i], self._logprob_reqs[r])
+                    for k in range(counts[i])]
                 for i, r in enumerate(self._req_ids) if r in self._logprob_reqs}
 
 
@@ -84,10 +98,12 @@ class ModelRunnerV2:
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, use_prep_kernels: bool = False,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, show_progress: bool = True,
-                 spec_decoder=None):
+                 spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32, fused_unroll: int = 1):
         """`sampler_variants`: sampler feature sets compiled per bucket, cheapest first; a step
         whose rows are all plain greedy uses the first, any other step the last (which must
-        cover everything). `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None."""
+        cover everything). `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None.
+        `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
+        to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
         self.params = FlatParams(lm)
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -116,7 +132,20 @@ class ModelRunnerV2:
         self.slot_state = slot_state.init_slot_state(max_num_seqs, model_state.vocab_size, MAX_LOGIT_BIAS,
                                                      MAX_STOP_IDS)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
-        self.compiled = {}
+        # Fused decode takes one token per row and step: per row count up to max_fused_rows, the
+        # smallest bucket with that many rows.
+        if spec_decoder is not None and max_fused_steps > 1:
+            raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
+        self.max_fused_steps = max_fused_steps
+        self.fused_unroll = fused_unroll
+        by_rows = {}
+        for b in self.buckets:
+            if max_fused_steps > 1 and b.num_reqs <= max_fused_rows:
+                by_rows.setdefault(b.num_reqs, b)
+        self.fused_buckets = tuple(by_rows.values())
+        self.max_fused_rows = max(by_rows, default=0)
+        self.num_fused_calls = 0
+        self.compiled, self.fused = {}, {}
         self._compile_all(show_progress)
 
     # --- compilation ---------------------------------------------------------------------
@@ -129,6 +158,7 @@ class ModelRunnerV2:
             {"idx_mapping": (r,), "num_scheduled": (r,), "num_reqs": (), "chunk_tokens": (t,),
              "new_slot": (r,), "new_prefill_len": (r,), "new_num_computed": (r,), "new_num_prompt": (r,),
              "new_sampler_row": (r,), **{f"new_{name}": (r,) for name in SAMPLING_FIELDS},
+             "new_stop_ids": (r, MAX_DEVICE_STOP_IDS),
              "append_slot": (max_appends,), "append_index": (max_appends,), "append_block": (max_appends,)},
             float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
@@ -139,7 +169,8 @@ class ModelRunnerV2:
             x = layout.unpack(packed)
             state = prep.apply_new_requests(state, x["new_slot"], x["new_prefill_len"], x["new_num_computed"],
                                             x["new_num_prompt"], x["new_sampler_row"],
-                                            {name: x[f"new_{name}"] for name in SAMPLING_FIELDS})
+                                            {name: x[f"new_{name}"] for name in SAMPLING_FIELDS},
+                                            x["new_stop_ids"])
             state = prep.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
             state, inputs = prep.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
                                                 x["chunk_tokens"], block_size)
@@ -165,18 +196,37 @@ class ModelRunnerV2:
 
         return step
 
+    def _fused_fn(self, bucket: Bucket, layout: PackedLayout, features: SamplerFeatures):
+        fused = make_fused_decode(layout, features, params=self.params, prep=self.prep, num_tokens=bucket.num_tokens,
+                                  block_size=self.block_size, use_kernels=self.use_kernels,
+                                  max_steps=self.max_fused_steps, unroll=self.fused_unroll)
+
+        # The step's calling convention (spec params and state in, spec state out), so that
+        # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
+        # state is passed through untouched.
+        def fn(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
+            return *fused(param_leaves, kv_cache, state, sampler_state, packed), spec_state
+
+        return fn
+
     def _compile_all(self, show_progress: bool):
+        """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
+        K decode steps (the buckets in `fused_buckets`)."""
         layouts, lowered = {}, {}
-        for bucket in self.buckets:
-            layouts[bucket] = layout = self._layout(bucket)
+        kinds = [("step", b, self._layout(b), self._step_fn) for b in self.buckets]
+        kinds += [("fused", b, fused_layout(b, self.block_size, self.max_fused_steps),
+                   lambda layout, features, b=b: self._fused_fn(b, layout, features)) for b in self.fused_buckets]
+        for kind, bucket, layout, make_fn in kinds:
+            layouts[kind, bucket] = layout
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             for i, features in enumerate(self.sampler_variants):
-                lowered[bucket, i] = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2, 3, 6)).lower(
+                lowered[kind, bucket, i] = jax.jit(make_fn(layout, features), donate_argnums=(1, 2, 3, 6)).lower(
                     self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
                     self.spec_state)
         compiled = compile_all(lowered, show_progress)
-        for bucket, layout in layouts.items():
-            self.compiled[bucket] = (layout, [compiled[bucket, i] for i in range(len(self.sampler_variants))])
+        for (kind, bucket), layout in layouts.items():
+            table = self.fused if kind == "fused" else self.compiled
+            table[bucket] = (layout, [compiled[kind, bucket, i] for i in range(len(self.sampler_variants))])
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
@@ -192,6 +242,8 @@ class ModelRunnerV2:
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:  # nothing scheduled: no new requests and no new blocks either
             return StepResult({})
+        if out.num_fused_steps > 1:
+            return self._execute_fused(out, req_ids)
         bucket = self.buckets.pick(out.total_num_scheduled_tokens, len(req_ids))
         layout, variants = self.compiled[bucket]
         packed = layout.empty()  # a fresh buffer per step: the device may still read the last one
@@ -218,6 +270,34 @@ class ModelRunnerV2:
         capacity = layout.shapes["append_slot"][0]
         self._flush_block_appends(appends[capacity:])
         self._write_appends(view, appends[:capacity])
+        return self._dispatch(variants, packed, req_ids, out)
+
+    def _execute_fused(self, out: SchedulerOutput, req_ids: list[str]) -> PendingStep:
+        """Up to `out.num_fused_steps` decode steps in one call; row r runs at most
+        `num_scheduled_tokens[r]` of them (its budget) and stops early on a stop id."""
+        if out.new_reqs or self._prompts.keys() & set(req_ids):
+            raise RuntimeError("a fused decode call may only hold requests that are decoding")
+        if out.num_fused_steps > self.max_fused_steps:
+            raise RuntimeError(f"{out.num_fused_steps} fused steps requested; compiled for {self.max_fused_steps}")
+        bucket = next(b for b in self.fused_buckets if b.num_reqs >= len(req_ids))
+        layout, variants = self.fused[bucket]
+        packed = layout.empty()
+
+        def view(name):
+            return layout.view(packed, name)
+
+        view("idx_mapping")[: len(req_ids)] = [self.slots.slot_of(r) for r in req_ids]
+        view("max_steps")[: len(req_ids)] = [out.num_scheduled_tokens[r] for r in req_ids]
+        view("num_reqs")[...] = len(req_ids)
+        view("num_steps")[...] = out.num_fused_steps
+        appends = self._collect_block_appends(out)
+        capacity = layout.shapes["append_slot"][0]
+        self._flush_block_appends(appends[capacity:])
+        self._write_appends(view, appends[:capacity])
+        self.num_fused_calls += 1
+        return self._dispatch(variants, packed, req_ids, out)
+
+    def _dispatch(self, variants, packed, req_ids: list[str], out: SchedulerOutput) -> PendingStep:
         needs_full = self._needs_full_sampler and any(r in self._needs_full_sampler for r in req_ids)
         compiled = variants[-1] if needs_full else variants[0]
         self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
@@ -253,6 +333,7 @@ class ModelRunnerV2:
             row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)
             for name in SAMPLING_FIELDS:
                 view(f"new_{name}")[i] = row.scalars[name]
+            view("new_stop_ids")[i] = device_stop_ids(new.sampling_params, self.eos_token_ids)
             # Penalty counts, prompt masks, bias and min_tokens lists: written once, by their
             # own small dispatch, only for requests that use them.
             self.slot_state, owns_rows = self._slot_writer.write(

@@ -3,8 +3,9 @@
 They come from the RAW logits, before bias, penalties, temperature and truncation: vLLM's
 default `logprobs_mode="raw_logprobs"`, i.e. what the model itself assigns to each token. A
 full log-softmax would write another [R, V] array; only log-softmax at the (1 + n) chosen ids is
-needed, which is logit - logsumexp: one reduction for logsumexp, `lax.top_k` for the top n, one
+needed, which is logit - logsumexp: one reduction for logsumexp, the top n, one
 count for the sampled token's rank.
+The top n come from block maxima (block_top.py), not from a sort of the whole row.
 
 rank = 1 + number of tokens with a strictly larger logit (vLLM's definition; the top-n entries
 get ranks 1..n). Rows that asked for no logprobs get values too: callers read only the rows and
@@ -16,26 +17,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mrv2_jax.sample.block_top import top_n_by_blocks
+
 
 class Logprobs(NamedTuple):
     logprobs: jax.Array  # f32[R, 1 + n]: column 0 = the sampled token, then the top n
     token_ids: jax.Array  # i32[R, 1 + n]
     sampled_rank: jax.Array  # i32[R]
-
-
-def top_n(x: jax.Array, n: int, block: int = 1024) -> tuple[jax.Array, jax.Array]:
-    """lax.top_k in two stages: the top n of each block of `block` ids, then the top n of those.
-    A single top_k over a 152K row ran as a full sort on the H200 (~3.4 ms at 256 rows); short
-    rows sort in on-chip memory. Same result, ties included (lower ids first in both stages)."""
-    r, v = x.shape
-    if v <= block:
-        return jax.lax.top_k(x, n)
-    nb = -(-v // block)
-    padded = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
-    values, ids = jax.lax.top_k(padded.reshape(r, nb, block), n)  # [R, nb, n]
-    ids = ids + (jnp.arange(nb, dtype=ids.dtype) * block)[None, :, None]
-    values, pos = jax.lax.top_k(values.reshape(r, nb * n), n)
-    return values, jnp.take_along_axis(ids.reshape(r, nb * n), pos, axis=1)
 
 
 def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int) -> Logprobs:
@@ -45,7 +33,7 @@ def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int) -> 
     rank = 1 + jnp.sum(raw > sampled, axis=-1, dtype=jnp.int32)
     values, ids = sampled, tokens[:, None].astype(jnp.int32)
     if num_top > 0:
-        top_values, top_ids = top_n(raw, num_top)
+        top_values, top_ids = top_n_by_blocks(raw, num_top)
         values = jnp.concatenate([values, top_values], axis=1)
         ids = jnp.concatenate([ids, top_ids.astype(jnp.int32)], axis=1)
     return Logprobs(values - lse[:, None], ids, rank)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.sample import topk_topp
+from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.gumbel import gumbel_noise
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, uses_sparse_edits
@@ -125,20 +126,39 @@ def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatur
 
 
 def _thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used) -> jax.Array:
-    r = scaled.shape[0]
+    r, v = scaled.shape
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
-    row_max = lambda: jnp.max(scaled, axis=-1)  # noqa: E731
     thresh = none()
     if f.min_p:
         thresh = _maybe(f.runtime_skip, used["min_p"],
-                        lambda: topk_topp.min_p_threshold(row_max(), t.min_p), none)
-    if f.top_k_top_p == "sort" and (f.top_k or f.top_p):
-        k = t.top_k if f.top_k else jnp.zeros_like(t.top_k)
-        p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
-        floor = thresh
+                        lambda: topk_topp.min_p_threshold(jnp.max(scaled, axis=-1), t.min_p), none)
+    if not (f.top_k or f.top_p):
+        return thresh
+    floor = thresh
+    k = t.top_k if f.top_k else jnp.zeros_like(t.top_k)
+    p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
+    if f.top_k_top_p == "sort":
         return _maybe(f.runtime_skip, (used["top_k"] & f.top_k) | (used["top_p"] & f.top_p),
-                      lambda: topk_topp.top_k_top_p_threshold_sort(scaled, row_max(), floor, k, p),
-                      lambda: floor)
+                      lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p), lambda: floor)
+    # Rows whose truncation keeps only tokens among the row's top few finish on those few
+    # values (topk_topp.py "fast path"); the others, if any, run the whole-row search.
+    desc, _ = top_n_by_blocks(scaled, min(topk_topp.TOP_CANDIDATES, v))
+    covered = topk_topp.top_covers_top_k(desc, k, v)
+    total = None
+    if f.top_p:
+        total = topk_topp.row_mass(scaled, desc[:, 0], floor)
+        covered |= ~topk_topp.top_k_enabled(k, v) & topk_topp.top_holds_top_p(desc, floor, p, total)
+    fast = topk_topp.threshold_from_sorted(desc, floor, k, p, v, total)
+    needs_search = ~covered & (topk_topp.top_k_enabled(k, v) | topk_topp.top_p_enabled(p))
+    slow = _maybe(f.runtime_skip, jnp.any(needs_search),
+                  lambda: _search_thresholds(scaled, t, f, used, floor), lambda: fast)
+    return jnp.where(covered, fast, slow)
+
+
+def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used, floor) -> jax.Array:
+    """top_k then top_p by k-ary search over the whole row (topk_topp.py)."""
+    none = lambda: jnp.full((scaled.shape[0],), NEG_INF, jnp.float32)  # noqa: E731
+    thresh = floor
     if f.top_k:
         kth = _maybe(f.runtime_skip, used["top_k"],
                      lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity), none)
@@ -146,8 +166,8 @@ def _thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used) -> jax.Arr
     if f.top_p:
         floor = thresh
         thresh = _maybe(f.runtime_skip, used["top_p"],
-                        lambda: topk_topp.top_p_threshold_search(scaled, row_max(), floor, t.top_p,
-                                                                 f.search_arity),
+                        lambda: topk_topp.top_p_threshold_search(scaled, jnp.max(scaled, axis=-1), floor,
+                                                                 t.top_p, f.search_arity),
                         lambda: floor)
     return thresh
 

@@ -145,15 +145,54 @@ def top_p_threshold_search(x: jax.Array, row_max: jax.Array, floor: jax.Array, p
 # Sort-based reference
 # ------------------------------------------------------------------------------------------
 
-def top_k_top_p_threshold_sort(x: jax.Array, row_max: jax.Array, floor: jax.Array, k: jax.Array,
-                                p: jax.Array) -> jax.Array:
+def top_k_top_p_threshold_sort(x: jax.Array, floor: jax.Array, k: jax.Array, p: jax.Array) -> jax.Array:
     """The combined top_k + top_p threshold (with `floor` from min_p) from one sort per row."""
-    v = x.shape[-1]
-    desc = jnp.flip(jnp.sort(x, axis=-1), axis=-1)
-    kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, v - 1)[:, None], 1)[:, 0]
-    floor = jnp.maximum(floor, jnp.where(top_k_enabled(k, v), kth, NEG_INF))
-    e = jnp.where(desc >= floor[:, None], jnp.exp(desc - row_max[:, None]), 0.0)
+    return threshold_from_sorted(jnp.flip(jnp.sort(x, axis=-1), axis=-1), floor, k, p, x.shape[-1])
+
+
+def threshold_from_sorted(desc: jax.Array, floor: jax.Array, k: jax.Array, p: jax.Array,
+                          vocab_size: int, total: jax.Array | None = None) -> jax.Array:
+    """The top_k + top_p threshold from the row's largest values sorted descending, desc [R, C]:
+    the whole row (C = V), or its top C when every token the truncation keeps is among them,
+    or when the top C already hold mass p of the row's `total` (exp(x - max) over x >= floor)."""
+    c = desc.shape[-1]
+    kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, c - 1)[:, None], 1)[:, 0]
+    floor = jnp.maximum(floor, jnp.where(top_k_enabled(k, vocab_size), kth, NEG_INF))
+    e = jnp.where(desc >= floor[:, None], jnp.exp(desc - desc[:, :1]), 0.0)
     cum = jnp.cumsum(e, axis=-1)
-    first = jnp.sum(cum < (p * cum[:, -1])[:, None], axis=-1)  # first index reaching mass p
-    tau = jnp.take_along_axis(desc, jnp.minimum(first, v - 1)[:, None], 1)[:, 0]
+    total = cum[:, -1] if total is None else jnp.where(top_k_enabled(k, vocab_size), cum[:, -1], total)
+    first = jnp.sum(cum < (p * total)[:, None], axis=-1)  # first index reaching mass p
+    tau = jnp.take_along_axis(desc, jnp.minimum(first, c - 1)[:, None], 1)[:, 0]
     return jnp.where(top_p_enabled(p), jnp.maximum(tau, floor), floor)
+
+
+def row_mass(x: jax.Array, row_max: jax.Array, floor: jax.Array) -> jax.Array:
+    """f32[R]: sum of exp(x - max) over the tokens at or above floor (top_p's total)."""
+    return jnp.sum(jnp.where(x >= floor[:, None], jnp.exp(x - row_max[:, None]), 0.0), axis=-1)
+
+
+def top_holds_top_p(desc: jax.Array, floor: jax.Array, p: jax.Array, total: jax.Array) -> jax.Array:
+    """bool[R]: top_p is on and the C values in desc (the row's top C, descending) reach mass
+    p of the row's total on their own, so top_p's cut-off is among them."""
+    e = jnp.where(desc >= floor[:, None], jnp.exp(desc - desc[:, :1]), 0.0)
+    return top_p_enabled(p) & (jnp.sum(jnp.cumsum(e, axis=-1) < (p * total)[:, None], axis=-1) < desc.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------
+# Fast path: top_k small enough that everything kept is among the row's top few
+# ------------------------------------------------------------------------------------------
+
+# Width of the candidate set: rows with top_k < this (Qwen's recommended 20, the common 40/50),
+# and top_p-only rows whose top C tokens already hold mass p (peaked distributions: most
+# steps of a real model), take the fast path: their top C values come from block maxima
+# (block_top.py) and the cut-offs are found on C sorted values instead of searching the row.
+TOP_CANDIDATES = 64
+
+
+def top_covers_top_k(desc: jax.Array, k: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[R]: top_k is on and keeps only tokens among the C values in desc (the row's top C,
+    sorted descending), i.e. no token tied with the k-th largest is left outside them."""
+    c = desc.shape[-1]
+    kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, c - 1)[:, None], 1)[:, 0]
+    whole_row = c == vocab_size
+    return top_k_enabled(k, vocab_size) & (k <= c) & (whole_row | (desc[:, -1] < kth))

@@ -1,0 +1,183 @@
+"""Small-batch decode latency: fused decode (K decode steps per dispatch) against one step per
+dispatch, at a few fixed batch sizes.
+
+    python -m mrv2_jax.bench.fused_decode --model qwen3-0.6b --load-format dummy \
+        --batches 1 8 32 --input-len 128 --output-len 512 --output-json fused.json
+
+Weights are loaded once; each `--fused-steps` value gets its own engine (K = 1: fused decode
+off; K > 1: the scheduler's adaptive K, up to that many steps per call). Per batch size B, B
+requests of `--input-len` random tokens each generate `--output-len` tokens (greedy, EOS
+ignored), all submitted at once, streamed. Reported per (K, B):
+  output tok/s         all output tokens / wall time from submission to the last token
+  ms/token             median over requests of (last token - first token) / (tokens - 1):
+                       the steady decode latency one request sees
+  TTFT ms              median time to first token
+  max gap ms           median over requests of the longest wait between two deliveries
+                       (fused calls deliver K tokens at once: the streaming burstiness)
+  dispatches/token     engine steps per output token of one request
+  device ms/token      one steady decode dispatch (the middle one) replayed alone on a copy of
+                       its state, divided by its steps: the device floor of this engine
+  busy                 device ms/token / ms/token: how much of the wall time the GPU works
+"""
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+
+# vLLM 0.22.1 on the same H200 (shared/DESIGN.md): batch 1, input 128 / output 512.
+VLLM_BATCH1 = {"vllm_mrv2_output_tokens_per_s": 441, "vllm_v1_output_tokens_per_s": 455}
+
+
+class DispatchCapture:
+    """Keeps one steady decode dispatch of a run (and a copy of the state it ran on) to replay
+    it alone afterwards: every row of the batch decoding, `steps` steps each (1: an ordinary
+    step), the `index`-th such dispatch."""
+
+    def __init__(self, runner, num_rows: int, steps: int, index: int):
+        self.runner, self.num_rows, self.steps, self.index = runner, num_rows, steps, index
+        self.seen, self.dispatch, self.state = 0, None, None
+        jax.block_until_ready(jax.tree.map(jnp.copy, runner.state))  # compile the copy now
+        self._execute = runner.execute
+        runner.execute = self._capture
+
+    def _capture(self, out):
+        counts = list(out.num_scheduled_tokens.values())
+        steady = (len(counts) == self.num_rows and out.num_fused_steps == self.steps
+                  and all(n == self.steps for n in counts))
+        snapshot = None
+        if steady:
+            self.seen += 1
+            if self.seen == self.index:  # copy before the dispatch donates the state
+                snapshot = jax.tree.map(jnp.copy, self.runner.state)
+        pending = self._execute(out)
+        if snapshot is not None:
+            self.dispatch, self.state = self.runner.last_dispatch, snapshot
+        return pending
+
+    def device_ms_per_step(self, repeats: int = 5) -> float | None:
+        """Replays the kept dispatch (run it after the measured run: it moves the state)."""
+        self.runner.execute = self._execute
+        if self.dispatch is None:
+            return None
+        self.runner.state = self.state
+        return self.runner.replay(self.dispatch, repeats) * 1e3 / self.steps
+
+
+def measure(llm, prompts, output_len: int, fused_steps: int) -> dict:
+    from mrv2_jax.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    steps = min(fused_steps, output_len - 1)
+    # The dispatch that decodes around the middle of the outputs.
+    capture = DispatchCapture(engine.runner, len(prompts), steps, max(1, output_len // 2 // max(steps, 1)))
+    fused_before = getattr(engine.runner, "num_fused_calls", 0)
+    engine.step_log = []
+    arrivals: dict[str, list[float]] = {}
+    start = time.perf_counter()
+    for out in llm.stream(prompts, params):
+        arrivals.setdefault(out.request_id, []).append(time.perf_counter())
+    elapsed = time.perf_counter() - start
+    num_steps = len(engine.step_log)
+    engine.step_log = None
+    device_ms = capture.device_ms_per_step()
+    itl = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in arrivals.values()]
+    gaps = [max(b - a for a, b in itertools.pairwise(t)) * 1e3 for t in arrivals.values()]
+    ms_per_token = statistics.median(itl)
+    return {
+        "batch": len(prompts), "max_fused_steps": fused_steps, "elapsed_s": elapsed,
+        "output_tokens_per_s": len(prompts) * output_len / elapsed,
+        "ms_per_token": ms_per_token,
+        "ttft_ms": statistics.median((t[0] - start) * 1e3 for t in arrivals.values()),
+        "max_gap_ms": statistics.median(gaps),
+        "engine_steps": num_steps, "fused_calls": getattr(engine.runner, "num_fused_calls", 0) - fused_before,
+        "dispatches_per_token": num_steps / output_len,
+        "device_ms_per_token": device_ms,
+        "gpu_busy": None if device_ms is None else device_ms / ms_per_token,
+    }
+
+
+def run(args) -> dict:
+    from mrv2_jax.engine.builder import enable_compilation_cache
+    from mrv2_jax.llm import LLM
+    from mrv2_jax.models.loader import load_model
+    from mrv2_jax.sampling_params import SamplingParams
+
+    enable_compilation_cache()
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, args.dtype, args.load_format, args.seed)
+    load_s = time.perf_counter() - t0
+    vocab = loaded[0].vocab_size
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = args.max_num_seqs or max(args.batches)
+    results, startups = [], {}
+    for k in args.fused_steps:
+        t0 = time.perf_counter()
+        llm = LLM(loaded_model=loaded, **(kwargs | {"max_fused_steps": k, "show_progress": False}))
+        startups[k] = time.perf_counter() - t0
+        # Warm-up: every batch size once, short, on prompts the measured runs do not share.
+        warm = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        for b in args.batches:
+            llm.generate(random_prompts(b, args.input_len, 0.0, vocab, seed=1000 + b), warm, use_tqdm=False)
+        for b in args.batches:
+            prompts = random_prompts(b, args.input_len, 0.0, vocab, seed=b)
+            row = measure(llm, prompts, args.output_len, k)
+            row["startup_s"] = startups[k]
+            results.append(row)
+            print(f"  K={k:<3} batch {b:<4} {row['output_tokens_per_s']:9.0f} tok/s "
+                  f"{row['ms_per_token']:7.3f} ms/token", flush=True)
+        del llm
+    return {**describe_environment(), "load_s": load_s, "input_len": args.input_len,
+            "output_len": args.output_len, "xla_flags": os.environ.get("XLA_FLAGS", ""), "settings": kwargs,
+            "reference": VLLM_BATCH1, "results": results}
+
+
+def print_table(report: dict) -> None:
+    print(f"\ninput {report['input_len']} / output {report['output_len']}, {report['device']}, "
+          f"jax {report['jax_version']}, git {report['git_sha']}, XLA_FLAGS={report['xla_flags'] or '-'}")
+    print(f"{'batch':>5} {'K':>4} {'out tok/s':>10} {'ms/token':>9} {'TTFT ms':>8} {'max gap ms':>10} "
+          f"{'disp/token':>10} {'dev ms/token':>12} {'busy':>5}")
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for r in sorted(report["results"], key=lambda r: (r["batch"], r["max_fused_steps"])):
+        print(f"{r['batch']:>5} {r['max_fused_steps']:>4} {r['output_tokens_per_s']:>10.0f} {r['ms_per_token']:>9.3f} "
+              f"{r['ttft_ms']:>8.1f} {r['max_gap_ms']:>10.2f} {r['dispatches_per_token']:>10.3f} "
+              f"{fmt(r['device_ms_per_token'], '>12.3f')} {fmt(r['gpu_busy'], '>5.2f')}")
+    ref = report["reference"]
+    print(f"vLLM 0.22.1 batch 1 (same GPU, DESIGN.md): MRV2 {ref['vllm_mrv2_output_tokens_per_s']} tok/s, "
+          f"V1 {ref['vllm_v1_output_tokens_per_s']} tok/s")
+
+
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--fused-steps", type=int, nargs="+", default=[1, 16],
+                   help="max_fused_steps of each engine (1: fused decode off)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    p.set_defaults(max_num_seqs=None)  # default: the largest batch
+    args = p.parse_args(argv)
+    report = run(args)
+    print_table(report)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return report
+
+
+if __name__ == "__main__":
+    main()

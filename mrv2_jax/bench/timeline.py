@@ -1,0 +1,353 @@
+"""Per-step timeline of an engine run: where each step's wall time goes on the host, and how busy
+the GPU is under it.
+
+    mrv2-jax bench timeline --model qwen3-0.6b --load-format dummy --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+        --num-prompts 256 --output-json timeline.json
+
+Host side, every step (from perf_counter around the engine's own calls, wrapped from here so the
+engine is unchanged): scheduling, dispatch (the runner's `execute`: input preparation and the
+jitted call), the wait for the previous step's sampled tokens (`result()`; with async scheduling
+this is step N-1's, read after step N is dispatched), the scheduler update, and the time outside
+the engine step (output processing, detokenization) until the next step starts.
+
+Device side, for a window of steady-decode steps (every row decoding, at full concurrency), a
+`jax.profiler` trace: the GPU's kernel and copy events (the "Stream" lines of the device), merged
+into busy intervals and set against each step's interval on the same clock (the step is a
+TraceAnnotation there). Per step: device busy time, idle time and the longest idle gap; over the
+window: the GPU busy fraction = union of kernel time / wall span. The trace (Perfetto JSON,
+open it at ui.perfetto.dev) is kept. The profiler itself adds some host and launch overhead in the
+window: compare the window's host times with the steady steps outside it (both reported).
+
+On a CPU backend there are no device events: the device part is None, with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from mrv2_jax.bench.dataset import random_prompts
+from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+
+HOST_PARTS = ("schedule_ms", "dispatch_ms", "wait_ms", "update_ms", "outside_ms")
+STEP_ANNOTATION = "mrv2_step"
+
+
+# --- host side: wrap the engine's calls -----------------------------------------------------
+class _TimedResult:
+    """Stands in for a runner's step result; times `result()` (the wait for the tokens)."""
+
+    def __init__(self, inner, on_wait):
+        self._inner, self._on_wait = inner, on_wait
+
+    def result(self):
+        t0 = time.perf_counter()
+        value = self._inner.result()
+        self._on_wait(time.perf_counter() - t0)
+        return value
+
+    def __getattr__(self, name):  # logprobs() and anything else the engine asks for
+        return getattr(self._inner, name)
+
+
+class StepRecorder:
+    """Wraps one engine's step, schedule, execute, result and update (instance attributes, so
+    nothing changes for other engines) and records each step's parts. Starts a profiler trace
+    before the `skip + 1`-th steady-decode step and stops it `window` steps later."""
+
+    def __init__(self, engine, rows: int, *, skip: int, window: int, trace_dir: str | None):
+        self.engine, self.rows, self.skip, self.window, self.trace_dir = engine, rows, skip, window, trace_dir
+        self.steps: list[dict] = []
+        self.tracing = False
+        self.trace_done = trace_dir is None
+        self._steady_seen = 0
+        self._current: dict | None = None
+        self._wrap()
+
+    def _wrap(self):
+        import jax
+
+        engine, scheduler, runner = self.engine, self.engine.scheduler, self.engine.runner
+        step, schedule, execute, update = engine.step, scheduler.schedule, runner.execute, scheduler.update_from_output
+
+        def add(key, seconds):
+            self._current[key] += 1e3 * seconds
+
+        def timed_schedule():
+            t0 = time.perf_counter()
+            out = schedule()
+            add("schedule_ms", time.perf_counter() - t0)
+            self._current["num_tokens"] = out.total_num_scheduled_tokens
+            self._current["num_reqs"] = len(out.num_scheduled_tokens)
+            return out
+
+        def timed_execute(out):
+            t0 = time.perf_counter()
+            result = execute(out)
+            add("dispatch_ms", time.perf_counter() - t0)
+            return _TimedResult(result, lambda s: add("wait_ms", s))
+
+        def timed_update(*args, **kwargs):
+            t0 = time.perf_counter()
+            outputs = update(*args, **kwargs)
+            add("update_ms", time.perf_counter() - t0)
+            return outputs
+
+        def timed_step():
+            index = len(self.steps)
+            self._maybe_toggle_trace(index)
+            self._current = record = {"step": index, "start": time.perf_counter(), "num_tokens": 0, "num_reqs": 0,
+                                      "schedule_ms": 0.0, "dispatch_ms": 0.0, "wait_ms": 0.0, "update_ms": 0.0,
+                                      "traced": self.tracing}
+            if self.tracing:
+                with jax.profiler.TraceAnnotation(STEP_ANNOTATION, step=index):
+                    outputs = step()
+            else:
+                outputs = step()
+            record["end"] = time.perf_counter()
+            self.steps.append(record)
+            if record["num_tokens"] == record["num_reqs"] == self.rows:
+                self._steady_seen += 1
+            return outputs
+
+        engine.step, scheduler.schedule, runner.execute = timed_step, timed_schedule, timed_execute
+        scheduler.update_from_output = timed_update
+
+    def _maybe_toggle_trace(self, index: int):
+        import jax
+
+        if self.trace_done:
+            return
+        if not self.tracing and self._steady_seen >= self.skip + 1:
+            # Python tracing off: it would add its cost to every Python call of the host path.
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 0
+            jax.profiler.start_trace(self.trace_dir, create_perfetto_trace=True, profiler_options=options)
+            self.tracing, self._trace_first = True, index
+        elif self.tracing and index - self._trace_first >= self.window:
+            self.stop_trace()
+
+    def stop_trace(self):
+        import jax
+
+        if self.tracing:
+            jax.block_until_ready(self.engine.runner.kv_cache)  # the window's device work is in the trace
+            jax.profiler.stop_trace()
+            self.tracing, self.trace_done = False, True
+
+    def finish(self) -> list[dict]:
+        """Close the trace if the run ended inside the window; fill in per-step derived times."""
+        self.stop_trace()
+        for record, following in zip(self.steps, self.steps[1:] + [None]):
+            engine_ms = 1e3 * (record["end"] - record["start"])
+            record["engine_ms"] = engine_ms
+            record["host_other_ms"] = engine_ms - sum(record[k] for k in HOST_PARTS if k != "outside_ms")
+            record["outside_ms"] = 1e3 * (following["start"] - record["end"]) if following else 0.0
+            record["wall_ms"] = 1e3 * (following["start"] - record["start"]) if following else engine_ms
+        return self.steps
+
+
+# --- device side: read the trace -------------------------------------------------------------
+def find_trace(trace_dir: str) -> str | None:
+    """The Perfetto JSON that `jax.profiler` wrote under `trace_dir` (newest run)."""
+    runs = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*")))
+    for run in reversed(runs):
+        for pattern in ("perfetto_trace.json.gz", "*.trace.json.gz"):
+            found = sorted(glob.glob(os.path.join(run, pattern)))
+            if found:
+                return found[0]
+    return None
+
+
+def read_trace(path: str) -> tuple[list[tuple[int, float, float]], list[tuple[float, float]], str]:
+    """-> (steps as (index, start_us, end_us), device busy events as (start_us, end_us), which
+    device lines were used). Device events are those of the GPU processes' "Stream" lines (raw
+    kernels and copies); the derived lines ("XLA Modules", "XLA Ops") span idle time within a
+    module and would overstate the busy time, so they are used only if no Stream line exists."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    process, thread = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[e["pid"], e.get("tid")] = e["args"]["name"]
+    devices = {pid for pid, name in process.items() if "GPU" in name or name.startswith("/device:")}
+    steps, streams, other_device = [], [], []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        if e.get("name") == STEP_ANNOTATION and e["pid"] not in devices:
+            steps.append((int(e.get("args", {}).get("step", -1)), start, end))
+        elif e["pid"] in devices:
+            line = thread.get((e["pid"], e.get("tid")), "")
+            (streams if line.startswith("Stream") else other_device).append((start, end))
+    source = "GPU Stream lines" if streams else ("GPU derived lines" if other_device else "none")
+    return sorted(steps), sorted(streams or other_device), source
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def busy_within(busy: list[tuple[float, float]], lo: float, hi: float) -> tuple[float, float]:
+    """(busy time, longest idle gap) of merged `busy` intervals within [lo, hi)."""
+    total, longest, cursor = 0.0, 0.0, lo
+    for start, end in busy:
+        if end <= lo or start >= hi:
+            continue
+        start, end = max(start, lo), min(end, hi)
+        longest = max(longest, start - cursor)
+        total += end - start
+        cursor = end
+    return total, max(longest, hi - cursor)
+
+
+def device_timeline(trace_path: str) -> dict:
+    """Per traced step: device busy and idle (ms) within the step's interval (from its start to
+    the next traced step's start), and the longest idle gap; over the window: the busy
+    fraction."""
+    steps, device, source = read_trace(trace_path)
+    if not device:
+        return {"device_source": source, "note": "no device kernel events in the trace (a CPU backend has "
+                "none): device time is not measured", "steps": {}, "busy_fraction": None}
+    busy = merge(device)
+    per_step = {}
+    for (index, start, _), following in zip(steps, steps[1:] + [None]):
+        end = following[1] if following else steps[-1][2]
+        on, gap = busy_within(busy, start, end)
+        per_step[index] = {"device_busy_ms": on / 1e3, "device_idle_ms": (end - start - on) / 1e3,
+                           "max_idle_gap_ms": gap / 1e3}
+    span_lo, span_hi = steps[0][1], steps[-1][2]
+    on, gap = busy_within(busy, span_lo, span_hi)
+    return {"device_source": source, "steps": per_step, "window_span_ms": (span_hi - span_lo) / 1e3,
+            "window_busy_ms": on / 1e3, "busy_fraction": on / (span_hi - span_lo),
+            "num_device_events": len(device)}
+
+
+# --- the run ---------------------------------------------------------------------------------
+def medians(records: list[dict], keys) -> dict:
+    return {k: statistics.median(r[k] for r in records) if records else None for k in keys}
+
+
+def run(args) -> dict:
+    from mrv2_jax.llm import LLM
+    from mrv2_jax.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    # One dispatch per step unless asked otherwise: the timeline is per step, and a fused call
+    # (runner/fused.py) would be K steps in one.
+    kwargs = engine_kwargs(args)
+    kwargs["max_fused_steps"] = kwargs.get("max_fused_steps") or 1
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    prompts = random_prompts(args.num_prompts, args.input_len, 0.0, llm.model_state.vocab_size, args.dataset_seed)
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    llm.generate(prompts[: min(len(prompts), 16)], SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    rows = min(args.max_num_seqs, len(prompts))
+    trace_dir = tempfile.mkdtemp(prefix="mrv2-trace-") if args.window > 0 else None
+    recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
+    elapsed = time.perf_counter() - t0
+    steps = recorder.finish()
+
+    device = {"note": "no trace taken (--window 0)", "steps": {}, "busy_fraction": None}
+    trace_path = find_trace(trace_dir) if trace_dir else None
+    if trace_dir and trace_path is None:
+        device = {"note": "no steady-decode window was reached: lower --skip-steps or raise the workload",
+                  "steps": {}, "busy_fraction": None}
+    if trace_path:
+        device = device_timeline(trace_path)
+        for index, values in device["steps"].items():
+            steps[index].update(values)
+        out_trace = args.trace_out or (os.path.splitext(args.output_json)[0] + ".trace.json.gz"
+                                       if args.output_json else None)
+        if out_trace:
+            shutil.copyfile(trace_path, out_trace)
+            device["trace_file"] = out_trace
+    if trace_dir:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+
+    steady = [s for s in steps if s["num_tokens"] == s["num_reqs"] == rows]
+    window = [s for s in steady if s["traced"]]
+    parts = (*HOST_PARTS, "host_other_ms", "engine_ms", "wall_ms")
+    device_parts = ("device_busy_ms", "device_idle_ms", "max_idle_gap_ms")
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    config = llm.config
+    report = {
+        **describe_environment(), "settings": vars(args), "runner": config.runner,
+        "async_scheduling": llm.engine.async_scheduling, "startup_s": startup, "elapsed_s": elapsed,
+        "output_tokens_per_s": num_out / elapsed, "num_steps": len(steps), "steady_decode_rows": rows,
+        "num_steady_steps": len(steady), "num_window_steps": len(window),
+        "steady_median": medians([s for s in steady if not s["traced"]], parts),
+        "window_median": medians(window, parts) | medians([s for s in window if "device_busy_ms" in s],
+                                                          device_parts),
+        "device": {k: v for k, v in device.items() if k != "steps"},
+        "steps": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
+                   if k not in ("start", "end")} for s in steps],
+    }
+    print_summary(report)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return report
+
+
+def print_summary(report: dict) -> None:
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"
+    print(f"\nrunner {report['runner']}, async {report['async_scheduling']}: {report['output_tokens_per_s']:.0f} "
+          f"output tok/s; {report['num_steady_steps']} steady-decode steps of {report['steady_decode_rows']} rows, "
+          f"{report['num_window_steps']} traced")
+    print(f"{'median ms per step':20} {'schedule':>9} {'dispatch':>9} {'wait':>9} {'update':>9} {'outside':>9} "
+          f"{'wall':>9} {'dev busy':>9} {'dev idle':>9}")
+    for label, key in (("steady, untraced", "steady_median"), ("traced window", "window_median")):
+        m = report[key]
+        print(f"{label:20} " + " ".join(f"{fmt(m.get(k)):>9}" for k in (*HOST_PARTS, "wall_ms", "device_busy_ms",
+                                                                       "device_idle_ms")))
+    device = report["device"]
+    if device.get("busy_fraction") is not None:
+        print(f"GPU busy fraction over the window: {device['busy_fraction']:.1%} "
+              f"({device['window_busy_ms']:.1f} of {device['window_span_ms']:.1f} ms; {device['device_source']})")
+    else:
+        print(f"device: {device.get('note')}")
+
+
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=256,
+                   help="default 256: one wave at --max-num-seqs 256, so most steps are steady decode")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--skip-steps", type=int, default=50, help="steady-decode steps before the traced window")
+    p.add_argument("--window", type=int, default=50, help="steps in the traced window (0: no trace)")
+    p.add_argument("--trace-out", default=None, help="where to keep the Perfetto trace (default: beside "
+                   "--output-json, as NAME.trace.json.gz)")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--disable-tqdm", action="store_true")
+    add_engine_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Fused decode: several decode steps in one compiled call.
+
+At small batches the host, not the device, sets the pace: a batch-1 Qwen3-0.6B decode step
+needs ~0.3 ms of device time, while scheduling, packing and dispatching one step costs the
+host about as much or more (docs/architecture.md, "Fused decode"). When every scheduled row is
+decoding and none needs the host for a while, the scheduler asks for K steps at once, and this
+module runs them inside ONE compiled call: a `lax.while_loop` over
+    prepare inputs -> forward -> sample -> post-update
+with everything on the device, the tokens sampled by step k being the inputs of step k + 1.
+
+Each row has its own step budget (`max_steps[r]`: max_tokens and max_model_len, counted by
+the scheduler) and stops early on the device when it samples one of its stop ids (EOS unless
+ignored, stop_token_ids; see `DeviceState.stop_ids`) once min_tokens outputs exist. A stopped
+row schedules 0 tokens in the remaining steps: it writes no KV, appends no token, and the loop
+exits as soon as no row is active, so a finished batch-1 request costs no further device time.
+The call returns the tokens as `[K, R]`, -1 where a row sampled nothing; a row's tokens are
+always a prefix of its column.
+
+The trip count is a run-time value (`num_steps`), so one variant per (bucket, sampler
+variant) serves every K up to the compiled maximum. `unroll` > 1 runs that many steps per loop
+iteration (each still masked by the row budgets), trading compile time for fewer loop
+iterations, for the measurement of XLA's while loop against command buffers (`+WHILE`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mrv2_jax.models.attention import PagedAttention
+from mrv2_jax.runner import prepare
+from mrv2_jax.runner.buckets import Bucket
+from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, DeviceState
+from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
+from mrv2_jax.runner.packed import PackedLayout
+from mrv2_jax.sample import slot_state
+from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.sampler import SamplerOutput
+from mrv2_jax.sampling_params import SamplingParams
+
+
+def device_stop_ids(params: SamplingParams, eos_token_ids) -> np.ndarray:
+    """int32[MAX_DEVICE_STOP_IDS]: the ids that end this request, -1 padded. Only the first
+    ones are kept (the host still checks every token: see MAX_DEVICE_STOP_IDS)."""
+    ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]))
+    out = np.full(MAX_DEVICE_STOP_IDS, -1, np.int32)
+    ids = ids[:MAX_DEVICE_STOP_IDS]
+    out[: len(ids)] = ids
+    return out
+
+
+def fused_layout(bucket: Bucket, block_size: int, max_steps: int) -> PackedLayout:
+    """The packed host buffer of a fused call: the batch, each row's step budget, the trip
+    count, and the block-table appends for up to `max_steps` tokens per row."""
+    r = bucket.num_reqs
+    max_appends = r * (max_steps // block_size + 2)
+    return PackedLayout({"idx_mapping": (r,), "num_reqs": (), "num_steps": (), "max_steps": (r,),
+                         "append_slot": (max_appends,), "append_index": (max_appends,),
+                         "append_block": (max_appends,)})
+
+
+def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
+    """bool[R]: the row's last token is one of its stop ids and counts (an output, and at least
+    min_tokens outputs exist). Such a row is finished; a call dispatched before the host knew
+    that (async scheduling) must not decode it further."""
+    num_tokens = state.num_tokens[idx_mapping]
+    last = state.token_ids[idx_mapping, jnp.maximum(num_tokens - 1, 0)]
+    outputs = num_tokens - state.num_prompt[idx_mapping]
+    may_stop = outputs >= jnp.maximum(state.sampling["min_tokens"][idx_mapping], 1)
+    return may_stop & jnp.any(state.stop_ids[idx_mapping] == last[:, None], axis=-1)
+
+
+def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, prep,
+                      num_tokens: int, block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1):
+    """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
+            -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields)."""
+
+    def fused(param_leaves, kv_cache, state, sampler_state, packed):
+        x = layout.unpack(packed)
+        idx, num_reqs, budget = x["idx_mapping"], x["num_reqs"], x["max_steps"]
+        state = prep.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
+        num_rows = idx.shape[0]
+        real_row = jnp.arange(num_rows) < num_reqs
+        decoding = state.num_computed[idx] + 1 == state.num_tokens[idx]
+        active = real_row & decoding & (budget > 0) & ~rows_ended(state, idx)
+        no_chunk = jnp.zeros((num_tokens,), jnp.int32)  # decodes read every input from the tables
+
+        def one_step(step, carry):
+            kv_cache, state, sampler_state, active, produced, outs = carry
+            active = active & (step < x["num_steps"])
+            # An inactive row schedules 0 tokens: no KV write, no sample, no token appended.
+            state, inputs = prep.prepare_inputs(state, idx, active.astype(jnp.int32), num_reqs, no_chunk,
+                                                block_size)
+            sampling, sampler_rows = prepare.batch_sampling(state, idx, num_reqs)
+            sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
+            attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
+                                       inputs.query_start_loc, num_reqs, use_kernels=use_kernels)
+            kv_cache, out = forward_and_sample_full(
+                params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids, positions=inputs.positions,
+                attention=attention, logits_indices=inputs.logits_indices, sampling=sampling,
+                features=features, penalties=penalties)
+            sampled = inputs.samples
+            if features.penalties:
+                sampler_state = slot_state.count_sampled(
+                    sampler_state, jnp.where(sampled, sampler_rows, -1), out.tokens)
+            state = prep.post_update(state, idx, num_reqs, inputs, out.tokens)
+            produced = produced + sampled.astype(jnp.int32)
+            outs = _record(outs, step, out, sampled)
+            active = sampled & (produced < budget) & ~rows_ended(state, idx)
+            return kv_cache, state, sampler_state, active, produced, outs
+
+        def body(loop):
+            step, carry = loop
+            for u in range(unroll):
+                carry = one_step(step + u, carry)
+            return step + unroll, carry
+
+        def keep_going(loop):
+            step, carry = loop
+            return (step < x["num_steps"]) & jnp.any(carry[3])
+
+        outs = _empty_outputs(max_steps, num_rows, features)
+        carry = (kv_cache, state, sampler_state, active, jnp.zeros(num_rows, jnp.int32), outs)
+        _, (kv_cache, state, sampler_state, _, _, outs) = jax.lax.while_loop(
+            keep_going, body, (jnp.int32(0), carry))
+        return kv_cache, state, sampler_state, outs
+
+    return fused
+
+
+def _empty_outputs(max_steps: int, num_rows: int, features: SamplerFeatures) -> SamplerOutput:
+    tokens = jnp.full((max_steps, num_rows), -1, jnp.int32)
+    if features.num_logprobs is None:
+        return SamplerOutput(tokens)
+    width = 1 + features.num_logprobs
+    return SamplerOutput(tokens, jnp.zeros((max_steps, num_rows, width), jnp.float32),
+                         jnp.zeros((max_steps, num_rows, width), jnp.int32),
+                         jnp.zeros((max_steps, num_rows), jnp.int32))
+
+
+def _record(outs: SamplerOutput, step, out: SamplerOutput, sampled) -> SamplerOutput:
+    """Store step `step`'s results in row `step` of the [K, R, ...] buffers (-1 tokens where a
+    row sampled nothing). A step past the buffer (unrolling) is dropped."""
+    k = outs.tokens.shape[0]
+    at = jnp.where(step < k, step, k)
+
+    def put(buf, value):
+        return buf.at[at].set(value, mode="drop")
+
+    tokens = put(outs.tokens, jnp.where(sampled, out.tokens, -1))
+    if outs.logprobs is None:
+        return SamplerOutput(tokens)
+    return SamplerOutput(tokens, put(outs.logprobs, out.logprobs), put(outs.logprob_token_ids, out.logprob_token_ids),
+                         put(outs.sampled_rank, out.sampled_rank))

@@ -1,0 +1,78 @@
+"""`mrv2-jax bench serve` against a real HTTP server on 127.0.0.1 (the demo model, which has a
+tokenizer and so streams a chunk per token): schema and sane values, not speeds."""
+
+import json
+
+import pytest
+
+from mrv2_jax.bench import serve
+from mrv2_jax.entrypoints import cli
+from tests.server_harness import make_llm, running_server
+
+ENVIRONMENT_KEYS = {"date", "git_sha", "jax_version", "backend", "device"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(make_llm()) as s:
+        yield s
+
+
+def test_bench_serve_report(server, tmp_path):
+    out = tmp_path / "serve.json"
+    report = cli.main(["bench", "serve", "--base-url", server.url, "--model", "demo", "--num-prompts", "10",
+                       "--input-len", "12", "--output-len", "6", "--ignore-eos", "--max-concurrency", "4",
+                       "--num-warmups", "2", "--metric-percentiles", "50,99", "--save-detailed",
+                       "--disable-tqdm", "--output-json", str(out)])
+    assert report == 0
+    result = json.loads(out.read_text())
+    assert ENVIRONMENT_KEYS <= result.keys()
+    m = result["metrics"]
+    assert m["completed"] == 10 and m["failed"] == 0 and result["errors"] == []
+    assert m["total_input_tokens"] == 10 * 12 and m["total_output_tokens"] == 10 * 6
+    assert 1 <= m["max_concurrent_requests"] <= 4
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "duration_s"):
+        assert m[key] > 0
+    for name in serve.METRICS:
+        for stat in ("mean", "median", "std", "p50", "p99"):
+            assert f"{stat}_{name}_ms" in m
+        assert m[f"p99_{name}_ms"] >= m[f"p50_{name}_ms"] >= 0
+    assert 0 < m["mean_ttft_ms"] <= m["mean_e2el_ms"]
+    for r in result["requests"]:
+        assert r["success"] and r["output_tokens"] == 6 and r["prompt_len"] == 12
+        assert 0 < r["ttft"] <= r["e2el"]
+        # A chunk per token (minus what the detokenizer merges), and the gaps add up.
+        assert 1 <= len(r["itl"]) <= 6 and sum(r["itl"]) <= r["e2el"] - r["ttft"] + 1e-6
+    assert result["settings"]["max_concurrency"] == 4 and result["settings"]["request_rate"] == "inf"
+
+
+def test_bench_serve_poisson_rate_counts_failures(server):
+    """A finite rate spaces the arrivals; a request the server rejects (prompt over the context)
+    is reported as failed, not fatal."""
+    args = serve.build_parser().parse_args(
+        ["--base-url", server.url, "--model", "demo", "--num-prompts", "4", "--input-len", "300",
+         "--output-len", "2", "--request-rate", "50", "--disable-tqdm"])
+    report = serve.run(args)
+    assert report["metrics"]["completed"] == 0 and report["metrics"]["failed"] == 4
+    assert "HTTP 400" in report["errors"][0]
+
+
+def test_engine_argv_round_trips_through_the_serve_parser():
+    args = serve.build_parser().parse_args(["--model", "demo", "--max-num-seqs", "4", "--no-prefix-caching",
+                                            "--no-async-scheduling", "--runner", "v2"])
+    argv = serve.engine_argv(args)
+    assert "--no-prefix-caching" in argv and "--no-async-scheduling" in argv
+    again = cli.build_parser().parse_args(["serve", *argv])
+    assert cli.engine_kwargs(again) | {"show_progress": None} == cli.engine_kwargs(args) | {"show_progress": None}
+
+
+def test_bench_serve_launches_and_stops_its_own_server(tmp_path):
+    """--launch-server: `mrv2-jax serve` as a subprocess with these engine arguments, ready at
+    /health, stopped (with its engine) when the run ends."""
+    log = tmp_path / "server.log"
+    report = serve.main(["--launch-server", "--model", "demo", "--dtype", "float32", "--max-num-seqs", "4",
+                         "--max-num-batched-tokens", "32", "--max-model-len", "128", "--num-gpu-blocks", "64",
+                         "--num-prompts", "6", "--input-len", "10", "--output-len", "4", "--ignore-eos",
+                         "--disable-tqdm", "--server-log", str(log)])
+    assert report["metrics"]["completed"] == 6 and report["metrics"]["total_output_tokens"] == 24
+    assert report["server_startup_s"] > 0 and report["metrics"]["max_concurrent_requests"] <= 6
