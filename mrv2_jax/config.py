@@ -31,6 +31,9 @@ class SchedulerConfig:
     ``None`` means "take it from the model's config" and must be resolved by the engine
     before a scheduler is built. ``async_scheduling``: the engine schedules step N+1 before
     it has the sampled tokens of step N (the scheduler itself is the same in both modes).
+    ``num_speculative_tokens``: drafts scheduled per decoding request (0: no speculation);
+    ``num_lookahead_tokens``: KV slots kept allocated past the scheduled tokens (a draft model
+    writes its own drafts' KV there).
     ``max_fused_steps``: up to this many decode steps in one runner call when every running
     request decodes, none is waiting and there are at most ``max_fused_rows`` of them (what
     the runner compiled); 1 turns fused decode off.
@@ -41,6 +44,8 @@ class SchedulerConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
     max_fused_steps: int = 1
     max_fused_rows: int = 0
 
@@ -53,9 +58,20 @@ class SchedulerConfig:
             _require_positive_int("SchedulerConfig", "max_model_len", self.max_model_len)
         _require_bool("SchedulerConfig", "enable_chunked_prefill", self.enable_chunked_prefill)
         _require_bool("SchedulerConfig", "async_scheduling", self.async_scheduling)
+        for name in ("num_speculative_tokens", "num_lookahead_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
         _require_positive_int("SchedulerConfig", "max_fused_steps", self.max_fused_steps)
         if not isinstance(self.max_fused_rows, int) or self.max_fused_rows < 0:
             raise ValueError(f"SchedulerConfig.max_fused_rows must be an int >= 0, got {self.max_fused_rows!r}")
+        # A fused call runs K plain decode steps with no draft verification, so the scheduler
+        # never mixes it with speculative rows; refuse the combination instead of ignoring one.
+        if self.num_speculative_tokens > 0 and self.max_fused_steps > 1:
+            raise ValueError(
+                "SchedulerConfig: speculative decoding (num_speculative_tokens="
+                f"{self.num_speculative_tokens}) requires max_fused_steps=1, got {self.max_fused_steps}"
+            )
         # Without chunking a prompt is prefilled in one step, so the largest prompt must fit
         # in one step's token budget or it could never be scheduled.
         if (

@@ -7,7 +7,8 @@
 # (xla-vs-cudagraph), the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
 # compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
 # same with the fused while loop captured in XLA command buffers; fused-unroll: 4 steps per
-# loop iteration), MoE grouped GEMM (moe) and the MoE presets A/B (moe-presets, moe-presets-s2).
+# loop iteration), MoE grouped GEMM (moe), the MoE presets A/B (moe-presets, moe-presets-s2) and the
+# speculative-decoding benchmark (spec: ~5 min).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
 #
@@ -96,6 +97,9 @@ for s in $sections; do case $s in
       python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --output-json "$OUT/fused_decode_while.json" ;;
   fused-unroll) run_section fused-unroll python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
       --fused-steps 16 --fused-unroll 4 --output-json "$OUT/fused_decode_unroll4.json" ;;
+  spec) run_section spec python3 -m mrv2_jax.bench.spec_decode --suites demo,qwen3-0.6b --runners v1,v2-async \
+      --num-speculative-tokens 3 --acceptance-rates 0.6,0.8 --num-prompts 128 --input-len 128 --output-len 256 \
+      --max-num-seqs 32 --output-json "$OUT/spec_decode.json" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;

@@ -67,6 +67,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_aborted_reqs: int = 0
     num_steps: int = 0
+    # Speculative decoding (spec_decode.metrics.SpecDecodeStats), None when off.
+    spec_decode: object = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -388,5 +390,6 @@ class AsyncLLM:
             num_running_reqs=s.num_running_reqs, num_waiting_reqs=s.num_waiting_reqs,
             num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks, kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, num_aborted_reqs=self._num_aborted, num_steps=self._num_steps)
+            num_preemptions=s.num_preemptions, num_aborted_reqs=self._num_aborted, num_steps=self._num_steps,
+            spec_decode=s.spec_decode)
 

@@ -14,6 +14,7 @@ from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.models.loader import load_model, resolve_dtype
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
+from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
 DEFAULT_MAX_FUSED_STEPS = 16
@@ -45,6 +46,9 @@ class EngineConfig:
     fused_unroll: int = 1  # decode steps per iteration of the fused loop (1: a plain while loop)
     seed: int = 0
     show_progress: bool = True
+    # Speculative decoding: a SpeculativeConfig, a dict or a JSON string
+    # ({"method": "ngram" | "draft_model" | "mtp" | "synthetic", "num_speculative_tokens": k, ...}).
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
         self.runner = (self.runner or os.environ.get("MRV2_RUNNER") or "v2").lower()
@@ -53,16 +57,25 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         resolve_dtype(self.dtype)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
         if self.max_fused_steps is None:
-            self.max_fused_steps = DEFAULT_MAX_FUSED_STEPS if self.runner == "v2" else 1
+            # Fused decode runs K plain decode steps per call with no draft verification, so
+            # speculative decoding turns it off (docs/architecture.md, "Speculative decoding").
+            on = self.runner == "v2" and self.speculative_config is None
+            self.max_fused_steps = DEFAULT_MAX_FUSED_STEPS if on else 1
         for name in ("max_fused_steps", "fused_unroll"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.runner == "v1" and self.max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) needs the v2 runner")
+        if self.speculative_config is not None and self.max_fused_steps > 1:
+            raise ValueError(
+                f"max_fused_steps={self.max_fused_steps} with speculative_config: speculative decoding "
+                "and fused decode do not run together; leave max_fused_steps unset or set it to 1"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -78,10 +91,24 @@ def load_tokenizer(path: Path | None):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int):
+def make_spec_decoder(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int):
+    if config.speculative_config is None:
+        return None
+    import jax
+
+    from mrv2_jax.spec_decode.factory import build_spec_decoder
+
+    return build_spec_decoder(config.speculative_config, model_state, lm, num_blocks=num_blocks,
+                              block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                              max_model_len=max_model_len, kv_dtype=resolve_dtype(config.dtype), dtype=config.dtype,
+                              use_kernels=jax.default_backend() == "gpu")
+
+
+def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int, spec_decoder=None):
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
-                  kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress)
+                  kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
+                  spec_decoder=spec_decoder)
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
@@ -118,13 +145,16 @@ def build_engine(config: EngineConfig, loaded_model=None):
                          f"max_position_embeddings {model_state.max_model_len}")
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, resolve_dtype(config.dtype), config.gpu_memory_utilization)
-    runner = make_runner(config, model_state, lm, num_blocks, max_model_len)
+    spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len)
+    runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
     fused_rows = getattr(runner, "max_fused_rows", 0)  # the largest batch the runner can fuse
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
                         async_scheduling=async_scheduling,
+                        num_speculative_tokens=spec_decoder.k if spec_decoder else 0,
+                        num_lookahead_tokens=spec_decoder.num_lookahead_tokens if spec_decoder else 0,
                         max_fused_steps=config.max_fused_steps if fused_rows else 1, max_fused_rows=fused_rows),
         CacheConfig(block_size=config.block_size, num_gpu_blocks=num_blocks,
                     gpu_memory_utilization=config.gpu_memory_utilization,

@@ -113,23 +113,26 @@ class KVCacheManager:
         request: _RequestView,
         num_new_tokens: int,
         new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Makes room for ``num_new_tokens`` more tokens after the computed ones.
 
         ``new_computed_blocks`` (prefix-cache hits from ``get_computed_blocks``) may only be
         given on a request's first allocation. Returns the newly allocated block ids, which
         the request's block table now ends with (hit blocks are not among them), or None if
-        the pool is too small; on None nothing has changed.
+        the pool is too small; on None nothing has changed. ``num_lookahead_tokens`` more
+        slots are kept allocated past them (speculative decoding writes draft KV there) but are
+        not scheduled: they never make a block count as computed for the prefix cache.
         """
         held = self._blocks.get(request.request_id)
         if held is None:
-            return self._allocate_first(request, num_new_tokens, new_computed_blocks)
+            return self._allocate_first(request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
         if new_computed_blocks:
             raise ValueError(f"request {request.request_id!r} already holds blocks; cache "
                              "hits can only be taken at its first allocation")
         # The common case, a running request growing: usually no new block at all.
         num_scheduled_end = request.num_computed_tokens + num_new_tokens
-        num_to_allocate = -(-num_scheduled_end // self.block_size) - len(held)
+        num_to_allocate = -(-(num_scheduled_end + num_lookahead_tokens) // self.block_size) - len(held)
         new_blocks = []
         if num_to_allocate > 0:
             if num_to_allocate > self.pool.num_free_blocks:
@@ -141,11 +144,11 @@ class KVCacheManager:
         return new_blocks
 
     def _allocate_first(
-        self, request: _RequestView, num_new_tokens: int, hit_blocks: Sequence[int]
+        self, request: _RequestView, num_new_tokens: int, hit_blocks: Sequence[int], num_lookahead_tokens: int = 0
     ) -> list[int] | None:
         num_hit_tokens = len(hit_blocks) * self.block_size
         num_scheduled_end = num_hit_tokens + num_new_tokens
-        num_to_allocate = -(-num_scheduled_end // self.block_size) - len(hit_blocks)
+        num_to_allocate = -(-(num_scheduled_end + num_lookahead_tokens) // self.block_size) - len(hit_blocks)
         # A hit on a free cached block takes that block out of the free queue.
         num_hits_on_free = sum(1 for b in hit_blocks if self.pool.ref_counts[b] == 0)
         if num_to_allocate > self.pool.num_free_blocks - num_hits_on_free:

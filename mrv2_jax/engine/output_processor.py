@@ -55,7 +55,7 @@ class OutputProcessor:
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """-> (outputs of the requests that changed, ids that just matched a stop string).
 
-        An output with several tokens (a fused decode call) becomes one `RequestOutput` per
+        An output with several tokens (a fused decode call, a speculative step) becomes one `RequestOutput` per
         token, in order, so streaming stays per token; a stop string ends the request at the
         token that completes it and the tokens after it are dropped."""
         now = time.monotonic()
@@ -65,7 +65,9 @@ class OutputProcessor:
             if t is None:
                 continue
             tokens = out.new_token_ids
-            # Split into single tokens; an output without tokens (a finish) stays whole.
+            # Split into single tokens (a fused call or a speculative step brings several): a
+            # stop string then ends the output at the token that completed it, and streams look
+            # the same whatever the step size. An output without tokens (a finish) stays whole.
             for i in range(max(len(tokens), 1)):
                 last = i >= len(tokens) - 1
                 logprobs = out.new_logprobs[i : i + 1] if out.new_logprobs else None

@@ -68,7 +68,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         # Tokens the latest admission prefills (the prompt, plus the outputs so far when
-        # resumed after preemption): below it the next input token is a prefill token.
+        # resumed after preemption): below it the next input token is a prefill token. Once
+        # they are computed the request decodes: only then may it be fused or carry drafts.
         self.num_prefill_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -27,6 +27,16 @@ Async scheduling. The engine may call ``schedule()`` for step N+1 before it call
 With sync scheduling the engine alternates schedule / update and the same code runs
 with at most one placeholder per request.
 
+Speculative decoding (``num_speculative_tokens`` = k > 0). A decoding request is scheduled
+1 + n tokens (n <= k drafts, fewer near its limits; none for requests that use penalties or
+logprobs): its last known token and n draft placeholders whose values only the runner holds.
+Such a step emits 1 .. 1 + n tokens, so it counts 1 + n output placeholders and advances
+``num_computed_tokens`` as if every draft were accepted; when the tokens arrive, the rejected
+drafts come off both again. With async scheduling the next step may be scheduled before that
+correction: its counts are then too high by the rejected drafts, which only over-reserves KV
+blocks; the runner places tokens by its own device-side counts. KV written for rejected drafts
+stays in the blocks and is overwritten by later steps before anything reads it.
+
 Fused decode. When every running request is decoding, nothing is waiting and the batch is
 small enough for the runner's fused variants, ``schedule()`` plans K decode steps in one
 runner call (``SchedulerOutput.num_fused_steps``): each request gets its blocks for up to K
@@ -52,6 +62,15 @@ from mrv2_jax.engine.scheduler_output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from mrv2_jax.sampling_params import SamplingParams
+from mrv2_jax.spec_decode.metrics import SpecDecodeStats
+
+
+def may_speculate(params: SamplingParams) -> bool:
+    """Drafts are verified by sampling every draft position; penalties (whose counts would have
+    to include the drafts before each position) and logprobs are kept to one token per step."""
+    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0)
 
 
 class Scheduler:
@@ -98,6 +117,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._finished_since_last_schedule: set[str] = set()
         self.num_preemptions = 0
+        k = scheduler_config.num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(k) if k else None
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -150,6 +171,7 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_evicted_blocks=kv.pool.num_evictions,
+            spec_decode=self.spec_stats.copy() if self.spec_stats else None,
         )
 
     # ---- planning a step -------------------------------------------------------------------
@@ -164,6 +186,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        num_spec: dict[str, int] = {}
 
         # 1. Running requests, oldest admission first. Preemption victims come off the
         #    end of `running`, so they are never requests already scheduled this step.
@@ -174,9 +197,13 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
+            num_draft = self._num_drafts(request, num_new, budget)
+            num_new += num_draft
             new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:
                 break  # the request itself was preempted, and with it everything after it
+            if num_draft:
+                num_spec[request.request_id] = num_draft
             cached_reqs.append(
                 CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
             )
@@ -195,9 +222,10 @@ class Scheduler:
         sampling_req_ids = set()
         for req_id, num_new in num_scheduled.items():
             request = scheduled[req_id]
+            num_draft = num_spec.get(req_id, 0)
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
-                request.num_output_placeholders += 1
+            if request.num_computed_tokens == request.num_tokens_with_placeholders + num_draft:
+                request.num_output_placeholders += 1 + num_draft
                 sampling_req_ids.add(req_id)
 
         finished_req_ids = self._finished_since_last_schedule
@@ -211,6 +239,7 @@ class Scheduler:
             sampling_req_ids=sampling_req_ids,
             preempted_req_ids=preempted,
             scheduled_requests=scheduled,
+            num_spec_tokens=num_spec,
         )
 
     def _num_outputs_left(self, request: Request) -> int:
@@ -279,13 +308,33 @@ class Scheduler:
             return 0
         return num_remaining
 
+    def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """Draft tokens to add to a running request's ``num_new`` tokens this step."""
+        k = self.config.num_speculative_tokens
+        # Only a decode (one token left, the prefill of this admission done) has drafts: the
+        # proposer drafts when a request samples, so a request that has not yet has none.
+        if not k or num_new != 1 or request.num_computed_tokens < request.num_prefill_tokens:
+            return 0
+        if not may_speculate(request.sampling_params):
+            return 0
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        room = min(budget - 1, request.max_output_tokens - num_outputs - 1,
+                   self.max_model_len - 1 - request.num_computed_tokens)
+        return max(0, min(k, room))
+
+    def _lookahead(self, num_scheduled_end: int) -> int:
+        """Extra KV slots past the scheduled tokens (a draft model's own drafts), within
+        max_model_len."""
+        return max(0, min(self.config.num_lookahead_tokens, self.max_model_len - num_scheduled_end))
+
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: set[str]
     ) -> list[int] | None:
         """Allocates KV for the step, preempting the newest running requests until it fits.
         Returns None if ``request`` itself had to be preempted."""
+        lookahead = self._lookahead(request.num_computed_tokens + num_new)
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -330,7 +379,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            lookahead = self._lookahead(num_hit_tokens + num_new)
+            if kv.allocate_slots(request, num_new, hit_blocks, num_lookahead_tokens=lookahead) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -362,9 +412,10 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled_token_ids: dict[str, list[int]],
     ) -> list[EngineCoreOutput]:
-        """Applies one step's sampled tokens: one per request in ``sampling_req_ids``, or for
-        a fused call up to ``num_scheduled_tokens`` of them (fewer only when the last one
-        stops the request).
+        """Applies one step's sampled tokens: per request in ``sampling_req_ids`` one, with n
+        drafts scheduled 1 .. 1 + n (the accepted drafts and the bonus/correction token), or for
+        a fused call up to ``num_scheduled_tokens`` of them (fewer only when the last one stops
+        the request).
 
         Returns one ``EngineCoreOutput`` per request that received tokens. A request that
         finished after this step was scheduled gets nothing: its tokens are dropped, as are
@@ -382,18 +433,25 @@ class Scheduler:
             if request.is_finished:
                 continue
             token_ids = sampled_token_ids.get(req_id, ())
-            expected = 1
-            if scheduler_output.num_fused_steps > 1:
-                expected = scheduler_output.num_scheduled_tokens[req_id]
+            num_draft = scheduler_output.num_spec_tokens.get(req_id, 0)
+            fused = scheduler_output.num_fused_steps > 1  # (never with drafts: SchedulerConfig)
+            # The placeholders schedule() counted for this request's sampled tokens.
+            expected = scheduler_output.num_scheduled_tokens[req_id] if fused else 1 + num_draft
             if not 1 <= len(token_ids) <= expected:
                 raise RuntimeError(
-                    f"runner returned {len(token_ids)} tokens for {req_id!r}, expected {expected}"
+                    f"runner returned {len(token_ids)} tokens for {req_id!r}, expected "
+                    + (f"1 to {expected}" if num_draft else str(expected))
                 )
             request.num_output_placeholders -= expected
+            if num_draft:
+                self.spec_stats.observe(num_draft, len(token_ids) - 1)
+                if request.status == RequestStatus.RUNNING:  # (a preempted one restarts from 0)
+                    # Rejected drafts were counted as computed; their KV is overwritten later.
+                    request.num_computed_tokens -= num_draft - (len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
             accepted, finish_status = [], None
-            for token_id in token_ids:
+            for token_id in token_ids:  # tokens after a stop are dropped
                 request.append_output_token(token_id)
                 accepted.append(token_id)
                 finish_status = self._check_stop(request, token_id)
@@ -401,7 +459,8 @@ class Scheduler:
                     break
             if finish_status is not None:
                 self._finish(request, finish_status)
-            elif len(token_ids) < expected:
+            elif fused and len(token_ids) < expected:
+                # A fused row ends early only on a stop; fewer spec tokens means rejected drafts.
                 raise RuntimeError(f"runner stopped {req_id!r} after {len(token_ids)} of {expected} "
                                    "tokens, on a token that does not stop it")
             outputs.append(

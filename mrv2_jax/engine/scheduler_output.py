@@ -52,6 +52,10 @@ class SchedulerOutput:
     under async scheduling the input token is the one sampled by the previous step, which
     the runner reads from device memory.
 
+    ``num_spec_tokens[req_id]`` (speculative decoding): the draft tokens among a decoding
+    request's scheduled tokens (its last known token, then that many drafts, whose values the
+    runner holds); the step emits 1 .. 1 + that many tokens for it. Absent: no drafts.
+
     ``finished_req_ids``: requests finished, aborted or preempted since the previous
     step; the runner frees their slots before adding ``new_reqs``. An output may schedule
     no tokens at all and still carry finished ids.
@@ -68,6 +72,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     sampling_req_ids: set[str] = field(default_factory=set)
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
     # The subset of finished_req_ids preempted by this very schedule() call.
     preempted_req_ids: set[str] = field(default_factory=set)
     num_fused_steps: int = 1
@@ -109,6 +114,8 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_evicted_blocks: int
+    # Speculative decoding acceptance (spec_decode.metrics.SpecDecodeStats), None when off.
+    spec_decode: object = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

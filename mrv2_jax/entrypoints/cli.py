@@ -28,11 +28,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--max-fused-steps", type=int, default=None,
                    help="v2: up to this many decode steps in one compiled call for small, stable batches "
-                        "(default 16; 1 turns fused decode off)")
+                        "(default 16, or 1 with --speculative-config; 1 turns fused decode off)")
     g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
+                        "methods: ngram (prompt_lookup_min/max), draft_model (model), mtp, "
+                        "synthetic (acceptance_rate); rejection_sampling: strict (default) or probabilistic")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -100,6 +104,7 @@ def cmd_serve(args) -> int:
 BENCHMARKS = {
     "throughput": ("mrv2_jax.bench.throughput", "offline throughput on random prompts (as `vllm bench throughput`)"),
     "ab": ("mrv2_jax.bench.ab", "the runner A/B: v1, v2-sync, v2-async on one workload, with --plot"),
+    "spec": ("mrv2_jax.bench.spec_decode", "speculative decoding: tok/s and TPOT, spec on vs off, v2-async vs v1"),
     "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
     "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
     "compare": ("mrv2_jax.bench.compare", "side by side with vLLM (MRV2 and V1) on one GPU, with --plot"),

@@ -55,8 +55,23 @@ class _EngineCollector:
         yield counter("mrv2_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("mrv2_num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
         yield counter("mrv2_requests_aborted", "Requests aborted (client gone).", s.num_aborted_reqs)
+        if s.spec_decode is not None:
+            yield from _spec_decode_metrics(s.spec_decode, label, counter)
         yield gauge("mrv2_engine_healthy", "1 while the engine thread runs, 0 once it stopped.",
                     1.0 if self.engine.is_healthy else 0.0)
+
+
+def _spec_decode_metrics(spec, label, counter):
+    """vLLM's spec-decode counters; rates follow from them (accepted / draft tokens)."""
+    yield counter("mrv2_spec_decode_num_drafts", "Rows verified with drafts.", spec.num_drafts)
+    yield counter("mrv2_spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
+    yield counter("mrv2_spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
+    per_position = CounterMetricFamily("mrv2_spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by position in the draft.",
+                                       labels=["model_name", "position"])
+    for position, n in enumerate(spec.accepted_per_position):
+        per_position.add_metric([*label, str(position)], n)
+    yield per_position
 
 
 class ServerMetrics:

@@ -4,6 +4,10 @@ A step is padded to the smallest bucket that holds its tokens, so XLA compiles o
 bucket at start-up and never again. Row count follows the token count
 (`rows = min(tokens, max_num_seqs)`), which keeps the number of variants to the length of one
 short list instead of a grid of (tokens x rows) pairs.
+
+With speculative decoding every decoding row carries `decode_width` = 1 + k tokens, so a pure
+decode batch of r rows has r * (1 + k) tokens; uniform-decode buckets (r * (1 + k) tokens, r
+rows, r a power of two) keep its row padding (and the sampler's 1 + k logits per row) small.
 """
 
 from dataclasses import dataclass
@@ -25,13 +29,19 @@ class Bucket:
 
 
 class BucketPlan:
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8):
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8,
+                 decode_width: int = 1):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.max_num_seqs = max_num_seqs
-        self.buckets = tuple(
+        buckets = {
             Bucket(t, min(t, max_num_seqs))
-            for t in _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens))
+            for t in _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)}
+        if decode_width > 1:
+            buckets |= {Bucket(r * decode_width, r) for r in _powers_of_two(1, max_num_seqs)
+                        if r * decode_width <= max_num_batched_tokens}
+        # Smallest first, so `pick` takes the cheapest bucket that fits.
+        self.buckets = tuple(sorted(buckets, key=lambda b: (b.num_tokens, b.num_reqs)))
 
     def pick(self, num_tokens: int, num_reqs: int) -> Bucket:
         for b in self.buckets:

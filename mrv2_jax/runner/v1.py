@@ -13,6 +13,11 @@ CPU table. What is large and fixed per request - penalty counts and prompt masks
 logit_bias and min_tokens stop lists - lives in per-slot DEVICE tables (sample/slot_state.py):
 written once when a request arrives (only if it uses them), gathered by slot in the step, and
 the step itself bumps the output-token counts, so no [R, V] matrix ever crosses per step.
+
+Speculative decoding: the host puts each decode row's drafts in its input ids (they sit in the
+CPU token table after the row's known tokens), the step verifies them on the device and returns
+the kept tokens and the next drafts (a draft model's, drafted in the same step; n-gram drafts are
+computed here on the host, as vLLM's V1 does), and the host waits for all of them as usual.
 """
 
 import math
@@ -26,6 +31,7 @@ from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner.buckets import Bucket, BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
+from mrv2_jax.runner.prepare import StepInputs
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.runner.slots import SlotAllocator
@@ -43,7 +49,7 @@ class ModelRunnerV1:
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, show_progress: bool = True,
-                 sampler_variants: tuple[SamplerFeatures, ...] | None = None):
+                 sampler_variants: tuple[SamplerFeatures, ...] | None = None, spec_decoder=None):
         """`sampler_variants`: the sampler feature sets compiled per bucket; each step uses the
         first that covers its batch (the last must cover everything). Default: argmax-only, then
         every feature behind runtime skips."""
@@ -53,7 +59,11 @@ class ModelRunnerV1:
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
         self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
-        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs)
+        self.spec = spec_decoder
+        self.spec_params = spec_decoder.init_params() if spec_decoder else ()
+        self.spec_state = spec_decoder.init_state() if spec_decoder else ()
+        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs,
+                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0))
         self.slots = SlotAllocator(max_num_seqs)
         # Persistent CPU tables, one row per slot.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
@@ -84,24 +94,35 @@ class ModelRunnerV1:
              "block_tables": (r, self.max_blocks_per_seq),
              **{name: (r,) for name in SCALAR_FIELDS},
              "table_row": (r,),  # slot whose device sampler rows this row uses, or -1
-             "count_row": (r,)},  # table_row if the row samples a token now, else -1
+             "count_row": (r,),  # table_row if the row samples a token now, else -1
+             # Spec decode: drafts in the row's tokens, whether it samples, its slot.
+             **({"num_draft": (r,), "samples": (r,), "slot": (r,)} if self.spec else {})},
             float_fields=FLOAT_SCALAR_FIELDS)
 
     def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
-        def step(param_leaves, kv_cache, sampler_state, packed):
+        def step(param_leaves, kv_cache, sampler_state, packed, spec_params, spec_state):
             x = layout.unpack(packed)
             attention = PagedAttention(x["slot_mapping"], x["block_tables"], x["seq_lens"],
                                        x["query_start_loc"], x["num_seqs"], use_kernels=self.use_kernels)
             sampling = SamplingTensors(**{name: x[name] for name in SCALAR_FIELDS},
                                        bias_ids=None, bias_values=None, stop_ids=None)
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, x["table_row"])
+            if self.spec is not None:
+                inputs = StepInputs(x["input_ids"], x["positions"], x["slot_mapping"], x["query_start_loc"],
+                                    x["seq_lens"], x["logits_indices"], x["block_tables"], x["samples"] > 0)
+                kv_cache, sampler_state, spec_state, out, drafts = self.spec.v1_step(
+                    self.params.merge(param_leaves), spec_params, spec_state, kv_cache, sampler_state,
+                    inputs=inputs, num_draft=x["num_draft"], samples=inputs.samples, slots=x["slot"],
+                    num_reqs=x["num_seqs"], attention=attention, sampling=sampling, table_rows=x["table_row"],
+                    features=features, penalties=penalties)
+                return kv_cache, sampler_state, (out, drafts), spec_state
             kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=x["input_ids"],
                 positions=x["positions"], attention=attention, logits_indices=x["logits_indices"],
                 sampling=sampling, features=features, penalties=penalties)
             if features.penalties:
                 sampler_state = slot_state.count_sampled(sampler_state, x["count_row"], out.tokens)
-            return kv_cache, sampler_state, out
+            return kv_cache, sampler_state, out, spec_state
         return step
 
     def _compile_all(self, show_progress: bool):
@@ -112,8 +133,8 @@ class ModelRunnerV1:
             layouts[bucket] = layout = self._layout(bucket)
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             for i, features in enumerate(self.sampler_variants):
-                lowered[bucket, i] = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2)).lower(
-                    self.params.leaves, self.kv_cache, self.slot_state, packed)
+                lowered[bucket, i] = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2, 5)).lower(
+                    self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
         compiled = compile_all(lowered, show_progress)
         for bucket, layout in layouts.items():
             self.compiled[bucket] = (layout, [(features, compiled[bucket, i])
@@ -163,9 +184,16 @@ class ModelRunnerV1:
         samples = np.array([r in out.sampling_req_ids for r in req_ids])
         self._build_inputs(layout, packed, rows, counts, total)
         self._build_sampling_inputs(layout, packed, rows, samples, bucket.num_reqs)
+        if self.spec:
+            num_draft = np.where(samples, np.maximum(self.num_computed[rows] + counts - self.num_tokens[rows], 0), 0)
+            layout.view(packed, "num_draft")[: len(rows)] = num_draft
+            layout.view(packed, "samples")[: len(rows)] = samples
+            layout.view(packed, "slot")[: len(rows)] = rows
         compiled = self._pick_variant(layout, packed, variants)
-        self.kv_cache, self.slot_state, result = compiled(
-            self.params.leaves, self.kv_cache, self.slot_state, packed)
+        self.kv_cache, self.slot_state, result, self.spec_state = compiled(
+            self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
+        if self.spec:
+            return self._finish_spec_step(req_ids, rows, counts, samples, num_draft, layout, packed, *result)
         tokens = np.asarray(result.tokens)  # the V1 sync point: the next step needs these values
         self.num_computed[rows] += counts
         num_logprobs = layout.view(packed, "num_logprobs")
@@ -182,6 +210,34 @@ class ModelRunnerV1:
                 sampled[req_id] = [int(tokens[i])]
                 if want_logprobs[i]:
                     sampled_logprobs[req_id] = [token_logprobs(logprobs[i], ids[i], ranks[i], num_logprobs[i])]
+        return StepResult(sampled, sampled_logprobs)
+
+    def _finish_spec_step(self, req_ids, rows, counts, samples, num_draft, layout, packed, result, drafts):
+        """Read the kept tokens (the sync point), advance the tables, place the next drafts."""
+        tokens, num_sampled = np.asarray(result.tokens), np.asarray(result.num_sampled)[: len(rows)]
+        first = self.num_computed[rows] + counts - num_draft  # position of each row's first sampled token
+        self.num_computed[rows] = np.where(samples, first + num_sampled - 1, self.num_computed[rows] + counts)
+        sampled, sampled_logprobs = {}, {}
+        num_logprobs = layout.view(packed, "num_logprobs")
+        for i in np.flatnonzero(samples):
+            s, n = rows[i], num_sampled[i]
+            self.token_ids[s, first[i] : first[i] + n] = tokens[i, :n]
+            self.num_tokens[s] = first[i] + n
+            sampled[req_ids[i]] = tokens[i, :n].tolist()
+            if num_logprobs[i] >= 0:  # (such rows carry no drafts)
+                sampled_logprobs[req_ids[i]] = [token_logprobs(np.asarray(result.logprobs)[i],
+                                                               np.asarray(result.logprob_token_ids)[i],
+                                                               np.asarray(result.sampled_rank)[i], num_logprobs[i])]
+        sampling_slots = rows[samples]
+        if self.spec.proposer.reads_token_table:  # n-gram: drafted here, from the CPU table
+            drafts = self.spec.proposer.propose_host(self.token_ids[sampling_slots], self.num_tokens[sampling_slots])
+        else:
+            drafts = np.asarray(drafts)[: len(rows)][samples]
+        width = self.token_ids.shape[1]
+        for s, row_drafts in zip(sampling_slots, drafts):
+            n = self.num_tokens[s]
+            room = max(0, min(len(row_drafts), width - n))
+            self.token_ids[s, n : n + room] = row_drafts[:room]
         return StepResult(sampled, sampled_logprobs)
 
     def _build_sampling_inputs(self, layout, packed, rows, samples, num_rows):

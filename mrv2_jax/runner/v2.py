@@ -10,6 +10,10 @@ device from the persistent tables, and the sampled tokens are written back there
 `execute` returns as soon as the step is dispatched: the sampled tokens start copying to the
 host in the background and are read only when the engine asks for them, one step later with
 async scheduling.
+
+Speculative decoding (`spec_decoder`, spec_decode/decoder.py) replaces the sample/post-update
+tail of the step: decode rows carry drafts read from the token table, the step verifies them and
+writes the next drafts there; the host reads 1..1+k tokens per row, one step later as usual.
 """
 
 import math
@@ -44,12 +48,17 @@ OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buff
 
 class PendingStep:
     """The sampled tokens (and logprobs) of a dispatched step; `result()` blocks until they are
-    on the host. Tokens are `[R]` (one step) or `[K, R]` (a fused call: -1 where a row sampled
-    nothing, so each row's tokens are a prefix of its column)."""
+    on the host. Tokens are `[R]` (one step), `[K, R]` (a fused call: -1 where a row sampled
+    nothing, so each row's tokens are a prefix of its column) or `[R, 1 + k]` with `num_sampled`
+    `[R]` (a speculative step: row r keeps its first num_sampled[r])."""
 
     def __init__(self, out: SamplerOutput, req_ids: list[str], sampling_req_ids: set[str],
                  logprob_req_ids: set[str]):
         out.tokens.copy_to_host_async()  # start the device->host copy now, read it later
+        # Spec steps (SpecSamplerOutput): tokens [R, 1 + k] and how many of each row to keep.
+        self._num_sampled = getattr(out, "num_sampled", None)
+        if self._num_sampled is not None:
+            self._num_sampled.copy_to_host_async()
         if logprob_req_ids:
             for array in (out.logprobs, out.logprob_token_ids, out.sampled_rank):
                 array.copy_to_host_async()
@@ -58,6 +67,8 @@ class PendingStep:
     def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """-> (tokens [K, R], number of valid tokens per row [R])."""
         tokens = np.asarray(self._out.tokens)
+        if self._num_sampled is not None:  # a spec step: [R, 1 + k], each row's count on the side
+            return tokens.T, np.asarray(self._num_sampled)
         if tokens.ndim == 1:
             return tokens[None], np.ones(tokens.shape[0], np.int64)
         return tokens, (tokens >= 0).sum(axis=0)
@@ -87,11 +98,12 @@ class ModelRunnerV2:
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, use_prep_kernels: bool = False,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, show_progress: bool = True,
-                 max_fused_steps: int = 1, max_fused_rows: int = 32, fused_unroll: int = 1):
+                 spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32, fused_unroll: int = 1):
         """`sampler_variants`: sampler feature sets compiled per bucket, cheapest first; a step
         whose rows are all plain greedy uses the first, any other step the last (which must
-        cover everything). `max_fused_steps` > 1 also compiles fused decode (runner/fused.py)
-        for the buckets of up to `max_fused_rows` rows."""
+        cover everything). `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None.
+        `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
+        to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
         self.params = FlatParams(lm)
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -102,7 +114,11 @@ class ModelRunnerV2:
         self.prep = prepare_ops(use_prep_kernels, interpret=jax.default_backend() != "gpu")
         self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
-        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs)
+        self.spec = spec_decoder
+        self.spec_params = spec_decoder.init_params() if spec_decoder else ()
+        self.spec_state = spec_decoder.init_state() if spec_decoder else ()
+        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs,
+                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0))
         self.slots = SlotAllocator(max_num_seqs)
         self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
@@ -118,6 +134,8 @@ class ModelRunnerV2:
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
         # Fused decode takes one token per row and step: per row count up to max_fused_rows, the
         # smallest bucket with that many rows.
+        if spec_decoder is not None and max_fused_steps > 1:
+            raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         by_rows = {}
@@ -147,7 +165,7 @@ class ModelRunnerV2:
     def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
         block_size, use_kernels, prep = self.block_size, self.use_kernels, self.prep
 
-        def step(param_leaves, kv_cache, state, sampler_state, packed):
+        def step(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
             x = layout.unpack(packed)
             state = prep.apply_new_requests(state, x["new_slot"], x["new_prefill_len"], x["new_num_computed"],
                                             x["new_num_prompt"], x["new_sampler_row"],
@@ -160,6 +178,12 @@ class ModelRunnerV2:
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                        inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels)
+            if self.spec is not None:
+                kv_cache, state, sampler_state, spec_state, out = self.spec.v2_step(
+                    self.params.merge(param_leaves), spec_params, spec_state, kv_cache, state, sampler_state,
+                    idx_mapping=x["idx_mapping"], num_reqs=x["num_reqs"], inputs=inputs, attention=attention,
+                    sampling=sampling, sampler_rows=sampler_rows, penalties=penalties, features=features)
+                return kv_cache, state, sampler_state, out, spec_state
             kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
                 positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
@@ -168,14 +192,22 @@ class ModelRunnerV2:
                 sampler_state = slot_state.count_sampled(
                     sampler_state, jnp.where(inputs.samples, sampler_rows, -1), out.tokens)
             state = prep.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, out.tokens)
-            return kv_cache, state, sampler_state, out
+            return kv_cache, state, sampler_state, out, spec_state
 
         return step
 
     def _fused_fn(self, bucket: Bucket, layout: PackedLayout, features: SamplerFeatures):
-        return make_fused_decode(layout, features, params=self.params, prep=self.prep, num_tokens=bucket.num_tokens,
-                                 block_size=self.block_size, use_kernels=self.use_kernels,
-                                 max_steps=self.max_fused_steps, unroll=self.fused_unroll)
+        fused = make_fused_decode(layout, features, params=self.params, prep=self.prep, num_tokens=bucket.num_tokens,
+                                  block_size=self.block_size, use_kernels=self.use_kernels,
+                                  max_steps=self.max_fused_steps, unroll=self.fused_unroll)
+
+        # The step's calling convention (spec params and state in, spec state out), so that
+        # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
+        # state is passed through untouched.
+        def fn(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
+            return *fused(param_leaves, kv_cache, state, sampler_state, packed), spec_state
+
+        return fn
 
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
@@ -188,8 +220,9 @@ class ModelRunnerV2:
             layouts[kind, bucket] = layout
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
             for i, features in enumerate(self.sampler_variants):
-                lowered[kind, bucket, i] = jax.jit(make_fn(layout, features), donate_argnums=(1, 2, 3)).lower(
-                    self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
+                lowered[kind, bucket, i] = jax.jit(make_fn(layout, features), donate_argnums=(1, 2, 3, 6)).lower(
+                    self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
+                    self.spec_state)
         compiled = compile_all(lowered, show_progress)
         for (kind, bucket), layout in layouts.items():
             table = self.fused if kind == "fused" else self.compiled
@@ -267,8 +300,8 @@ class ModelRunnerV2:
     def _dispatch(self, variants, packed, req_ids: list[str], out: SchedulerOutput) -> PendingStep:
         needs_full = self._needs_full_sampler and any(r in self._needs_full_sampler for r in req_ids)
         compiled = variants[-1] if needs_full else variants[0]
-        self.kv_cache, self.state, self.slot_state, result = compiled(
-            self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
+        self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
+            self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
         self.last_dispatch = (compiled, packed)
         wants_logprobs = {r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
         return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs)
@@ -281,8 +314,9 @@ class ModelRunnerV2:
         jax.block_until_ready(self.state)
         start = time.perf_counter()
         for _ in range(repeats):
-            self.kv_cache, self.state, self.slot_state, result = compiled(
-                self.params.leaves, self.kv_cache, self.state, self.slot_state, packed)
+            self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
+                self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
+                self.spec_state)
         jax.block_until_ready(result.tokens)
         return (time.perf_counter() - start) / repeats
 
