@@ -250,12 +250,12 @@ class ModelRunnerV2:
         view = lambda name: layout.view(packed, name)  # noqa: E731
         self._write_new_requests(out, view)
         appends = self._collect_block_appends(out)
-        computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
-        computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
         view("idx_mapping")[: len(req_ids)] = [self.slots.slot_of(r) for r in req_ids]
         view("num_scheduled")[: len(req_ids)] = counts
         if self._prompts:  # rows still prefilling: send this chunk's known tokens
+            computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
+            computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
             chunk, pos = view("chunk_tokens"), 0
             for req_id, n in zip(req_ids, counts):
                 prompt = self._prompts.get(req_id)
@@ -352,7 +352,8 @@ class ModelRunnerV2:
         for new in out.new_reqs:
             appends += self._appends_for(new.req_id, new.block_ids, self.slots.slot_of(new.req_id))
         for cached in out.cached_reqs:
-            appends += self._appends_for(cached.req_id, cached.new_block_ids, self.slots.slot_of(cached.req_id))
+            if cached.new_block_ids:  # most decode steps add none: skip the per-row work
+                appends += self._appends_for(cached.req_id, cached.new_block_ids, self.slots.slot_of(cached.req_id))
         return appends
 
     def _appends_for(self, req_id, block_ids, slot):
