@@ -45,13 +45,13 @@ for s in $sections; do case $s in
   attention) run_section attention python3 -m mrv2_jax.bench.attention_kernel --output-json "$OUT/attention.json" ;;
   ab-s1) run_section ab-s1 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
-      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" ;;
+      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
   ab-s1-1024) run_section ab-s1-1024 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 1024 \
-      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_1024.json" ;;
+      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_1024.json" --plot "$OUT/ab_s1_1024.png" ;;
   ab-s2) run_section ab-s2 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
-      --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" ;;
+      --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" --plot "$OUT/ab_s2_1024.png" ;;
   moe) run_section moe python3 -m mrv2_jax.bench.moe --sweep --output-json "$OUT/moe.json" ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
