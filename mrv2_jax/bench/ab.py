@@ -19,7 +19,7 @@ import statistics
 import time
 
 from mrv2_jax.bench.capture import DecodeStepCapture
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.throughput import random_prompts
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
@@ -128,8 +128,7 @@ def main(argv=None, prog=None):
               f"{fmt(r['steady_step_device_ms'], '12.3f')} {fmt(r['gpu_busy_fraction'], '9.1%')} {r['startup_s']:10.1f}")
     report = {**describe_environment(), "load_s": load_s, "settings": vars(args), "arms": results}
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_report(report, args.output_json)
     if args.plot:
         from mrv2_jax.bench.plot import plot_ab  # matplotlib only when plotting
 

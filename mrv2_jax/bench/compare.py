@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -280,8 +280,7 @@ def main(argv=None, prog=None):
     report["table"] = table_rows(report["results"])
     print_table(report["table"], report.get("settings", {}).get("temperature"))
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_report(report, args.output_json)
     if args.plot:
         print(f"wrote {plot(report, args.plot)}")
     return report

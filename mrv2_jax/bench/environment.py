@@ -2,6 +2,7 @@
 
 import datetime
 import importlib.metadata
+import json
 import os
 import subprocess
 
@@ -44,3 +45,9 @@ def describe_environment(probe_device: bool = True) -> dict:
     gpu = gpu_name_from_driver()
     return env | {"jax_version": importlib.metadata.version("jax"), "backend": "gpu" if gpu else "cpu",
                   "device": gpu or "cpu"}
+
+
+def write_report(report: dict, path) -> None:
+    """Every benchmark's JSON: indented, and anything JSON lacks (a Path, a dtype) as its str."""
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)

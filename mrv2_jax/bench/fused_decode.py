@@ -22,7 +22,6 @@ ignored), all submitted at once, streamed. Reported per (K, B):
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import time
@@ -30,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.throughput import random_prompts
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
@@ -174,8 +173,7 @@ def main(argv=None, prog=None):
     report = run(args)
     print_table(report)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_report(report, args.output_json)
     return report
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
 
@@ -35,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.device_state import init_device_state
 from pallas_kernels import prepare_inputs as pk
@@ -194,8 +193,7 @@ def main(argv=None):
     if args.sweep:
         report["sweep"] = run_sweep(args)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(report, args.output_json)
     return report
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 
@@ -35,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.timing import time_calls
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
 from mrv2_jax.sample.gumbel import gumbel_noise, hashed_gumbel_noise
@@ -170,8 +169,7 @@ def main(argv=None):
               flush=True)
     report = {**describe_environment(), "num_rows": args.num_rows, "vocab": args.vocab, "results": results}
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(report, args.output_json)
     return report
 
 

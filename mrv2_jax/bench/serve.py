@@ -36,7 +36,7 @@ from typing import Self
 import numpy as np
 
 from mrv2_jax.bench.dataset import random_prompts, vocab_size_of
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -379,8 +379,7 @@ def run(args) -> dict:
     if args.save_detailed:
         report["requests"] = [asdict(r) for r in results]
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_report(report, args.output_json)
     return report
 
 

@@ -22,7 +22,7 @@ import statistics
 import time
 
 from mrv2_jax.bench.dataset import random_prompts
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.models.loader import CHECKPOINTS_DIR
 
 RUNNERS = {"v1": ("v1", False), "v2-async": ("v2", True), "v2-sync": ("v2", False)}
@@ -131,8 +131,7 @@ def main(argv=None, prog=None):
     print_table(results)
     report = {**describe_environment(), "settings": vars(args), "results": results}
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_report(report, args.output_json)
     return report
 
 

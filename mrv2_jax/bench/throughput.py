@@ -5,11 +5,10 @@
 """
 
 import argparse
-import json
 import time
 
 from mrv2_jax.bench.dataset import random_prompts
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 
@@ -69,8 +68,7 @@ def main(argv=None, prog=None):
           f"{result['output_tokens_per_s']:.2f} output tokens/s "
           f"(runner {result['runner']}, async {result['async_scheduling']}, startup {result['startup_s']:.1f} s)")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
+        write_report(result, args.output_json)
     return result
 
 

@@ -35,7 +35,7 @@ import tempfile
 import time
 
 from mrv2_jax.bench.dataset import random_prompts
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 HOST_PARTS = ("schedule_ms", "dispatch_ms", "wait_ms", "update_ms", "outside_ms")
@@ -307,8 +307,7 @@ def run(args) -> dict:
     }
     print_summary(report)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_report(report, args.output_json)
     return report
 
 

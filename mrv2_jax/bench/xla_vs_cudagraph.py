@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.environment import describe_environment, write_report
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 COPY_BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (../shared/reference/measured_h200.md)
@@ -354,8 +354,7 @@ def main(argv=None, prog=None):
     print_table(rows, arms)
     report = {**describe_environment(probe_device=False), "settings": vars(args), "arms": arms, "table": rows}
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_report(report, args.output_json)
     return report
 
 
