@@ -110,3 +110,17 @@ def test_chunked_prompt_logprobs_equal_one_pass():
                                   np.asarray(jax.lax.top_k(want, model_step.PROMPT_LOGPROBS_TOP)[1]))
     skipped = model_step.prompt_logprobs(Head(), hidden, jnp.zeros(t, jnp.int32))
     assert not np.asarray(skipped.logprobs).any()
+
+
+@pytest.mark.parametrize("arm", ["v1", "v2-async"])
+def test_prompt_logprobs_survive_preemption(arm):
+    """A small KV pool preempts requests mid-prefill and after it: each request still gets one
+    entry per prompt token, equal to the dense forward's."""
+    llm = make_llm(max_num_batched_tokens=8, max_model_len=48, num_gpu_blocks=12, **ARMS[arm])
+    prompts = random_prompts(5, seed=23, lo=20, hi=34)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        check_prompt_logprobs(prompt, 2, out.prompt_logprobs)
+    assert not llm.engine._prompt_logprobs

@@ -101,9 +101,11 @@ class EngineCore:
 
     def _attach_prompt_logprobs(self, outputs, result) -> None:
         """Gather this step's prompt logprobs; hand them over with a request's first output."""
-        for req_id, entries in (result.prompt_logprobs() if hasattr(result, "prompt_logprobs") else {}).items():
+        for req_id, (first, entries) in (result.prompt_logprobs() if hasattr(result, "prompt_logprobs")
+                                         else {}).items():
             gathered = self._prompt_logprobs.get(req_id)
-            if gathered is not None:
+            if gathered is not None:  # a prefill restarted by a preemption overwrites its entries
+                del gathered[first:]
                 gathered.extend(entries)
         for out in outputs:
             if out.req_id in self._prompt_logprobs:

@@ -240,7 +240,7 @@ class ModelRunnerV1:
         targets = layout.view(packed, "prompt_targets")
         for i, r in enumerate(req_ids):
             if r in spans:
-                first, num, _ = spans[r]
+                first, num, _, _ = spans[r]
                 s, p = rows[i], starts[i]
                 targets[first : first + num] = self.token_ids[s, p + 1 : p + 1 + num] + 1
         return spans

@@ -264,7 +264,7 @@ class ModelRunnerV2:
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
         view("idx_mapping")[: len(req_ids)] = [self.slots.slot_of(r) for r in req_ids]
         view("num_scheduled")[: len(req_ids)] = counts
-        spans = {}  # prompt logprobs: req_id -> (first token index, positions, top n)
+        spans = {}  # prompt logprobs: req_id -> (first token index, positions, top n, first position)
         if self._prompts:  # rows still prefilling: send this chunk's known tokens
             computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
             computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
@@ -279,7 +279,7 @@ class ModelRunnerV2:
                         top_n, num_prompt = self._prompt_lp_reqs[req_id]
                         num = max(0, min(n, num_prompt - 1 - begin))
                         if num:
-                            spans[req_id] = (pos, num, top_n)
+                            spans[req_id] = (pos, num, top_n, begin)
                             view("prompt_targets")[pos : pos + num] = np.asarray(prompt[begin + 1 : begin + 1 + num]) + 1
                     if begin + n >= len(prompt):
                         del self._prompts[req_id]
