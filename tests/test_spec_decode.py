@@ -174,3 +174,12 @@ def test_spec_decode_outputs_are_strings_too():
     chunks = [o.delta_text for o in llm.stream(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0))]
     full = engine().generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     assert "".join(chunks) == full[0].outputs[0].text and len(chunks) > 1
+
+
+def test_prompt_logprobs_are_rejected_with_speculative_decoding():
+    """Spec steps compute no prompt logprobs: such a request is refused at add_request, never
+    silently served without them."""
+    llm = engine("v2", {"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.add_request(PROMPTS[0], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert not llm.engine.has_work()

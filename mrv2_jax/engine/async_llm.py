@@ -215,6 +215,10 @@ class AsyncLLM:
         n = len(token_ids)
         if n == 0:
             raise RequestRejected("the prompt is empty (it must have at least one token)")
+        try:
+            self._llm.engine.check_request(params)
+        except ValueError as e:
+            raise RequestRejected(str(e), param="prompt_logprobs") from None
         for t in token_ids:
             if not 0 <= t < self.vocab_size:
                 raise RequestRejected(f"prompt token id {t} is out of range [0, {self.vocab_size})",

@@ -29,17 +29,33 @@ class EngineCore:
         # Benchmarks set this to a list to get (start, end, num_tokens, num_reqs) per step.
         self.step_log: list | None = None
         self._last_shape = (0, 0)
+        # Prompt logprobs gathered chunk by chunk until the request's first output carries them
+        # (then None: a preempted request's recomputed prefill brings them again, ignored).
+        self._prompt_logprobs: dict[str, list | None] = {}
+
+    def check_request(self, params) -> None:
+        """Raise ValueError for what this engine cannot serve."""
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise ValueError("prompt_logprobs is not supported with this runner configuration "
+                             "(speculative decoding, or no sampler variant computing them)")
 
     def add_request(self, request: Request) -> None:
+        self.check_request(request.sampling_params)
         self.scheduler.add_request(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            self._prompt_logprobs[request.request_id] = []
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.scheduler.abort_request(req_id)
+            self._prompt_logprobs.pop(req_id, None)
 
     def finish_requests(self, req_ids: Iterable[str]) -> None:
         """Finish requests that matched a stop string (found by the detokenizer)."""
-        self.scheduler.finish_requests(list(req_ids), RequestStatus.FINISHED_STOPPED)
+        req_ids = list(req_ids)
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
+        for req_id in req_ids:
+            self._prompt_logprobs.pop(req_id, None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
@@ -79,4 +95,22 @@ class EngineCore:
             for out in outputs:
                 entries = logprobs.get(out.req_id)
                 out.new_logprobs = None if entries is None else entries[: len(out.new_token_ids)]
+        if self._prompt_logprobs:
+            self._attach_prompt_logprobs(outputs, result)
         return outputs
+
+    def _attach_prompt_logprobs(self, outputs, result) -> None:
+        """Gather this step's prompt logprobs; hand them over with a request's first output."""
+        for req_id, (first, entries) in (result.prompt_logprobs() if hasattr(result, "prompt_logprobs")
+                                         else {}).items():
+            gathered = self._prompt_logprobs.get(req_id)
+            if gathered is not None:  # a prefill restarted by a preemption overwrites its entries
+                del gathered[first:]
+                gathered.extend(entries)
+        for out in outputs:
+            if out.req_id in self._prompt_logprobs:
+                if self._prompt_logprobs[out.req_id] is not None:
+                    out.prompt_logprobs = self._prompt_logprobs[out.req_id]
+                    self._prompt_logprobs[out.req_id] = None
+                if out.finish_reason is not None:
+                    del self._prompt_logprobs[out.req_id]

@@ -96,6 +96,9 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
+        params = getattr(request, "sampling_params", None)
+        if params is not None and params.prompt_logprobs is not None:
+            return [], 0  # as vLLM: cached positions would have no logits to return
         hashes = self._block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks = []

@@ -29,6 +29,7 @@ class _Tracked:
     delta_text: str = ""
     first_token_time: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # None: the request asked for none
+    prompt_logprobs: list | None = None  # [None, {token_id: Logprob}, ...] once known
     final_only: bool = False  # report the request only when it finishes
     defer_detokenize: bool = False  # final_only and no stop strings: decode once, at the end
 
@@ -65,6 +66,8 @@ class OutputProcessor:
             if t is None:
                 continue
             tokens = out.new_token_ids
+            if out.prompt_logprobs is not None:  # vLLM's layout: no logprob for the first token
+                t.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in out.prompt_logprobs]
             # Split into single tokens (a fused call or a speculative step brings several): a
             # stop string then ends the output at the token that completed it, and streams look
             # the same whatever the step size. An output without tokens (a finish) stays whole.
@@ -131,4 +134,5 @@ class OutputProcessor:
                                  finished_time=now if finish_reason else None)
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
                              outputs=[completion], finished=finish_reason is not None, metrics=metrics,
-                             num_cached_tokens=r.num_cached_tokens, delta_text=t.delta_text)
+                             num_cached_tokens=r.num_cached_tokens, delta_text=t.delta_text,
+                             prompt_logprobs=None if t.prompt_logprobs is None else list(t.prompt_logprobs))

@@ -97,6 +97,9 @@ class EngineCoreOutput:
     # One runner.step_result.TokenLogprobs per new token, for requests that asked for logprobs
     # (set by the engine core beside the scheduler's result).
     new_logprobs: list | None = None
+    # For a request that asked for prompt_logprobs, on its first output: one TokenLogprobs per
+    # prompt token after the first (entry 0 of each = that prompt token), in prompt order.
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -2,10 +2,12 @@
 sample, and sampling. Pure: (params, kv_cache, inputs) -> (kv_cache, sampled tokens)."""
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
 from mrv2_jax.sample.penalties import PenaltyData
 from mrv2_jax.sample.sampler import SamplerOutput, sample, sample_tokens
 from mrv2_jax.sample.tensors import SamplingTensors
@@ -25,10 +27,40 @@ class FlatParams:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 
 
-def forward_logits(lm, kv_cache, *, input_ids, positions, attention: PagedAttention, logits_indices):
-    """-> (kv_cache, f32[R, V] logits of the last scheduled token of each row)."""
+def forward_logits(lm, kv_cache, *, input_ids, positions, attention: PagedAttention, logits_indices,
+                   return_hidden: bool = False):
+    """-> (kv_cache, f32[R, V] logits of the last scheduled token of each row[, hidden [T, H]])."""
     hidden, kv_cache = lm(input_ids, positions, attention, kv_cache)
-    return kv_cache, lm.compute_logits(hidden[logits_indices])
+    logits = lm.compute_logits(hidden[logits_indices])
+    return (kv_cache, logits, hidden) if return_hidden else (kv_cache, logits)
+
+
+# Prompt logprobs are computed over the token axis in pieces of this many tokens, so a long
+# prefill step never holds a [T, V] f32 array, only [PROMPT_LOGPROBS_CHUNK, V].
+PROMPT_LOGPROBS_CHUNK = 256
+PROMPT_LOGPROBS_TOP = 20  # sampling_params.MAX_LOGPROBS: the host keeps each request's first n
+
+
+def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True):
+    """Logprobs of the prompt tokens: `targets` i32[T] holds, for each scheduled token whose
+    row asked for prompt logprobs, 1 + the id of the prompt token that follows it (0 = none).
+    -> Logprobs over [T] (the target, then the top PROMPT_LOGPROBS_TOP), from the raw logits
+    of every token; only computed when some token has a target."""
+    t = hidden.shape[0]
+    ids = jnp.maximum(targets - 1, 0)
+    n = PROMPT_LOGPROBS_TOP
+
+    def compute():
+        chunk = PROMPT_LOGPROBS_CHUNK
+        if t <= chunk or t % chunk:
+            return compute_logprobs(lm.compute_logits(hidden), ids, n)
+        parts = jax.lax.map(lambda a: compute_logprobs(lm.compute_logits(a[0]), a[1], n),
+                            (hidden.reshape(t // chunk, chunk, -1), ids.reshape(t // chunk, chunk)))
+        return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), parts)
+
+    if not runtime_skip:
+        return compute()
+    return jax.lax.cond(jnp.any(targets > 0), compute, lambda: empty_logprobs(t, n))
 
 
 def forward_and_sample(lm, kv_cache, *, input_ids, positions, attention: PagedAttention,
@@ -43,8 +75,14 @@ def forward_and_sample(lm, kv_cache, *, input_ids, positions, attention: PagedAt
 
 def forward_and_sample_full(lm, kv_cache, *, input_ids, positions, attention: PagedAttention,
                             logits_indices, sampling: SamplingTensors, features: SamplerFeatures,
-                            penalties: PenaltyData | None = None) -> tuple[object, SamplerOutput]:
-    """Every sampling parameter -> (kv_cache, SamplerOutput)."""
-    kv_cache, logits = forward_logits(lm, kv_cache, input_ids=input_ids, positions=positions,
-                                      attention=attention, logits_indices=logits_indices)
-    return kv_cache, sample(logits, sampling, positions[logits_indices] + 1, features, penalties)
+                            penalties: PenaltyData | None = None, prompt_targets=None) -> tuple[object, SamplerOutput]:
+    """Every sampling parameter -> (kv_cache, SamplerOutput). With `features.prompt_logprobs`,
+    `prompt_targets` (see `prompt_logprobs`) gives the output's prompt logprob fields."""
+    kv_cache, logits, hidden = forward_logits(lm, kv_cache, input_ids=input_ids, positions=positions,
+                                              attention=attention, logits_indices=logits_indices,
+                                              return_hidden=True)
+    out = sample(logits, sampling, positions[logits_indices] + 1, features, penalties)
+    if features.prompt_logprobs and prompt_targets is not None:
+        lp = prompt_logprobs(lm, hidden, prompt_targets, runtime_skip=features.runtime_skip)
+        out = out._replace(prompt_logprobs=lp.logprobs, prompt_token_ids=lp.token_ids, prompt_rank=lp.sampled_rank)
+    return kv_cache, out

@@ -35,7 +35,7 @@ from mrv2_jax.runner.prepare import StepInputs
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.runner.slots import SlotAllocator
-from mrv2_jax.runner.step_result import StepResult, token_logprobs
+from mrv2_jax.runner.step_result import StepResult, prompt_spans, prompt_token_logprobs, token_logprobs
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.tensors import (
@@ -72,6 +72,7 @@ class ModelRunnerV1:
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)
         self.num_prompt = np.zeros(max_num_seqs, np.int32)
+        self.prompt_top_n = np.full(max_num_seqs, -1, np.int32)  # prompt_logprobs n, -1 = none
         self.sampling = SamplingTable(max_num_seqs, MAX_LOGIT_BIAS, MAX_STOP_IDS)
         self.table_row = np.full(max_num_seqs, -1, np.int32)  # slot if its device rows are valid
         # As V2: an argmax-only variant for plain-greedy batches, the full one otherwise.
@@ -93,6 +94,8 @@ class ModelRunnerV1:
              "seq_lens": (r,), "query_start_loc": (r + 1,), "num_seqs": (),
              "block_tables": (r, self.max_blocks_per_seq),
              **{name: (r,) for name in SCALAR_FIELDS},
+             # 1 + the prompt token after each token, for rows asking for prompt logprobs; 0 = none
+             "prompt_targets": (t,),
              "table_row": (r,),  # slot whose device sampler rows this row uses, or -1
              "count_row": (r,),  # table_row if the row samples a token now, else -1
              # Spec decode: drafts in the row's tokens, whether it samples, its slot.
@@ -119,7 +122,7 @@ class ModelRunnerV1:
             kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=x["input_ids"],
                 positions=x["positions"], attention=attention, logits_indices=x["logits_indices"],
-                sampling=sampling, features=features, penalties=penalties)
+                sampling=sampling, features=features, penalties=penalties, prompt_targets=x["prompt_targets"])
             if features.penalties:
                 sampler_state = slot_state.count_sampled(sampler_state, x["count_row"], out.tokens)
             return kv_cache, sampler_state, out, spec_state
@@ -153,6 +156,8 @@ class ModelRunnerV1:
             self.num_blocks[s] = 0
             self._append_blocks(s, new.block_ids)
             self.num_prompt[s] = new.num_prompt_tokens
+            top_n = new.sampling_params.prompt_logprobs
+            self.prompt_top_n[s] = -1 if top_n is None or not self.supports_prompt_logprobs else top_n
             row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)
             self.sampling.write(s, row)
             self.slot_state, owns_rows = self._slot_writer.write(
@@ -189,7 +194,13 @@ class ModelRunnerV1:
             layout.view(packed, "num_draft")[: len(rows)] = num_draft
             layout.view(packed, "samples")[: len(rows)] = samples
             layout.view(packed, "slot")[: len(rows)] = rows
-        compiled = self._pick_variant(layout, packed, variants)
+        spans = self._prompt_targets(layout, packed, req_ids, rows, counts)
+        if spans:  # only the full variant computes prompt logprobs
+            features, compiled = variants[-1]
+            if not features.prompt_logprobs:
+                raise RuntimeError("prompt_logprobs needs a sampler variant with prompt_logprobs=True")
+        else:
+            compiled = self._pick_variant(layout, packed, variants)
         self.kv_cache, self.slot_state, result, self.spec_state = compiled(
             self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
         if self.spec:
@@ -210,7 +221,29 @@ class ModelRunnerV1:
                 sampled[req_id] = [int(tokens[i])]
                 if want_logprobs[i]:
                     sampled_logprobs[req_id] = [token_logprobs(logprobs[i], ids[i], ranks[i], num_logprobs[i])]
-        return StepResult(sampled, sampled_logprobs)
+        return StepResult(sampled, sampled_logprobs, prompt_token_logprobs(result, spans))
+
+    @property
+    def supports_prompt_logprobs(self) -> bool:
+        """Prompt logprobs come from the full variant's plain step (not a spec step)."""
+        return self.spec is None and self.sampler_variants[-1].prompt_logprobs
+
+    def _prompt_targets(self, layout, packed, req_ids, rows, counts) -> dict:
+        """Fill `prompt_targets` for rows asking for prompt logprobs -> their spans (see
+        step_result.prompt_spans). Call before the step: num_computed is the chunk's start."""
+        top_n = self.prompt_top_n[rows]
+        if not (top_n >= 0).any():
+            return {}
+        starts = self.num_computed[rows]
+        token_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        spans = prompt_spans(req_ids, starts, counts, self.num_prompt[rows], top_n, token_start)
+        targets = layout.view(packed, "prompt_targets")
+        for i, r in enumerate(req_ids):
+            if r in spans:
+                first, num, _, _ = spans[r]
+                s, p = rows[i], starts[i]
+                targets[first : first + num] = self.token_ids[s, p + 1 : p + 1 + num] + 1
+        return spans
 
     def _finish_spec_step(self, req_ids, rows, counts, samples, num_draft, layout, packed, result, drafts):
         """Read the kept tokens (the sync point), advance the tables, place the next drafts."""

@@ -35,7 +35,7 @@ from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.runner.slots import SlotAllocator
-from mrv2_jax.runner.step_result import StepResult, TokenLogprobs, token_logprobs
+from mrv2_jax.runner.step_result import StepResult, TokenLogprobs, prompt_token_logprobs, token_logprobs
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
@@ -53,8 +53,12 @@ class PendingStep:
     `[R]` (a speculative step: row r keeps its first num_sampled[r])."""
 
     def __init__(self, out: SamplerOutput, req_ids: list[str], sampling_req_ids: set[str],
-                 logprob_req_ids: set[str]):
+                 logprob_req_ids: set[str], prompt_spans: dict | None = None):
         out.tokens.copy_to_host_async()  # start the device->host copy now, read it later
+        self._prompt_spans = prompt_spans or {}
+        if self._prompt_spans:
+            for array in (out.prompt_logprobs, out.prompt_token_ids, out.prompt_rank):
+                array.copy_to_host_async()
         # Spec steps (SpecSamplerOutput): tokens [R, 1 + k] and how many of each row to keep.
         self._num_sampled = getattr(out, "num_sampled", None)
         if self._num_sampled is not None:
@@ -77,6 +81,9 @@ class PendingStep:
         tokens, counts = self._tokens()
         columns = tokens.T.tolist()
         return {r: columns[i][: counts[i]] for i, r in enumerate(self._req_ids) if r in self._sampling}
+
+    def prompt_logprobs(self) -> dict[str, list[TokenLogprobs]]:
+        return prompt_token_logprobs(self._out, self._prompt_spans)
 
     def logprobs(self) -> dict[str, list[TokenLogprobs]]:
         if not self._logprob_reqs:
@@ -124,6 +131,7 @@ class ModelRunnerV2:
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
         self._seed_rng = np.random.default_rng()
         self._logprob_reqs: dict[str, int] = {}  # requests that asked for logprobs -> top n
+        self._prompt_lp_reqs: dict[str, tuple[int, int]] = {}  # prompt_logprobs -> (top n, prompt length)
         self.eos_token_ids = tuple(model_state.eos_token_ids or ())
         # Plain-greedy batches (the common benchmark case) take an argmax-only sampler; any
         # other batch the variant with every feature behind cheap runtime skips.
@@ -156,6 +164,8 @@ class ModelRunnerV2:
         max_appends = t // self.block_size + 2 * r
         return PackedLayout(
             {"idx_mapping": (r,), "num_scheduled": (r,), "num_reqs": (), "chunk_tokens": (t,),
+             # 1 + the prompt token after each token, for rows asking for prompt logprobs; 0 = none
+             "prompt_targets": (t,),
              "new_slot": (r,), "new_prefill_len": (r,), "new_num_computed": (r,), "new_num_prompt": (r,),
              "new_sampler_row": (r,), **{f"new_{name}": (r,) for name in SAMPLING_FIELDS},
              "new_stop_ids": (r, MAX_DEVICE_STOP_IDS),
@@ -187,7 +197,7 @@ class ModelRunnerV2:
             kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
                 positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
-                sampling=sampling, features=features, penalties=penalties)
+                sampling=sampling, features=features, penalties=penalties, prompt_targets=x["prompt_targets"])
             if features.penalties:
                 sampler_state = slot_state.count_sampled(
                     sampler_state, jnp.where(inputs.samples, sampler_rows, -1), out.tokens)
@@ -236,6 +246,7 @@ class ModelRunnerV2:
         for req_id in out.finished_req_ids:
             self.slots.free(req_id)
             self._logprob_reqs.pop(req_id, None)
+            self._prompt_lp_reqs.pop(req_id, None)
             self._needs_full_sampler.discard(req_id)
             self._prompts.pop(req_id, None)
             self._num_blocks.pop(req_id, None)
@@ -253,6 +264,7 @@ class ModelRunnerV2:
         counts = [out.num_scheduled_tokens[r] for r in req_ids]
         view("idx_mapping")[: len(req_ids)] = [self.slots.slot_of(r) for r in req_ids]
         view("num_scheduled")[: len(req_ids)] = counts
+        spans = {}  # prompt logprobs: req_id -> (first token index, positions, top n, first position)
         if self._prompts:  # rows still prefilling: send this chunk's known tokens
             computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
             computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
@@ -263,6 +275,12 @@ class ModelRunnerV2:
                     begin = computed[req_id]
                     piece = prompt[begin : begin + n]
                     chunk[pos : pos + len(piece)] = piece
+                    if req_id in self._prompt_lp_reqs:
+                        top_n, num_prompt = self._prompt_lp_reqs[req_id]
+                        num = max(0, min(n, num_prompt - 1 - begin))
+                        if num:
+                            spans[req_id] = (pos, num, top_n, begin)
+                            view("prompt_targets")[pos : pos + num] = np.asarray(prompt[begin + 1 : begin + 1 + num]) + 1
                     if begin + n >= len(prompt):
                         del self._prompts[req_id]
                 pos += n
@@ -270,7 +288,12 @@ class ModelRunnerV2:
         capacity = layout.shapes["append_slot"][0]
         self._flush_block_appends(appends[capacity:])
         self._write_appends(view, appends[:capacity])
-        return self._dispatch(variants, packed, req_ids, out)
+        return self._dispatch(variants, packed, req_ids, out, spans)
+
+    @property
+    def supports_prompt_logprobs(self) -> bool:
+        """Prompt logprobs come from the full variant's plain step (not a spec step)."""
+        return self.spec is None and self.sampler_variants[-1].prompt_logprobs
 
     def _execute_fused(self, out: SchedulerOutput, req_ids: list[str]) -> PendingStep:
         """Up to `out.num_fused_steps` decode steps in one call; row r runs at most
@@ -297,14 +320,16 @@ class ModelRunnerV2:
         self.num_fused_calls += 1
         return self._dispatch(variants, packed, req_ids, out)
 
-    def _dispatch(self, variants, packed, req_ids: list[str], out: SchedulerOutput) -> PendingStep:
-        needs_full = self._needs_full_sampler and any(r in self._needs_full_sampler for r in req_ids)
+    def _dispatch(self, variants, packed, req_ids: list[str], out: SchedulerOutput,
+                  prompt_spans: dict | None = None) -> PendingStep:
+        needs_full = bool(prompt_spans) or (self._needs_full_sampler
+                                            and any(r in self._needs_full_sampler for r in req_ids))
         compiled = variants[-1] if needs_full else variants[0]
         self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
             self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
         self.last_dispatch = (compiled, packed)
         wants_logprobs = {r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
-        return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs)
+        return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs, prompt_spans)
 
     def replay(self, dispatch, repeats: int) -> float:
         """Benchmarks only: run a captured step `repeats` times back to back on the current
@@ -342,6 +367,8 @@ class ModelRunnerV2:
                 view("new_sampler_row")[i] = slot
             if row.scalars["num_logprobs"] >= 0:
                 self._logprob_reqs[new.req_id] = row.scalars["num_logprobs"]
+            if new.sampling_params.prompt_logprobs is not None and self.supports_prompt_logprobs:
+                self._prompt_lp_reqs[new.req_id] = (new.sampling_params.prompt_logprobs, new.num_prompt_tokens)
             if not is_plain_greedy(row):
                 self._needs_full_sampler.add(new.req_id)
             self._prompts[new.req_id] = list(new.token_ids)

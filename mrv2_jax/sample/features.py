@@ -53,6 +53,9 @@ class SamplerFeatures:
     top_p: bool = False
     # Width n of the top-n logprobs output (0..20); None: the step returns no logprobs at all.
     num_logprobs: int | None = None
+    # Prompt logprobs (top MAX_LOGPROBS) at every scheduled token of the rows that ask for them
+    # (runner/model_step.py): logits for the whole token axis, under a runtime skip.
+    prompt_logprobs: bool = False
     runtime_skip: bool = True
     # "threshold": k-ary search for the top-k / top-p cut-offs (a fixed number of passes over
     # the logits, no sort); "sort": one full sort per row (reference; for speed comparisons).
@@ -72,9 +75,10 @@ class SamplerFeatures:
 
     @classmethod
     def all(cls, **overrides) -> SamplerFeatures:
-        """Every feature compiled in, top-20 logprobs, runtime skips: one variant for any batch."""
+        """Every feature compiled in, top-20 logprobs, prompt logprobs, runtime skips: one variant
+        for any batch."""
         on = dict(sampling=True, logit_bias=True, min_tokens=True, penalties=True, min_p=True,
-                  top_k=True, top_p=True, num_logprobs=20)
+                  top_k=True, top_p=True, num_logprobs=20, prompt_logprobs=True)
         return cls(**(on | overrides))
 
     @classmethod
@@ -82,7 +86,7 @@ class SamplerFeatures:
         return cls(sampling=False)
 
     # Boolean feature flags, in a fixed order.
-    FLAGS = ("sampling", "logit_bias", "min_tokens", "penalties", "min_p", "top_k", "top_p")
+    FLAGS = ("sampling", "logit_bias", "min_tokens", "penalties", "min_p", "top_k", "top_p", "prompt_logprobs")
 
     def covers(self, needed: SamplerFeatures) -> bool:
         """True when a step compiled with `self` computes what a batch needing `needed` asks for."""

@@ -41,6 +41,11 @@ class SamplerOutput(NamedTuple):
     logprobs: jax.Array | None = None  # f32[R, 1 + n]: sampled token, then the top n (raw logits)
     logprob_token_ids: jax.Array | None = None  # i32[R, 1 + n]
     sampled_rank: jax.Array | None = None  # i32[R]: 1 + tokens with a larger raw logit
+    # Prompt logprobs (features.prompt_logprobs, model_step.prompt_logprobs): per scheduled
+    # TOKEN t, the raw logprob of the prompt token that follows it, then the top n.
+    prompt_logprobs: jax.Array | None = None  # f32[T, 1 + n]
+    prompt_token_ids: jax.Array | None = None  # i32[T, 1 + n]
+    prompt_rank: jax.Array | None = None  # i32[T]
 
 
 def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features: SamplerFeatures,
