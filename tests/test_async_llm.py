@@ -32,7 +32,8 @@ class StubLLM:
         self.step_delay = step_delay
         kv = SimpleNamespace(num_blocks=NUM_BLOCKS)
         self.scheduler = SimpleNamespace(max_model_len=max_model_len, kv_cache_manager=kv, get_stats=self._stats)
-        self.engine = SimpleNamespace(scheduler=self.scheduler, has_work=lambda: bool(self.requests))
+        self.engine = SimpleNamespace(scheduler=self.scheduler, has_work=lambda: bool(self.requests),
+                                      check_request=lambda params: None)
 
     def _stats(self):
         self.scheduler.kv_cache_manager.num_free_blocks = NUM_BLOCKS - len(self.requests)
