@@ -18,8 +18,8 @@ over --runs calls (after --warmup), each ended by block_until_ready, so it inclu
   top_p_peaked                    top_p alone on rows whose top 64 tokens hold most of the mass
                                   (the fast path); top_p_threshold is the flat-row search
   top_k_top_p_arity16             top_p-only search with 16-ary passes (default 4)
-  noise_threefry, noise_hash      argmax(logits + noise) alone, with the sampler's threefry noise
-                                  and with the counter-hash candidate (sample/gumbel.py)
+  noise_threefry, noise_hash      argmax(logits + noise) alone, with the former threefry noise and
+                                  with the counter hash the sampler uses (sample/gumbel.py)
   penalties, logit_bias, logprobs the other features alone (on top of temperature)
 """
 
@@ -37,7 +37,7 @@ import numpy as np
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.timing import time_calls
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
-from mrv2_jax.sample.gumbel import gumbel_noise, hashed_gumbel_noise
+from mrv2_jax.sample.gumbel import gumbel_noise, threefry_gumbel_noise
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
 
 T = SamplerFeatures()  # temperature only, runtime skips on
@@ -113,7 +113,7 @@ def run_case(name, features, kind, args):
             "features": dataclasses.asdict(features)}
 
 
-NOISE_CASES = {"noise_threefry": gumbel_noise, "noise_hash": hashed_gumbel_noise}
+NOISE_CASES = {"noise_threefry": threefry_gumbel_noise, "noise_hash": gumbel_noise}
 
 
 def run_noise_case(name, args):

@@ -3,7 +3,8 @@
 A row's noise depends only on (request seed, position of the token being sampled), so a seeded
 request gets the same tokens whatever else is in the batch, whichever slot or runner it uses,
 async or not. Sampling is then argmax(logits / T + noise): no softmax, no cumulative sum.
-Do not change the key derivation: seeded outputs are expected to stay the same across versions.
+Do not change the hash: seeded outputs are expected to stay the same across versions (it last
+changed on 2026-11-30, from threefry to the counter hash below).
 """
 
 import jax
@@ -11,22 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
-    """[R, vocab] float32 Gumbel noise keyed by (seed, position) per row."""
-    def row(seed, pos):
-        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), pos)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
-
-    return jax.vmap(row)(seeds, positions)
-
-
-# --- candidate replacement: a counter hash instead of threefry ------------------------------
-# On an H200, temperature-only sampling of 256 x 151,936 costs 0.60 ms against 0.145 ms for
-# greedy (docs/benchmarks.md): nearly all of the difference is making the noise with threefry,
-# row by row. A counter hash (murmur3's 32-bit finalizer, applied to (seed, position, token id))
-# is a handful of integer ops per element that XLA can fuse into the argmax pass. It is not the
-# sampler's noise yet: switching changes every seeded output, so it waits for its measured gain
-# (`python -m mrv2_jax.bench.sampler --cases noise_threefry noise_hash`).
+# Why a counter hash and not jax.random: on an H200, argmax(logits + noise) over 256 x 151,936
+# costs 0.49 ms with threefry keys made row by row and 0.33 ms with this hash (murmur3's 32-bit
+# finalizer applied to (seed, position, token id)), a handful of integer ops per element that
+# XLA fuses into the argmax pass (`python -m mrv2_jax.bench.sampler --cases noise_threefry
+# noise_hash`, docs/benchmarks.md). The threefry noise was the sampler's before 2026-11-30;
+# it stays below as the benchmark's baseline.
 
 _GOLDEN = 0x9E3779B9
 
@@ -42,7 +33,7 @@ def fmix32(h):
     return h ^ (h >> np.uint32(16))
 
 
-def hashed_gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
     """[R, vocab] float32 Gumbel noise from a hash of (seed, position, token id) per element."""
     u32 = jnp.uint32
     row_key = fmix32(seeds.astype(u32) ^ fmix32(positions.astype(u32) * u32(_GOLDEN) + u32(1)))
@@ -55,3 +46,13 @@ def hashed_gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int)
     u, one_minus_u = (m + 0.5) * 2.0**-23, ((1 << 23) - m - 0.5) * 2.0**-23
     neg_log_u = jnp.where(u < 0.5, -jnp.log(u), -jnp.log1p(-one_minus_u))
     return -jnp.log(neg_log_u)
+
+
+def threefry_gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+    """[R, vocab] float32 Gumbel noise from threefry keys folded from (seed, position): the
+    previous sampler noise, kept as the baseline of the sampler benchmark."""
+    def row(seed, pos):
+        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), pos)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
+
+    return jax.vmap(row)(seeds, positions)
