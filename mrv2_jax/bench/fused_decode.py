@@ -21,6 +21,7 @@ ignored), all submitted at once, streamed. Reported per (K, B):
 """
 
 import argparse
+import gc
 import itertools
 import os
 import statistics
@@ -136,6 +137,7 @@ def run(args) -> dict:
             print(f"  K={k:<3} batch {b:<4} {row['output_tokens_per_s']:9.0f} tok/s "
                   f"{row['ms_per_token']:7.3f} ms/token", flush=True)
         del llm
+        gc.collect()  # the engine holds reference cycles: free its KV cache before the next sizes its own
     return {**describe_environment(), "load_s": load_s, "input_len": args.input_len,
             "output_len": args.output_len, "xla_flags": os.environ.get("XLA_FLAGS", ""), "settings": kwargs,
             "reference": VLLM_BATCH1, "results": results}
