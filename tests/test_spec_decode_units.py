@@ -247,3 +247,26 @@ def test_spec_benchmark_arms_and_table(capsys):
                mean_acceptance_length=2.5)
     print_table([row | dict(runner="v1", mean_tpot_ms=2.0), row | dict(runner="v2-async", mean_tpot_ms=1.5)])
     assert "-25.0%" in capsys.readouterr().out
+
+
+# --- KV budget ------------------------------------------------------------------------------------
+
+class _FakeDevice:
+    """A device with 10 GiB, 1 GiB of it in use (the weights): stands in for the GPU's stats."""
+
+    def memory_stats(self):
+        return {"bytes_limit": 10 << 30, "bytes_in_use": 1 << 30}
+
+
+def test_draft_model_kv_comes_out_of_the_same_budget(monkeypatch):
+    from mrv2_jax.models.loader import load_model
+    from mrv2_jax.runner import kv_cache
+
+    target, _, _ = load_model("demo", "float32", "auto")
+    monkeypatch.setattr(kv_cache.jax, "devices", lambda: [_FakeDevice()])
+    per_token = target.kv_bytes_per_token(jnp.bfloat16)
+    free = int((10 << 30) * 0.9) - (1 << 30) - (2 << 30)  # utilization, weights, reserve
+    alone = kv_cache.num_blocks_for_budget(target, 16, jnp.bfloat16, 0.9)
+    with_draft = kv_cache.num_blocks_for_budget(target, 16, jnp.bfloat16, 0.9, extra_kv_bytes_per_token=per_token // 2)
+    assert alone == free // (16 * per_token)
+    assert with_draft == free // (16 * (per_token + per_token // 2))

@@ -91,7 +91,17 @@ def load_tokenizer(path: Path | None):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def make_spec_decoder(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int):
+def load_draft_model(config: EngineConfig):
+    """The draft model's `load_model` result when speculating with one, else None. Loaded before
+    the KV cache is sized: its weights, and a KV cache of its own with as many blocks as the
+    target's, come out of the same memory budget."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    return load_model(spec.model, config.dtype, spec.load_format)
+
+
+def make_spec_decoder(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int, draft_model=None):
     if config.speculative_config is None:
         return None
     import jax
@@ -101,7 +111,7 @@ def make_spec_decoder(config: EngineConfig, model_state, lm, num_blocks: int, ma
     return build_spec_decoder(config.speculative_config, model_state, lm, num_blocks=num_blocks,
                               block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                               max_model_len=max_model_len, kv_dtype=resolve_dtype(config.dtype), dtype=config.dtype,
-                              use_kernels=jax.default_backend() == "gpu")
+                              use_kernels=jax.default_backend() == "gpu", draft_model=draft_model)
 
 
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int, spec_decoder=None):
@@ -143,9 +153,13 @@ def build_engine(config: EngineConfig, loaded_model=None):
     if max_model_len > model_state.max_model_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {model_state.max_model_len}")
+    kv_dtype = resolve_dtype(config.dtype)
+    draft_model = load_draft_model(config)
+    draft_kv_bytes = draft_model[0].kv_bytes_per_token(kv_dtype) if draft_model else 0
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
-        model_state, config.block_size, resolve_dtype(config.dtype), config.gpu_memory_utilization)
-    spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len)
+        model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
+        extra_kv_bytes_per_token=draft_kv_bytes)
+    spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
     runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
     fused_rows = getattr(runner, "max_fused_rows", 0)  # the largest batch the runner can fuse

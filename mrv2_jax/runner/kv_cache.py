@@ -5,16 +5,17 @@ import jax.numpy as jnp
 
 
 def num_blocks_for_budget(model_state, block_size: int, dtype, gpu_memory_utilization: float,
-                          reserve_bytes: int = 2 << 30) -> int:
+                          reserve_bytes: int = 2 << 30, extra_kv_bytes_per_token: int = 0) -> int:
     """How many KV blocks fit in `gpu_memory_utilization` of device memory after what is already
     allocated (the weights) and a reserve for activations, logits and XLA workspace. On CPU (no memory stats) a small
-    fixed pool is used."""
+    fixed pool is used. `extra_kv_bytes_per_token`: another cache indexed by the same blocks (a
+    draft model's), which each block pays for too."""
     stats = jax.devices()[0].memory_stats() or {}
     total = stats.get("bytes_limit")
     if not total:
         return 1024
     free = int(total * gpu_memory_utilization) - stats.get("bytes_in_use", 0) - reserve_bytes
-    per_block = model_state.kv_bytes_per_token(dtype) * block_size
+    per_block = (model_state.kv_bytes_per_token(dtype) + extra_kv_bytes_per_token) * block_size
     if free < per_block:
         raise ValueError(f"no memory left for the KV cache ({free / 2**30:.2f} GiB free after the "
                          f"weights); raise gpu_memory_utilization or use a smaller model")
