@@ -103,9 +103,16 @@ def _kernel(meta_ref, lhs_ref, rhs_ref, *rest, num_rows, k_dim, n_dim, max_tiles
             k_idx = jnp.minimum(ks, K - 1)
             a = pltriton.load(lhs_ref.at[a_rows, k_idx[None, :]],
                               mask=row_ok[:, None] & k_ok[None, :], other=0)
-            b = pltriton.load(rhs_ref.at[(g * K + k_idx)[:, None], b_cols],
-                              mask=k_ok[:, None] & col_ok[None, :], other=0)
-            part = pltriton.dot(a, b.astype(a.dtype), precision=precision)
+            b_ok = k_ok[:, None] & col_ok[None, :]
+            b_at = rhs_ref.at[(g * K + k_idx)[:, None], b_cols]
+            if jnp.issubdtype(rhs_ref.dtype, jnp.floating) and jnp.finfo(rhs_ref.dtype).bits == 8:
+                # Float8: the Triton lowering cannot cast a masked load's fill value to fp8
+                # ("cannot cast ... tt.splat", H200, jax 0.11.2). The indices are clamped, so
+                # an unmasked load stays in bounds; the mask is applied after the conversion.
+                b = jnp.where(b_ok, pltriton.load(b_at).astype(a.dtype), 0)
+            else:
+                b = pltriton.load(b_at, mask=b_ok, other=0).astype(a.dtype)
+            part = pltriton.dot(a, b, precision=precision)
             if has_scale:
                 s_idx = (g * n_scale_k + lax.div(kb * BK, scale_block)) * n_scale_n + lax.div(j * BN, scale_block)
                 part = part * scale_ref[s_idx]
