@@ -8,7 +8,8 @@
 # compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
 # same with the fused while loop captured in XLA command buffers; fused-unroll: 4 steps per
 # loop iteration), MoE grouped GEMM (moe), the MoE presets A/B (moe-presets, moe-presets-s2) and the
-# speculative-decoding benchmark (spec: ~5 min).
+# speculative-decoding benchmark (spec: ~5 min), the sampler's cost inside an S1 step
+# (ab-s1-sampling) and the batch-1 kernel split (timeline-b1).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
 #
@@ -52,6 +53,13 @@ for s in $sections; do case $s in
   ab-s2) run_section ab-s2 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" --plot "$OUT/ab_s2_1024.png" ;;
+  # Issue 5: what every sampler feature costs a real S1 step (v2-async, greedy vs all features).
+  ab-s1-sampling)
+    for kind in greedy all; do
+      run_section ab-s1-sampling-$kind python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+        --arms v2-async --sampling $kind --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256_sampling_$kind.json"
+    done ;;
   moe) run_section moe python3 -m mrv2_jax.bench.moe --sweep --output-json "$OUT/moe.json" ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
@@ -87,6 +95,10 @@ for s in $sections; do case $s in
   timeline) run_section timeline python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
       --num-prompts 256 --disable-tqdm --output-json "$OUT/timeline_s1_256.json" ;;
+  # Issue 12: where a batch-1 decode step's ~2.1 ms of device time goes (kernel split).
+  timeline-b1) run_section timeline-b1 python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
+      --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 \
+      --num-prompts 1 --disable-tqdm --output-json "$OUT/timeline_b1.json" ;;
   xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
       --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
   compare-*) run_section $s python3 -m mrv2_jax.bench.compare --settings ${s#compare-} --vllm-python python3 \

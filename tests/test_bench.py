@@ -65,6 +65,20 @@ def test_bench_ab_report_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_ab_with_every_sampling_feature(tmp_path):
+    from mrv2_jax.bench.ab import sampling_params
+
+    params = sampling_params("all", 8, 1000)
+    assert len(params.logit_bias) == 16 and all(0 <= i < 1000 for i in params.logit_bias)
+    assert params.temperature > 0 and params.top_k == 50 and params.logprobs == 20 and params.min_tokens == 8
+    out = tmp_path / "ab.json"
+    assert cli.main(["bench", "ab", "--num-prompts", "8", "--input-len", "8", "--output-len", "8", "--arms",
+                     "v2-async", "--sampling", "all", "--capture-step", "2", "--output-json", str(out), *ENGINE]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["sampling"] == "all"
+    assert [r["arm"] for r in report["arms"]] == ["v2-async"] and report["arms"][0]["steady_step_device_ms"] > 0
+
+
 def test_bench_timeline_host_breakdown(tmp_path):
     """On the CPU there are no device events: the host breakdown is complete, the device part is
     None with a note, and the trace of the window is still exported."""
@@ -107,15 +121,21 @@ def test_timeline_device_busy_from_trace_events(tmp_path):
               {"ph": "X", "pid": 2, "tid": 8, "ts": 0, "dur": 200, "name": "jit_step"},
               {"ph": "X", "pid": 2, "tid": 7, "ts": 10, "dur": 30, "name": "k1"},
               {"ph": "X", "pid": 2, "tid": 7, "ts": 30, "dur": 40, "name": "k2"},  # overlaps k1
-              {"ph": "X", "pid": 2, "tid": 7, "ts": 120, "dur": 20, "name": "k3"}]
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 120, "dur": 20, "name": "loop_add_fusion_3"},
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 141, "dur": 4, "name": "loop_add_fusion.12"}]
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     d = device_timeline(str(path))
     assert d["device_source"] == "GPU Stream lines"
     assert d["steps"][5] == {"device_busy_ms": 0.06, "device_idle_ms": 0.04, "max_idle_gap_ms": 0.03}
-    assert d["steps"][6]["device_busy_ms"] == 0.02 and d["steps"][6]["max_idle_gap_ms"] == 0.02
-    assert abs(d["busy_fraction"] - 80 / 150) < 1e-9
+    assert d["steps"][6]["device_busy_ms"] == 0.024 and d["steps"][6]["max_idle_gap_ms"] == 0.02
+    assert abs(d["busy_fraction"] - 84 / 150) < 1e-9
+    # Kernels by family over the window's 2 steps: k2 40 us, k1 30, the two add fusions 24.
+    split = {k["kernel"]: k for k in d["kernels"]}
+    assert [k["kernel"] for k in d["kernels"]] == ["k2", "k1", "loop_add_fusion"]
+    assert split["loop_add_fusion"]["launches_per_step"] == 1.0
+    assert abs(split["loop_add_fusion"]["ms_per_step"] - 0.012) < 1e-12 and abs(split["k2"]["share"] - 40 / 94) < 1e-12
 
 
 def test_bench_fused_decode(tmp_path):

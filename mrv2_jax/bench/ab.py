@@ -26,6 +26,23 @@ from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 ARMS = {"v1": ("v1", False), "v2-sync": ("v2", False), "v2-async": ("v2", True)}
 
 
+def sampling_params(kind: str, max_tokens: int, vocab_size: int):
+    """greedy: argmax only. all: every sampler feature on every request (as the sampler
+    benchmark's all_used case): temperature, top-k 50, top-p 0.9, min-p 0.05, the three
+    penalties, 16 biased token ids, min_tokens, 20 logprobs; the difference between the two is
+    what the features cost a real step."""
+    from mrv2_jax.sampling_params import SamplingParams
+
+    if kind == "greedy":
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if kind == "all":
+        bias = {int(i): (-1.0) ** i * 2.0 for i in range(7, vocab_size, max(1, vocab_size // 16))[:16]}
+        return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
+                              repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2,
+                              logit_bias=bias, min_tokens=min(16, max_tokens), logprobs=20, ignore_eos=True)
+    raise ValueError(f"unknown --sampling {kind!r}; known: greedy, all")
+
+
 def step_periods(step_log) -> list[tuple[float, int, int]]:
     """(seconds from this step's start to the next one's, tokens, rows) per step: the whole
     loop around `engine.step`, output processing included, which is what the GPU waits on."""
@@ -55,7 +72,6 @@ def wall_profile(step_log, window=64) -> list[list]:
 
 def run_arm(name, args, loaded, prompts):
     from mrv2_jax.llm import LLM
-    from mrv2_jax.sampling_params import SamplingParams
 
     runner, async_scheduling = ARMS[name]
     t0 = time.perf_counter()
@@ -64,7 +80,7 @@ def run_arm(name, args, loaded, prompts):
     llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | {"runner": runner, "async_scheduling": async_scheduling,
                                                              "max_fused_steps": 1}))
     startup = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    params = sampling_params(args.sampling, args.output_len, loaded[0].vocab_size)
     llm.generate(prompts[: min(len(prompts), args.max_num_seqs)][:64], params, use_tqdm=False)  # warm-up
     engine = llm.engine
     engine.step_log = []
@@ -98,6 +114,9 @@ def main(argv=None, prog=None):
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--arms", default="v1,v2-sync,v2-async")
+    p.add_argument("--sampling", default="greedy", choices=["greedy", "all"],
+                   help="greedy, or every sampler feature on every request (temperature, top-k/p, min-p, "
+                        "penalties, logit bias, min_tokens, 20 logprobs)")
     p.add_argument("--capture-step", type=int, default=100,
                    help="which full-concurrency decode step to replay for its device time")
     p.add_argument("--output-json", default=None)

@@ -15,7 +15,8 @@ Device side, for a window of steady-decode steps (every row decoding, at full co
 `jax.profiler` trace: the GPU's kernel and copy events (the "Stream" lines of the device), merged
 into busy intervals and set against each step's interval on the same clock (the step is a
 TraceAnnotation there). Per step: device busy time, idle time and the longest idle gap; over the
-window: the GPU busy fraction = union of kernel time / wall span. The trace (Perfetto JSON,
+window: the GPU busy fraction = union of kernel time / wall span, and the kernels that take the
+time (by family: XLA's instance numbers stripped, so the layers' copies of a kernel add up). The trace (Perfetto JSON,
 open it at ui.perfetto.dev) is kept. The profiler itself adds some host and launch overhead in the
 window: compare the window's host times with the steady steps outside it (both reported).
 
@@ -29,6 +30,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -168,8 +170,8 @@ def find_trace(trace_dir: str) -> str | None:
     return None
 
 
-def read_trace(path: str) -> tuple[list[tuple[int, float, float]], list[tuple[float, float]], str]:
-    """-> (steps as (index, start_us, end_us), device busy events as (start_us, end_us), which
+def read_trace(path: str) -> tuple[list[tuple[int, float, float]], list[tuple[float, float, str]], str]:
+    """-> (steps as (index, start_us, end_us), device events as (start_us, end_us, name), which
     device lines were used). Device events are those of the GPU processes' "Stream" lines (raw
     kernels and copies); the derived lines ("XLA Modules", "XLA Ops") span idle time within a
     module and would overstate the busy time, so they are used only if no Stream line exists."""
@@ -192,14 +194,15 @@ def read_trace(path: str) -> tuple[list[tuple[int, float, float]], list[tuple[fl
             steps.append((int(e.get("args", {}).get("step", -1)), start, end))
         elif e["pid"] in devices:
             line = thread.get((e["pid"], e.get("tid")), "")
-            (streams if line.startswith("Stream") else other_device).append((start, end))
+            (streams if line.startswith("Stream") else other_device).append((start, end, e.get("name", "")))
     source = "GPU Stream lines" if streams else ("GPU derived lines" if other_device else "none")
     return sorted(steps), sorted(streams or other_device), source
 
 
-def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge(intervals) -> list[tuple[float, float]]:
+    """Union of (start, end, ...) intervals as sorted, disjoint (start, end) pairs."""
     merged: list[list[float]] = []
-    for start, end in sorted(intervals):
+    for start, end, *_ in sorted(intervals):
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
@@ -239,7 +242,30 @@ def device_timeline(trace_path: str) -> dict:
     on, gap = busy_within(busy, span_lo, span_hi)
     return {"device_source": source, "steps": per_step, "window_span_ms": (span_hi - span_lo) / 1e3,
             "window_busy_ms": on / 1e3, "busy_fraction": on / (span_hi - span_lo),
-            "num_device_events": len(device)}
+            "num_device_events": len(device),
+            "kernels": kernel_split(device, span_lo, span_hi, max(1, len(steps)))}
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without XLA's instance numbers (`loop_add_fusion_12` -> `loop_add_fusion`,
+    `memcpy128` stays), so the 28 layers' copies of one kernel add up."""
+    return re.sub(r"([._]\d+)+$", "", name) or name
+
+
+def kernel_split(events, lo: float, hi: float, num_steps: int, top: int = 15) -> list[dict]:
+    """The kernels (by family) that take the device time of the window [lo, hi): per step, their
+    time (ms) and launches, and their share of the summed kernel time; the `top` largest."""
+    time_us, count = {}, {}
+    for start, end, name in events:
+        if end <= lo or start >= hi:
+            continue
+        family = kernel_family(name)
+        time_us[family] = time_us.get(family, 0.0) + min(end, hi) - max(start, lo)
+        count[family] = count.get(family, 0) + 1
+    total = sum(time_us.values()) or 1.0
+    ranked = sorted(time_us, key=time_us.get, reverse=True)[:top]
+    return [{"kernel": k, "ms_per_step": time_us[k] / 1e3 / num_steps, "launches_per_step": count[k] / num_steps,
+             "share": time_us[k] / total} for k in ranked]
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -326,6 +352,9 @@ def print_summary(report: dict) -> None:
     if device.get("busy_fraction") is not None:
         print(f"GPU busy fraction over the window: {device['busy_fraction']:.1%} "
               f"({device['window_busy_ms']:.1f} of {device['window_span_ms']:.1f} ms; {device['device_source']})")
+        print(f"{'kernel (family)':48} {'ms/step':>8} {'launches/step':>13} {'share':>6}")
+        for k in device.get("kernels", [])[:10]:
+            print(f"{k['kernel'][:48]:48} {k['ms_per_step']:8.3f} {k['launches_per_step']:13.1f} {k['share']:6.1%}")
     else:
         print(f"device: {device.get('note')}")
 
