@@ -28,12 +28,18 @@ class Logprobs(NamedTuple):
 
 def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int) -> Logprobs:
     raw = raw_logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(raw, axis=-1)
+    top_values = top_ids = None
+    if num_top > 0:
+        top_values, top_ids = top_n_by_blocks(raw, num_top)
+    # logsumexp, with the row maximum taken from the top n when there is one (jax.nn.logsumexp
+    # would read the row once more for it).
+    row_max = top_values[:, 0] if num_top > 0 else jnp.max(raw, axis=-1)
+    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    lse = shift + jnp.log(jnp.sum(jnp.exp(raw - shift[:, None]), axis=-1))
     sampled = jnp.take_along_axis(raw, tokens[:, None], axis=1)  # [R, 1]
     rank = 1 + jnp.sum(raw > sampled, axis=-1, dtype=jnp.int32)
     values, ids = sampled, tokens[:, None].astype(jnp.int32)
     if num_top > 0:
-        top_values, top_ids = top_n_by_blocks(raw, num_top)
         values = jnp.concatenate([values, top_values], axis=1)
         ids = jnp.concatenate([ids, top_ids.astype(jnp.int32)], axis=1)
     return Logprobs(values - lse[:, None], ids, rank)

@@ -133,10 +133,14 @@ def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatur
 def _thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used) -> jax.Array:
     r, v = scaled.shape
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
+    # The fast path's top values come from one pass over the row; min_p's row maximum is the
+    # first of them, so min_p then costs no pass of its own.
+    block_path = (f.top_k or f.top_p) and f.top_k_top_p != "sort"
+    desc = top_n_by_blocks(scaled, min(topk_topp.TOP_CANDIDATES, v))[0] if block_path else None
     thresh = none()
     if f.min_p:
-        thresh = _maybe(f.runtime_skip, used["min_p"],
-                        lambda: topk_topp.min_p_threshold(jnp.max(scaled, axis=-1), t.min_p), none)
+        row_max = (lambda: desc[:, 0]) if block_path else (lambda: jnp.max(scaled, axis=-1))
+        thresh = _maybe(f.runtime_skip, used["min_p"], lambda: topk_topp.min_p_threshold(row_max(), t.min_p), none)
     if not (f.top_k or f.top_p):
         return thresh
     floor = thresh
@@ -147,7 +151,6 @@ def _thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used) -> jax.Arr
                       lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p), lambda: floor)
     # Rows whose truncation keeps only tokens among the row's top few finish on those few
     # values (topk_topp.py "fast path"); the others, if any, run the whole-row search.
-    desc, _ = top_n_by_blocks(scaled, min(topk_topp.TOP_CANDIDATES, v))
     covered = topk_topp.top_covers_top_k(desc, k, v)
     total = None
     if f.top_p:
