@@ -173,3 +173,33 @@ def test_shutdown_ends_open_streams(stub):
 
     asyncio.run(run())
     assert not engine.is_healthy
+
+
+def test_a_reader_that_falls_behind_gets_the_backlog_as_one_output():
+    """The real engine (demo model): a stream read only after its request finished yields the
+    whole backlog merged, and the merged outputs say exactly what the offline API says."""
+    from tests.server_harness import make_llm
+
+    llm = make_llm()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = "The quick brown fox"
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    engine = AsyncLLM(llm)
+    try:
+        async def run():
+            stream = await engine.generate(prompt, params)
+            while stream._queue.qsize() == 0:  # the request is running
+                await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 60
+            while engine.stats.num_running_reqs or engine.stats.num_waiting_reqs:
+                assert time.monotonic() < deadline, "the request did not finish"
+                await asyncio.sleep(0.01)
+            return [out async for out in stream]
+
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(outs) < len(want.token_ids)  # merged: not one output per token
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert outs[-1].outputs[0].token_ids == want.token_ids
+    assert "".join(o.delta_text for o in outs) == want.text == outs[-1].outputs[0].text

@@ -23,6 +23,7 @@ False (the server reports it on /health).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -101,16 +102,29 @@ class _Sink:
     queue: asyncio.Queue
 
 
+def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive ones: the newer snapshot (token ids, text and
+    logprobs are cumulative), with the text added by both."""
+    return dataclasses.replace(newer, delta_text=older.delta_text + newer.delta_text,
+                               prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs)
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator of `RequestOutput` (the last one has
     ``finished=True``). Leaving it early -- `abort()`, `aclose()`, `async with` exit, or the
-    consuming task being cancelled -- aborts the request and frees its KV blocks."""
+    consuming task being cancelled -- aborts the request and frees its KV blocks.
+
+    A reader that falls behind the engine gets one output for everything that arrived since
+    its last read (the newest snapshot; ``delta_text`` holds all the new text), as vLLM's
+    output collector does: under load a server then writes one chunk per read, not one per
+    token, and catches up instead of falling further behind."""
 
     def __init__(self, engine: AsyncLLM, request_id: str, sink: _Sink):
         self.request_id = request_id
         self._engine = engine
         self._queue = sink.queue
         self._done = False
+        self._held = None  # an error read while merging: raised on the next read
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -118,11 +132,19 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
+        item, self._held = self._held, None
         try:
-            item = await self._queue.get()
+            if item is None:
+                item = await self._queue.get()
         except BaseException:  # cancelled (client gone): nobody will read the rest
             self.abort()
             raise
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            newer = self._queue.get_nowait()
+            if isinstance(newer, BaseException):
+                self._held = newer
+                break
+            item = _merge(item, newer)
         if isinstance(item, BaseException):
             self._done = True
             raise item
