@@ -140,7 +140,7 @@ def test_mtp_drafts_match_a_dense_reference():
 
     def check(x, cache, seqs):
         """seqs: row -> its known tokens after the step. -> the greedy run's cache."""
-        sampled_cache, sampled, probs = propose_sampled(params, cache, x._replace(temperature=jnp.ones(3)))
+        _, sampled, probs = propose_sampled(params, cache, x._replace(temperature=jnp.ones(3)))
         cache, drafts, no_probs = propose(params, cache, x)
         assert no_probs is None
         for row, seq in seqs.items():

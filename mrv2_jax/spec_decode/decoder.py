@@ -11,6 +11,8 @@ drafts go into the token table right after it, where the next step's input prepa
 them. The host sees only the sampled tokens and their count, one step later.
 V1 (`v1_step`): the same verification; the drafts are returned to the host, which puts them
 in the next step's input ids (n-gram drafts are computed on the host there).
+Both runners also pass `next_prompt_token` (for each row still prefilling, the prompt token
+after this step's chunk), which the MTP proposer's catch-up reads.
 """
 
 from typing import NamedTuple

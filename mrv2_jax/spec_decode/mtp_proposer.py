@@ -20,6 +20,9 @@ indexed by the target's block tables and slot mapping (like the draft model's ca
      MTP layers still drafts with the first).
 Drafts are sampled with the request's temperature and its (seed, position) Gumbel noise (as the
 draft model's are). Step 3 writes KV up to k - 2 positions past the row's newest token.
+Prefix caching: a cached block's MTP KV is the one its first owner computed; at the last
+position before the first uncached token that owner's next token may differ from this
+request's, which can only cost acceptance (strict verification keeps outputs exact).
 """
 
 from dataclasses import dataclass
