@@ -156,6 +156,9 @@ def build_engine(config: EngineConfig, loaded_model=None):
     kv_dtype = resolve_dtype(config.dtype)
     draft_model = load_draft_model(config)
     draft_kv_bytes = draft_model[0].kv_bytes_per_token(kv_dtype) if draft_model else 0
+    if config.speculative_config is not None and config.speculative_config.method == "mtp":
+        # The MTP proposer's own cache: one layer, as many blocks as the target's.
+        draft_kv_bytes = model_state.kv_bytes_per_token(kv_dtype) // model_state.num_layers
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
         extra_kv_bytes_per_token=draft_kv_bytes)

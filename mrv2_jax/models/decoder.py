@@ -121,14 +121,19 @@ class CausalLM(nnx.Module):
                               preferred_element_type=jnp.float32)
         return jnp.dot(hidden, self.lm_head[...], preferred_element_type=jnp.float32)
 
-    def forward_mtp(self, depth, input_ids, prev_hidden, positions, attention, kv_cache=()):
+    def forward_mtp(self, depth, input_ids, prev_hidden, positions, attention, kv_cache=(),
+                    return_pre_norm: bool = False):
         """Multi-token-prediction layer `depth` (families with `spec.has_mtp`): the next tokens'
         ids and the previous model's hidden states [T, H] -> (hidden [T, H] for
-        `compute_logits`, kv_cache). Its attention uses layer index `num_layers + depth`."""
+        `compute_logits`, kv_cache). Its attention uses layer index `num_layers + depth`.
+        `return_pre_norm`: -> (hidden, the layer's output before its final norm, kv_cache); the
+        latter is what a chained MTP step takes as `prev_hidden` (spec_decode/mtp_proposer.py)."""
         group = self.spec.mtp_group()
         params = {k: v[depth] for k, v in self.mtp.arrays().items()}
-        return group.forward(params, self.embed_tokens[...][input_ids], prev_hidden,
-                             self.spec.rope(positions), attention, group.layers[depth], kv_cache)
+        hidden, pre_norm, kv_cache = group.forward(params, self.embed_tokens[...][input_ids], prev_hidden,
+                                                   self.spec.rope(positions), attention, group.layers[depth],
+                                                   kv_cache)
+        return (hidden, pre_norm, kv_cache) if return_pre_norm else (hidden, kv_cache)
 
     def forward_dense(self, input_ids, positions, segment_ids):
         """Logits for every token, attending within segments (tests and training)."""

@@ -78,11 +78,19 @@ class Glm4MoeModelState(Qwen3MoeModelState):
                  {})
         return self._group(layers, self.moe_layout(), self.mtp_forward, extra)
 
+    def build_mtp_proposer(self, lm, k: int, **runner_info):
+        if not self.num_mtp_layers:
+            return super().build_mtp_proposer(lm, k, **runner_info)  # raises, naming the family
+        from mrv2_jax.spec_decode.mtp_proposer import MtpProposer
+
+        return MtpProposer(self, lm, k, **runner_info)
+
     def mtp_forward(self, p, embeds, prev_hidden, rope, attention, layer, kv_cache):
         """One MTP layer: (embeddings of the next tokens [T, H], the previous model's hidden
-        states at the same positions [T, H]) -> (hidden [T, H] for `compute_logits`, kv)."""
+        states at the same positions [T, H]) -> (hidden [T, H] for `compute_logits` (after the
+        shared head's norm), the same before that norm, kv)."""
         eps = self.rms_norm_eps
         x = jnp.concatenate([rms_norm(embeds, p["enorm"], eps), rms_norm(prev_hidden, p["hnorm"], eps)], axis=-1)
         x = fp8.linear(x, p, "eh_proj", self.fp8_block or 128)
         x, kv_cache = self.moe_layer_forward(p, x, rope, attention, layer, kv_cache)
-        return rms_norm(x, p["post_norm"], eps), kv_cache
+        return rms_norm(x, p["post_norm"], eps), x, kv_cache

@@ -140,8 +140,8 @@ class ModelState(ABC):
     def build_mtp_proposer(self, lm, k: int, **runner_info):
         """A `spec_decode.proposer.Proposer` that drafts with this family's own
         multi-token-prediction layer(s) (speculative method "mtp"). Families with MTP weights
-        override this; `runner_info` carries num_blocks, block_size, max_model_len, kv_dtype and
-        use_kernels for a proposer that keeps its own KV cache."""
+        override this; `runner_info` carries num_blocks, block_size, max_model_len, kv_dtype,
+        use_kernels and with_probs for a proposer that keeps its own KV cache."""
         raise NotImplementedError(
             f"speculative method 'mtp' needs a multi-token-prediction layer, and the "
             f"{self.architecture} family ({type(self).__name__}) has none; use 'ngram' or 'draft_model'")

@@ -98,8 +98,9 @@ class ModelRunnerV1:
              "prompt_targets": (t,),
              "table_row": (r,),  # slot whose device sampler rows this row uses, or -1
              "count_row": (r,),  # table_row if the row samples a token now, else -1
-             # Spec decode: drafts in the row's tokens, whether it samples, its slot.
-             **({"num_draft": (r,), "samples": (r,), "slot": (r,)} if self.spec else {})},
+             # Spec decode: drafts in the row's tokens, whether it samples, its slot, and for a row
+             # still prefilling 1 + the prompt token after its chunk (0 = none; MTP reads it).
+             **({"num_draft": (r,), "samples": (r,), "slot": (r,), "next_prompt": (r,)} if self.spec else {})},
             float_fields=FLOAT_SCALAR_FIELDS)
 
     def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
@@ -117,7 +118,7 @@ class ModelRunnerV1:
                     self.params.merge(param_leaves), spec_params, spec_state, kv_cache, sampler_state,
                     inputs=inputs, num_draft=x["num_draft"], samples=inputs.samples, slots=x["slot"],
                     num_reqs=x["num_seqs"], attention=attention, sampling=sampling, table_rows=x["table_row"],
-                    features=features, penalties=penalties)
+                    features=features, penalties=penalties, next_prompt_token=x["next_prompt"] - 1)
                 return kv_cache, sampler_state, (out, drafts), spec_state
             kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=x["input_ids"],
@@ -194,6 +195,10 @@ class ModelRunnerV1:
             layout.view(packed, "num_draft")[: len(rows)] = num_draft
             layout.view(packed, "samples")[: len(rows)] = samples
             layout.view(packed, "slot")[: len(rows)] = rows
+            end = self.num_computed[rows] + counts
+            prefilling = ~samples & (end < self.num_tokens[rows])
+            next_prompt = self.token_ids[rows, np.minimum(end, self.token_ids.shape[1] - 1)] + 1
+            layout.view(packed, "next_prompt")[: len(rows)] = np.where(prefilling, next_prompt, 0)
         spans = self._prompt_targets(layout, packed, req_ids, rows, counts)
         if spans:  # only the full variant computes prompt logprobs
             features, compiled = variants[-1]

@@ -169,7 +169,10 @@ class ModelRunnerV2:
              "new_slot": (r,), "new_prefill_len": (r,), "new_num_computed": (r,), "new_num_prompt": (r,),
              "new_sampler_row": (r,), **{f"new_{name}": (r,) for name in SAMPLING_FIELDS},
              "new_stop_ids": (r, MAX_DEVICE_STOP_IDS),
-             "append_slot": (max_appends,), "append_index": (max_appends,), "append_block": (max_appends,)},
+             "append_slot": (max_appends,), "append_index": (max_appends,), "append_block": (max_appends,),
+             # Spec decode: for a row still prefilling, 1 + the prompt token after its chunk
+             # (0 = none; the MTP proposer's catch-up reads it).
+             **({"next_prompt": (r,)} if self.spec else {})},
             float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
     def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
@@ -192,7 +195,8 @@ class ModelRunnerV2:
                 kv_cache, state, sampler_state, spec_state, out = self.spec.v2_step(
                     self.params.merge(param_leaves), spec_params, spec_state, kv_cache, state, sampler_state,
                     idx_mapping=x["idx_mapping"], num_reqs=x["num_reqs"], inputs=inputs, attention=attention,
-                    sampling=sampling, sampler_rows=sampler_rows, penalties=penalties, features=features)
+                    sampling=sampling, sampler_rows=sampler_rows, penalties=penalties, features=features,
+                    next_prompt_token=x["next_prompt"] - 1)
                 return kv_cache, state, sampler_state, out, spec_state
             kv_cache, out = forward_and_sample_full(
                 self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
@@ -269,12 +273,14 @@ class ModelRunnerV2:
             computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
             computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
             chunk, pos = view("chunk_tokens"), 0
-            for req_id, n in zip(req_ids, counts):
+            for i, (req_id, n) in enumerate(zip(req_ids, counts)):
                 prompt = self._prompts.get(req_id)
                 if prompt is not None:
                     begin = computed[req_id]
                     piece = prompt[begin : begin + n]
                     chunk[pos : pos + len(piece)] = piece
+                    if self.spec is not None and begin + n < len(prompt):
+                        view("next_prompt")[i] = prompt[begin + n] + 1
                     if req_id in self._prompt_lp_reqs:
                         top_n, num_prompt = self._prompt_lp_reqs[req_id]
                         num = max(0, min(n, num_prompt - 1 - begin))

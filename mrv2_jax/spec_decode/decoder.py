@@ -11,6 +11,8 @@ drafts go into the token table right after it, where the next step's input prepa
 them. The host sees only the sampled tokens and their count, one step later.
 V1 (`v1_step`): the same verification; the drafts are returned to the host, which puts them
 in the next step's input ids (n-gram drafts are computed on the host there).
+Both runners also pass `next_prompt_token` (for each row still prefilling, the prompt token
+after this step's chunk), which the MTP proposer's catch-up reads.
 """
 
 from typing import NamedTuple
@@ -55,7 +57,7 @@ class SpecDecoder:
             penalties=penalties, config=self.config, draft_probs=draft_probs)
 
     def _propose(self, params, state: SpecState, inputs, out, num_draft, sampling, samples, num_reqs,
-                 hidden, slots, token_rows, num_tokens):
+                 hidden, slots, token_rows, num_tokens, next_prompt_token=None):
         if self.proposer.reads_token_table and token_rows is None:  # V1: drafted on the host
             return state, jnp.zeros((num_draft.shape[0], self.k), jnp.int32)
         first = inputs.seq_lens - num_draft
@@ -65,7 +67,7 @@ class SpecDecoder:
             num_reqs=num_reqs, hidden=hidden, samples=samples,
             last_token=jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0],
             last_position=first + out.num_accepted, temperature=sampling.temperature, seeds=sampling.seeds,
-            token_rows=token_rows, num_tokens=num_tokens)
+            token_rows=token_rows, num_tokens=num_tokens, next_prompt_token=next_prompt_token)
         proposer_state, drafts, probs = self.proposer.propose(params, state.proposer, x)
         table = state.draft_probs
         if table is not None:
@@ -74,7 +76,7 @@ class SpecDecoder:
         return SpecState(proposer_state, table), drafts
 
     def v2_step(self, lm, params, state: SpecState, kv_cache, dstate, sampler_state, *, idx_mapping, num_reqs,
-                inputs, attention, sampling, sampler_rows, penalties, features):
+                inputs, attention, sampling, sampler_rows, penalties, features, next_prompt_token=None):
         """The V2 step after input preparation -> (kv_cache, dstate, sampler_state, state, out)."""
         num_draft = verify.num_drafts_of_rows(dstate, idx_mapping, inputs, self.k)
         hidden, kv_cache = lm(inputs.input_ids, inputs.positions, attention, kv_cache)
@@ -86,7 +88,7 @@ class SpecDecoder:
         num_tokens = dstate.num_tokens[idx_mapping]
         token_rows = dstate.token_ids[idx_mapping] if self.proposer.reads_token_table else None
         state, drafts = self._propose(params, state, inputs, out, num_draft, sampling, inputs.samples, num_reqs,
-                                      hidden, idx_mapping, token_rows, num_tokens)
+                                      hidden, idx_mapping, token_rows, num_tokens, next_prompt_token)
         # Drafts go right after the newest token, where the next step reads its inputs.
         s = dstate.token_ids.shape[0]
         rows = jnp.where(inputs.samples, idx_mapping, s)[:, None]
@@ -95,7 +97,7 @@ class SpecDecoder:
         return kv_cache, dstate, sampler_state, state, out
 
     def v1_step(self, lm, params, state: SpecState, kv_cache, sampler_state, *, inputs, num_draft, samples, slots,
-                num_reqs, attention, sampling, table_rows, features, penalties):
+                num_reqs, attention, sampling, table_rows, features, penalties, next_prompt_token=None):
         """The V1 step -> (kv_cache, sampler_state, state, out, drafts i32[R, k])."""
         hidden, kv_cache = lm(inputs.input_ids, inputs.positions, attention, kv_cache)
         out = self._verify(lm, hidden, inputs, num_draft, sampling, features, penalties, slots, state)
@@ -103,5 +105,5 @@ class SpecDecoder:
             sampler_state = slot_state.count_sampled(sampler_state, jnp.where(samples, table_rows, -1),
                                                      out.tokens[:, 0])
         state, drafts = self._propose(params, state, inputs, out, num_draft, sampling, samples, num_reqs, hidden,
-                                      slots, None, None)
+                                      slots, None, None, next_prompt_token)
         return kv_cache, sampler_state, state, out, drafts

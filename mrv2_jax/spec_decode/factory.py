@@ -29,5 +29,6 @@ def build_spec_decoder(config: SpeculativeConfig, model_state, lm, *, num_blocks
             kv_dtype=kv_dtype, use_kernels=use_kernels, with_probs=config.rejection_sampling == "probabilistic")
     else:  # mtp
         proposer = build_mtp_proposer(model_state, lm, k, num_blocks=num_blocks, block_size=block_size,
-                                      max_model_len=max_model_len, kv_dtype=kv_dtype, use_kernels=use_kernels)
+                                      max_model_len=max_model_len, kv_dtype=kv_dtype, use_kernels=use_kernels,
+                                      with_probs=config.rejection_sampling == "probabilistic")
     return SpecDecoder(config, proposer, num_slots=max_num_seqs, vocab_size=model_state.vocab_size)

@@ -36,6 +36,9 @@ class ProposeInputs(NamedTuple):
     seeds: jax.Array  # i32[R]
     token_rows: jax.Array | None  # i32[R, W]: the rows' token tables (V2), None in V1
     num_tokens: jax.Array  # i32[R]: tokens known per row, the newest included
+    # Rows still prefilling (they do not sample): the prompt token right after this step's
+    # chunk, -1 where there is none (MTP's catch-up reads it); None when the runner gives none.
+    next_prompt_token: jax.Array | None = None  # i32[R]
 
 
 class Proposer:
