@@ -23,7 +23,12 @@ from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.model_step import FlatParams
 from mrv2_jax.sample.sampler import sample_tokens
-from mrv2_jax.spec_decode.proposer import ProposeInputs, Proposer
+from mrv2_jax.spec_decode.proposer import (
+    ProposeInputs,
+    Proposer,
+    draft_distribution,
+    one_token_layout,
+)
 
 
 class DraftModelProposer(Proposer):
@@ -49,29 +54,14 @@ class DraftModelProposer(Proposer):
                                   use_kernels=self.use_kernels)
         _, cache = lm(x.input_ids, x.positions, catch_up, cache)
 
-        r = x.last_token.shape[0]
-        bs, max_len = self.block_size, self.max_model_len
-        max_blocks = x.block_tables.shape[1]
-        one_token_rows = jnp.arange(r + 1, dtype=jnp.int32)
-        greedy = x.temperature <= 0
-
         def draft_one(carry, j):
             cache, token = carry
-            pos = x.last_position + j
-            writes = x.samples & (pos < max_len)
-            # Rows that do not sample (and positions past the model's length) attend to one
-            # harmless entry and write nothing; their drafts are never used.
-            pos = jnp.where(writes, pos, 0)
-            block = jnp.take_along_axis(x.block_tables, jnp.clip(pos // bs, 0, max_blocks - 1)[:, None], 1)[:, 0]
-            attention = PagedAttention(jnp.where(writes, block * bs + pos % bs, -1), x.block_tables, pos + 1,
-                                       one_token_rows, x.num_reqs, use_kernels=self.use_kernels)
+            pos, slots, seq_lens, rows = one_token_layout(x, x.last_position + j, self.block_size, self.max_model_len)
+            attention = PagedAttention(slots, x.block_tables, seq_lens, rows, x.num_reqs, use_kernels=self.use_kernels)
             hidden, cache = lm(token, pos, attention, cache)
             logits = lm.compute_logits(hidden)
             draft = sample_tokens(logits, x.temperature, x.seeds, pos + 1)
-            probs = None
-            if self.returns_probs:
-                scaled = logits / jnp.where(greedy, 1.0, x.temperature)[:, None]
-                probs = jnp.where(greedy[:, None], jax.nn.one_hot(draft, logits.shape[-1]), jax.nn.softmax(scaled))
+            probs = draft_distribution(logits, draft, x.temperature) if self.returns_probs else None
             return (cache, draft), (draft, probs)
 
         (cache, _), (drafts, probs) = jax.lax.scan(draft_one, (cache, x.last_token), jnp.arange(self.k))

@@ -33,7 +33,12 @@ import jax.numpy as jnp
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner.model_step import FlatParams
 from mrv2_jax.sample.sampler import sample_tokens
-from mrv2_jax.spec_decode.proposer import ProposeInputs, Proposer
+from mrv2_jax.spec_decode.proposer import (
+    ProposeInputs,
+    Proposer,
+    draft_distribution,
+    one_token_layout,
+)
 
 DEPTH = 0  # every draft runs the first MTP layer
 
@@ -86,11 +91,7 @@ class MtpProposer(Proposer):
                                             use_kernels=self.use_kernels), self.layer)
 
     def _probs(self, logits, draft, x: ProposeInputs):
-        if not self.returns_probs:
-            return None
-        greedy = x.temperature <= 0
-        scaled = logits / jnp.where(greedy, 1.0, x.temperature)[:, None]
-        return jnp.where(greedy[:, None], jax.nn.one_hot(draft, logits.shape[-1]), jax.nn.softmax(scaled))
+        return draft_distribution(logits, draft, x.temperature) if self.returns_probs else None
 
     def catch_up_ids(self, x: ProposeInputs):
         """-> (i32[T] the next token of each scheduled token, i32[T] its slot or -1)."""
@@ -124,21 +125,12 @@ class MtpProposer(Proposer):
             probs = None if first_probs is None else first_probs[:, None]
             return cache, first[:, None], probs
 
-        r = x.last_token.shape[0]
-        bs, max_len = self.block_size, self.max_model_len
-        max_blocks = x.block_tables.shape[1]
-        one_token_rows = jnp.arange(r + 1, dtype=jnp.int32)
-
         def draft_one(carry, j):
             cache, token, prev = carry
-            pos = x.last_position + j - 1  # this MTP step's KV position; its draft lands at pos + 2
-            writes = x.samples & (pos < max_len)
-            # Rows that do not sample (and positions past the model's length) attend to one
-            # harmless entry and write nothing; their drafts are never used.
-            pos = jnp.where(writes, pos, 0)
-            block = jnp.take_along_axis(x.block_tables, jnp.clip(pos // bs, 0, max_blocks - 1)[:, None], 1)[:, 0]
-            attention = self._attention(jnp.where(writes, block * bs + pos % bs, -1), x.block_tables, pos + 1,
-                                        one_token_rows, x.num_reqs)
+            # This MTP step's KV position is last_position + j - 1; its draft lands 2 later.
+            pos, slots, seq_lens, rows = one_token_layout(x, x.last_position + j - 1, self.block_size,
+                                                          self.max_model_len)
+            attention = self._attention(slots, x.block_tables, seq_lens, rows, x.num_reqs)
             hidden, pre_norm, cache = lm.forward_mtp(DEPTH, token, prev, pos, attention, cache,
                                                      return_pre_norm=True)
             logits = lm.compute_logits(hidden)

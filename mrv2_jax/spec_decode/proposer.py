@@ -41,6 +41,27 @@ class ProposeInputs(NamedTuple):
     next_prompt_token: jax.Array | None = None  # i32[R]
 
 
+def one_token_layout(x: ProposeInputs, pos: jax.Array, block_size: int, max_model_len: int):
+    """The attention layout of a draft step that feeds one token per row at positions `pos`
+    i32[R] -> (positions, slot_mapping, seq_lens, query_start_loc). Rows that do not sample,
+    and positions past the model's length, attend to one harmless entry (position 0) and write
+    nothing (slot -1); their drafts are never used."""
+    writes = x.samples & (pos < max_model_len)
+    pos = jnp.where(writes, pos, 0)
+    max_blocks = x.block_tables.shape[1]
+    block = jnp.take_along_axis(x.block_tables, jnp.clip(pos // block_size, 0, max_blocks - 1)[:, None], 1)[:, 0]
+    slots = jnp.where(writes, block * block_size + pos % block_size, -1)
+    return pos, slots, pos + 1, jnp.arange(pos.shape[0] + 1, dtype=jnp.int32)
+
+
+def draft_distribution(logits: jax.Array, draft: jax.Array, temperature: jax.Array) -> jax.Array:
+    """f32[R, V]: the distribution a draft was sampled from (probabilistic rejection's q):
+    softmax(logits / T), one-hot on the draft for greedy rows."""
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    return jnp.where(greedy[:, None], jax.nn.one_hot(draft, logits.shape[-1]), jax.nn.softmax(scaled))
+
+
 class Proposer:
     k: int
     # Writes KV beyond the scheduled tokens (the draft's own positions): the scheduler keeps
