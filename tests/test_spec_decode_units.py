@@ -259,14 +259,32 @@ class _FakeDevice:
 
 
 def test_draft_model_kv_comes_out_of_the_same_budget(monkeypatch):
-    from mrv2_jax.models.loader import load_model
+    """build_engine loads the draft before sizing the KV cache and pays for both caches per
+    block (the draft's cache has the target's block count). Stopped before the runner is built:
+    the device here is a stand-in with fixed memory stats."""
+    from mrv2_jax.engine import builder
+    from mrv2_jax.models.loader import CHECKPOINTS_DIR, load_model, resolve_dtype
     from mrv2_jax.runner import kv_cache
 
-    target, _, _ = load_model("demo", "float32", "auto")
+    class Sized(Exception):
+        pass
+
+    seen = {}
+
+    def stop_after_sizing(config, model_state, lm, num_blocks, max_model_len, draft_model=None):
+        seen.update(num_blocks=num_blocks, draft=draft_model)
+        raise Sized
+
     monkeypatch.setattr(kv_cache.jax, "devices", lambda: [_FakeDevice()])
-    per_token = target.kv_bytes_per_token(jnp.bfloat16)
-    free = int((10 << 30) * 0.9) - (1 << 30) - (2 << 30)  # utilization, weights, reserve
-    alone = kv_cache.num_blocks_for_budget(target, 16, jnp.bfloat16, 0.9)
-    with_draft = kv_cache.num_blocks_for_budget(target, 16, jnp.bfloat16, 0.9, extra_kv_bytes_per_token=per_token // 2)
-    assert alone == free // (16 * per_token)
-    assert with_draft == free // (16 * (per_token + per_token // 2))
+    monkeypatch.setattr(builder, "make_spec_decoder", stop_after_sizing)
+    draft_dir = str(CHECKPOINTS_DIR / "demo-qwen3-draft")
+    config = builder.EngineConfig(model="demo", dtype="float32", block_size=16, show_progress=False,
+                                  speculative_config={"method": "draft_model", "k": 2, "model": draft_dir})
+    with pytest.raises(Sized):
+        builder.build_engine(config)
+    dtype = resolve_dtype("float32")
+    target, draft = load_model("demo", "float32", "auto")[0], seen["draft"][0]
+    assert draft.num_layers != target.num_layers or draft.hidden_size != target.hidden_size  # really the draft
+    per_block = 16 * (target.kv_bytes_per_token(dtype) + draft.kv_bytes_per_token(dtype))
+    free = int((10 << 30) * 0.9) - (1 << 30) - (2 << 30)  # utilization, weights (stand-in), reserve
+    assert seen["num_blocks"] == free // per_block
