@@ -154,14 +154,14 @@ def build_engine(config: EngineConfig, loaded_model=None):
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                          f"max_position_embeddings {model_state.max_model_len}")
     kv_dtype = resolve_dtype(config.dtype)
+    from mrv2_jax.spec_decode.factory import proposer_kv_bytes_per_token
+
     draft_model = load_draft_model(config)
-    draft_kv_bytes = draft_model[0].kv_bytes_per_token(kv_dtype) if draft_model else 0
-    if config.speculative_config is not None and config.speculative_config.method == "mtp":
-        # The MTP proposer's own cache: one layer, as many blocks as the target's.
-        draft_kv_bytes = model_state.kv_bytes_per_token(kv_dtype) // model_state.num_layers
+    proposer_kv_bytes = proposer_kv_bytes_per_token(config.speculative_config, model_state,
+                                                    draft_model and draft_model[0], kv_dtype)
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
-        extra_kv_bytes_per_token=draft_kv_bytes)
+        extra_kv_bytes_per_token=proposer_kv_bytes)
     spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
     runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling

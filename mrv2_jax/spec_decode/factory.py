@@ -7,6 +7,19 @@ from mrv2_jax.spec_decode.ngram import NgramProposer
 from mrv2_jax.spec_decode.proposer import SyntheticProposer
 
 
+def proposer_kv_bytes_per_token(config: SpeculativeConfig | None, model_state, draft_state, kv_dtype) -> int:
+    """KV bytes per token of the proposer's own cache (it has as many blocks as the target's, so
+    the KV budget pays for both): the draft model's cache, or the MTP layer's (one layer of the
+    target's shape); ngram and synthetic keep none."""
+    if config is None:
+        return 0
+    if config.method == "draft_model":
+        return draft_state.kv_bytes_per_token(kv_dtype)
+    if config.method == "mtp":
+        return model_state.kv_bytes_per_token(kv_dtype) // model_state.num_layers
+    return 0
+
+
 def build_spec_decoder(config: SpeculativeConfig, model_state, lm, *, num_blocks: int, block_size: int,
                        max_num_seqs: int, max_model_len: int, kv_dtype, dtype, use_kernels: bool,
                        draft_model=None) -> SpecDecoder:
