@@ -17,7 +17,10 @@ from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
-DEFAULT_MAX_FUSED_STEPS = 16
+# Fused decode is off unless asked for: on the H200 with XLA command buffers (+WHILE) one decode
+# step per dispatch is already device-bound at batch 1, 8 and 32, and 16 fused steps measured
+# 4-10% slower (docs/benchmarks.md, "Small-batch decode"). `--max-fused-steps 16` turns it on.
+DEFAULT_MAX_FUSED_STEPS = 1
 
 
 @dataclass
@@ -41,7 +44,7 @@ class EngineConfig:
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
     # V2: up to this many decode steps in one compiled call for small, stable batches
-    # (runner/fused.py); default 16 for v2, 1 (off) for v1. Speculative decoding needs 1.
+    # (runner/fused.py); default 1 (off, see DEFAULT_MAX_FUSED_STEPS); v1 and speculative decoding need 1.
     max_fused_steps: int | None = None
     fused_unroll: int = 1  # decode steps per iteration of the fused loop (1: a plain while loop)
     seed: int = 0
