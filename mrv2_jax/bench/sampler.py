@@ -21,13 +21,18 @@ over --runs calls (after --warmup), each ended by block_until_ready, so it inclu
   noise_threefry, noise_hash      argmax(logits + noise) alone, with the former threefry noise and
                                   with the counter hash the sampler uses (sample/gumbel.py)
   penalties, logit_bias, logprobs the other features alone (on top of temperature)
+
+--profile traces 10 more calls of each case with jax.profiler and prints, per call, the kernels
+(by family) that take its device time: where a case's time goes, for tuning the sampler.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import statistics
+import tempfile
 import time
 
 import jax
@@ -108,9 +113,30 @@ def run_case(name, features, kind, args):
     compile_s = time.perf_counter() - t0
     samples = time_calls(compiled, inputs, args.runs, args.warmup)
     ms = sorted(s * 1e3 for s in samples)
-    return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
-            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": compile_s,
-            "features": dataclasses.asdict(features)}
+    result = {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
+              "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": compile_s,
+              "features": dataclasses.asdict(features)}
+    if args.profile:
+        result["kernels"] = profile_kernels(compiled, inputs)
+    return result
+
+
+def profile_kernels(fn, inputs, calls: int = 10) -> list[dict]:
+    """Per call: the kernels (by family) of `calls` traced calls, largest first (timeline.py)."""
+    from mrv2_jax.bench.timeline import find_trace, kernel_split, read_trace
+
+    trace_dir = tempfile.mkdtemp(prefix="mrv2-sampler-trace-")
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*inputs))
+        path = find_trace(trace_dir)
+        events = read_trace(path)[1] if path else []
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    if not events:
+        return []
+    return kernel_split(events, events[0][0], max(e[1] for e in events), calls, top=25)
 
 
 NOISE_CASES = {"noise_threefry": threefry_gumbel_noise, "noise_hash": gumbel_noise}
@@ -137,6 +163,7 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", nargs="*", default=None, help="subset of case names (default: all)")
+    p.add_argument("--profile", action="store_true", help="print each case's kernel split (jax.profiler)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     cases = _cases()
@@ -167,6 +194,9 @@ def main(argv=None):
         results.append(r)
         print(f"{name:28s} {r['median_ms']:10.3f} {r['min_ms']:9.3f} {r['p90_ms']:9.3f} {r['compile_s']:10.1f}",
               flush=True)
+        for k in r.get("kernels", []):
+            print(f"    {k['kernel'][:56]:56s} {k['ms_per_step']:8.4f} ms x{k['launches_per_step']:.0f} "
+                  f"{k['share']:6.1%}", flush=True)
     report = {**describe_environment(), "num_rows": args.num_rows, "vocab": args.vocab, "results": results}
     if args.output_json:
         write_report(report, args.output_json)
