@@ -139,9 +139,19 @@ def test_truncation_fast_path_on_wide_rows(runtime_skip):
     t = make_tensors(len(cases), temperature=1.0, min_p=min_p, top_k=top_k.astype(int), top_p=top_p)
     f = ALL.replace(runtime_skip=runtime_skip)
     thresh = np.asarray(jax.jit(lambda s, t: truncation_threshold(s, t, f))(jnp.asarray(scaled), t))
+    # The sampled token: rows whose kept tokens are all among the top candidates sample from
+    # those alone; it must be the whole-row argmax of (kept logit + the row's noise).
+    positions = jnp.arange(len(cases), dtype=jnp.int32) * 7
+    t = dataclasses.replace(t, seeds=jnp.arange(len(cases), dtype=jnp.int32) + 99)
+    trunc_only = f.replace(logit_bias=False, min_tokens=False, penalties=False, num_logprobs=None,
+                           prompt_logprobs=False)
+    sample_fn = jax.jit(lambda s, t, p: sample(s, t, p, trunc_only).tokens)
+    tokens = np.asarray(sample_fn(jnp.asarray(scaled), t, positions))
+    noise = np.asarray(gumbel_noise(t.seeds, positions, v))
     for i in range(len(cases)):
         want = ref.kept_tokens(scaled[i], min_p=min_p[i], top_k=int(top_k[i]), top_p=top_p[i])
         assert ((scaled[i] >= thresh[i]) == want).all(), f"case {cases[i]} (p={top_p[i]:.4f}), row {i}"
+        assert tokens[i] == np.argmax(np.where(want, scaled[i] + noise[i], -np.inf)), f"case {cases[i]}, row {i}"
 
 
 def test_kth_largest_search_is_exact_on_awkward_values():

@@ -9,11 +9,30 @@ def test_default_flags_are_added_only_when_absent(monkeypatch):
     apply_default_xla_flags()
     import os
 
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer=+WHILE"
+    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer=+WHILE "
+                                       "--xla_gpu_enable_dynamic_slice_fusion=true")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")  # the user turned them off
     apply_default_xla_flags()
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer="
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer= --xla_gpu_enable_dynamic_slice_fusion=true"
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("MRV2_DEFAULT_XLA_FLAGS", "0")
     apply_default_xla_flags()
     assert os.environ["XLA_FLAGS"] == ""
+
+
+def test_step_compiler_options_pick_cublas_unless_weights_are_fp8(monkeypatch):
+    import jax.numpy as jnp
+
+    from mrv2_jax.xla_flags import step_compiler_options
+
+    monkeypatch.delenv("MRV2_DEFAULT_XLA_FLAGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    bf16 = [jnp.zeros((2, 2), jnp.bfloat16), jnp.zeros((2,), jnp.float32)]
+    assert step_compiler_options(bf16) == {"xla_gpu_enable_triton_gemm": False}
+    # An FP8 linear needs the Triton GEMM that fuses its dequantisation.
+    assert step_compiler_options([*bf16, jnp.zeros((2, 2), jnp.float8_e4m3fn)]) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")  # the user's choice wins
+    assert step_compiler_options(bf16) == {}
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("MRV2_DEFAULT_XLA_FLAGS", "0")
+    assert step_compiler_options(bf16) == {}

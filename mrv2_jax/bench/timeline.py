@@ -7,9 +7,10 @@ the GPU is under it.
 
 Host side, every step (from perf_counter around the engine's own calls, wrapped from here so the
 engine is unchanged): scheduling, dispatch (the runner's `execute`: input preparation and the
-jitted call), the wait for the previous step's sampled tokens (`result()`; with async scheduling
-this is step N-1's, read after step N is dispatched), the scheduler update, and the time outside
-the engine step (output processing, detokenization) until the next step starts.
+jitted call; the call alone is shown as "jit call" where the runner reports it), the wait for
+the previous step's sampled tokens (`result()`; with async scheduling this is step N-1's, read
+after step N is dispatched), the scheduler update, and the time outside the engine step (output
+processing, detokenization) until the next step starts.
 
 Device side, for a window of steady-decode steps (every row decoding, at full concurrency), a
 `jax.profiler` trace: the GPU's kernel and copy events (the "Stream" lines of the device), merged
@@ -96,6 +97,7 @@ class StepRecorder:
             t0 = time.perf_counter()
             result = execute(out)
             add("dispatch_ms", time.perf_counter() - t0)
+            add("call_ms", getattr(runner, "last_call_s", 0.0))
             return _TimedResult(result, lambda s: add("wait_ms", s))
 
         def timed_update(*args, **kwargs):
@@ -108,7 +110,7 @@ class StepRecorder:
             index = len(self.steps)
             self._maybe_toggle_trace(index)
             self._current = record = {"step": index, "start": time.perf_counter(), "num_tokens": 0, "num_reqs": 0,
-                                      "schedule_ms": 0.0, "dispatch_ms": 0.0, "wait_ms": 0.0, "update_ms": 0.0,
+                                      "schedule_ms": 0.0, "dispatch_ms": 0.0, "call_ms": 0.0, "wait_ms": 0.0, "update_ms": 0.0,
                                       "traced": self.tracing}
             if self.tracing:
                 with jax.profiler.TraceAnnotation(STEP_ANNOTATION, step=index):
@@ -315,7 +317,7 @@ def run(args) -> dict:
 
     steady = [s for s in steps if s["num_tokens"] == s["num_reqs"] == rows]
     window = [s for s in steady if s["traced"]]
-    parts = (*HOST_PARTS, "host_other_ms", "engine_ms", "wall_ms")
+    parts = (*HOST_PARTS, "call_ms", "host_other_ms", "engine_ms", "wall_ms")
     device_parts = ("device_busy_ms", "device_idle_ms", "max_idle_gap_ms")
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     config = llm.config
@@ -343,11 +345,11 @@ def print_summary(report: dict) -> None:
           f"output tok/s; {report['num_steady_steps']} steady-decode steps of {report['steady_decode_rows']} rows, "
           f"{report['num_window_steps']} traced")
     print(f"{'median ms per step':20} {'schedule':>9} {'dispatch':>9} {'wait':>9} {'update':>9} {'outside':>9} "
-          f"{'wall':>9} {'dev busy':>9} {'dev idle':>9}")
+          f"{'(jit call)':>10} {'wall':>9} {'dev busy':>9} {'dev idle':>9}")
     for label, key in (("steady, untraced", "steady_median"), ("traced window", "window_median")):
         m = report[key]
-        print(f"{label:20} " + " ".join(f"{fmt(m.get(k)):>9}" for k in (*HOST_PARTS, "wall_ms", "device_busy_ms",
-                                                                       "device_idle_ms")))
+        print(f"{label:20} " + " ".join(f"{fmt(m.get(k)):>9}" for k in HOST_PARTS) + f" {fmt(m.get('call_ms')):>10} "
+              + " ".join(f"{fmt(m.get(k)):>9}" for k in ("wall_ms", "device_busy_ms", "device_idle_ms")))
     device = report["device"]
     if device.get("busy_fraction") is not None:
         print(f"GPU busy fraction over the window: {device['busy_fraction']:.1%} "

@@ -12,11 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm.auto import tqdm
 
 
-def compile_all(lowered: dict, show_progress: bool, desc: str = "compiling step buckets") -> dict:
-    """{key: jax Lowered} -> {key: Compiled}, compiled concurrently, with a progress bar."""
+def compile_all(lowered: dict, show_progress: bool, desc: str = "compiling step buckets",
+                compiler_options: dict | None = None) -> dict:
+    """{key: jax Lowered} -> {key: Compiled}, compiled concurrently, with a progress bar;
+    `compiler_options`: XLA options for every module (xla_flags.step_compiler_options)."""
     workers = max(1, min(len(lowered), os.cpu_count() or 1, 16))
     with ThreadPoolExecutor(workers) as pool, tqdm(total=len(lowered), desc=desc, disable=not show_progress) as bar:
-        futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
+        futures = {key: pool.submit(low.compile, compiler_options) for key, low in lowered.items()}
         compiled = {}
         for key, future in futures.items():
             compiled[key] = future.result()

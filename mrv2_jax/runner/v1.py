@@ -34,6 +34,7 @@ from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
 from mrv2_jax.runner.prepare import StepInputs
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.precompile import compile_all
+from mrv2_jax.xla_flags import step_compiler_options
 from mrv2_jax.runner.slots import SlotAllocator
 from mrv2_jax.runner.step_result import StepResult, prompt_spans, prompt_token_logprobs, token_logprobs
 from mrv2_jax.sample import slot_state
@@ -139,7 +140,7 @@ class ModelRunnerV1:
             for i, features in enumerate(self.sampler_variants):
                 lowered[bucket, i] = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2, 5)).lower(
                     self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
-        compiled = compile_all(lowered, show_progress)
+        compiled = compile_all(lowered, show_progress, compiler_options=step_compiler_options(self.params.leaves))
         for bucket, layout in layouts.items():
             self.compiled[bucket] = (layout, [(features, compiled[bucket, i])
                                               for i, features in enumerate(self.sampler_variants)])

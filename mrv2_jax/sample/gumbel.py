@@ -35,10 +35,16 @@ def fmix32(h):
 
 def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
     """[R, vocab] float32 Gumbel noise from a hash of (seed, position, token id) per element."""
+    return gumbel_noise_at(seeds, positions, jnp.arange(vocab_size, dtype=jnp.uint32)[None, :])
+
+
+def gumbel_noise_at(seeds: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """The same noise at chosen token ids only: token_ids [R, C] (or [1, C]) -> f32 [R, C];
+    column j of row r equals gumbel_noise(...)[r, token_ids[r, j]] bit for bit."""
     u32 = jnp.uint32
     row_key = fmix32(seeds.astype(u32) ^ fmix32(positions.astype(u32) * u32(_GOLDEN) + u32(1)))
-    ids = jnp.arange(vocab_size, dtype=u32)
-    bits = fmix32(fmix32(ids[None, :] * u32(_GOLDEN) ^ row_key[:, None]) + row_key[:, None])
+    ids = token_ids.astype(u32)
+    bits = fmix32(fmix32(ids * u32(_GOLDEN) ^ row_key[:, None]) + row_key[:, None])
     # u = (m + 0.5) / 2**23 from 23 bits, and 1 - u, are both exact in f32; -log(u) is taken as
     # -log1p(-(1 - u)) for u >= 1/2, where log(u) would lose the digits of the large-noise tail
     # (the tokens the argmax picks).

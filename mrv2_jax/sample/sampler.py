@@ -7,8 +7,10 @@ Pipeline, per row (vLLM's order):
     sampled rows:  processed / T -> min_p -> top_k -> top_p -> argmax(masked + Gumbel noise)
 
 Greedy rows ignore temperature, min_p, top_k and top_p (the maximum survives every
-truncation anyway). The truncations are per-row thresholds (see topk_topp.py), so the final
-pass is one fused read of the logits: scale, mask below the threshold, add noise, argmax.
+truncation anyway). The truncations are per-row thresholds (see topk_topp.py). A row whose
+kept tokens all lie among its top 64 values (top_k <= 64, or top_p on a peaked row), which the
+threshold search found already, draws among those 64 alone; any other row takes one fused read
+of the logits: scale, mask below the threshold, add noise, argmax. Both give the same token.
 Gumbel noise is keyed by (seed, position) only (gumbel.py), so a seeded request gets the same
 tokens in any batch. Logprobs come from the raw logits (logprobs.py).
 
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.features import SamplerFeatures
-from mrv2_jax.sample.gumbel import gumbel_noise
+from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, uses_sparse_edits
 from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties, uses_penalties
@@ -101,66 +103,113 @@ def _pick_tokens(x: jax.Array, t: SamplingTensors, positions: jax.Array, f: Samp
 
     def sampled():
         is_sampled = t.temperature > 0
-        scaled = x / jnp.where(is_sampled, t.temperature, 1.0)[:, None]
-        keep_from = truncation_threshold(scaled, t, f)
-        noisy = jnp.where(scaled >= keep_from[:, None], scaled, NEG_INF)
-        noisy = noisy + gumbel_noise(t.seeds, positions, x.shape[-1])
-        # Greedy rows of a mixed batch take the argmax of their processed logits.
-        return jnp.argmax(jnp.where(is_sampled[:, None], noisy, x), axis=-1).astype(jnp.int32)
+        divisor = jnp.where(is_sampled, t.temperature, 1.0)
+        keep_from, top = threshold_and_top(x, divisor, t, f)
+
+        def whole_row():
+            # x / divisor is recomputed inside each conditional branch that reads it: a value
+            # handed to a conditional is written out first (one more [R, V] pass).
+            scaled = x / divisor[:, None]
+            noisy = jnp.where(scaled >= keep_from[:, None], scaled, NEG_INF)
+            noisy = noisy + gumbel_noise(t.seeds, positions, x.shape[-1])
+            # Greedy rows of a mixed batch take the argmax of their processed logits.
+            return jnp.argmax(jnp.where(is_sampled[:, None], noisy, x), axis=-1).astype(jnp.int32)
+
+        if top is None:
+            return whole_row()
+        # A row whose kept tokens all lie among its top C (the threshold is above the C-th
+        # largest value: top_k <= C, or a peaked top_p) samples from those C alone, with the
+        # noise of their ids: the same token as the whole-row pass, without reading the row.
+        on_top = is_sampled & (keep_from > top[0][:, -1])
+        from_top = _sample_among(top, keep_from, t.seeds, positions)
+        rest = _maybe(f.runtime_skip, jnp.any(~on_top), whole_row, lambda: from_top)
+        return jnp.where(on_top, from_top, rest)
 
     return _maybe(f.runtime_skip, jnp.any(t.temperature > 0), sampled, greedy)
 
 
+def _sample_among(top, keep_from: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """argmax(value + noise) over the candidates (values [R, C], token ids [R, C]) at or above
+    keep_from, ties to the lowest token id as jnp.argmax over the whole row -> i32[R]."""
+    values, ids = top
+    noisy = jnp.where(values >= keep_from[:, None], values + gumbel_noise_at(seeds, positions, ids), NEG_INF)
+    best = jnp.max(noisy, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(noisy == best, ids, jnp.iinfo(jnp.int32).max), axis=-1).astype(jnp.int32)
+
+
 def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatures) -> jax.Array:
-    """f32[R]: each row keeps the tokens with scaled logit >= this (-inf: keeps everything).
+    """f32[R]: each row keeps the tokens with scaled logit >= this (-inf: keeps everything)."""
+    return threshold_and_top(scaled, jnp.ones(scaled.shape[:1], scaled.dtype), t, f)[0]
+
+
+def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures):
+    """For scaled = x / divisor[:, None] -> (f32[R]: each row keeps the tokens with scaled logit
+    >= this, -inf keeps everything; the row's top C scaled values and their ids [R, C] when the
+    block path found them, else None).
 
     With runtime skips, one conditional skips all truncations when no row uses any (the usual
     case: one predicate, not three), and inside it each truncation has its own. Conditionals
-    return only [R] thresholds."""
-    r, v = scaled.shape
+    return only [R] thresholds and [R, C] candidates."""
+    r, v = x.shape
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
     used = {"min_p": jnp.any(t.min_p > 0), "top_k": jnp.any(topk_topp.top_k_enabled(t.top_k, v)),
             "top_p": jnp.any(topk_topp.top_p_enabled(t.top_p))}
     enabled = [name for name in used if getattr(f, name)]
     if not enabled:
-        return none()
+        return none(), None
+    block_path = (f.top_k or f.top_p) and f.top_k_top_p != "sort"
+    c = min(topk_topp.TOP_CANDIDATES, v)
+    nothing = lambda: (none(), (jnp.full((r, c), NEG_INF, jnp.float32), jnp.zeros((r, c), jnp.int32)))  # noqa: E731
     if not f.runtime_skip:
-        return _thresholds(scaled, t, f, used)
-    any_used = jnp.any(jnp.stack([used[name] for name in enabled]))
-    return jax.lax.cond(any_used, lambda: _thresholds(scaled, t, f, used), none)
+        thresh, top = _thresholds(x, divisor, t, f, used)
+    else:
+        any_used = jnp.any(jnp.stack([used[name] for name in enabled]))
+        if block_path:
+            thresh, top = jax.lax.cond(any_used, lambda: _thresholds(x, divisor, t, f, used), nothing)
+        else:
+            thresh, top = jax.lax.cond(any_used, lambda: _thresholds(x, divisor, t, f, used)[0], none), None
+    return thresh, top
 
 
-def _thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used) -> jax.Array:
-    r, v = scaled.shape
+def _thresholds(x, divisor, t: SamplingTensors, f: SamplerFeatures, used):
+    """-> (thresholds f32[R], (top values, ids) [R, C] or None) for the truncations in use."""
+    r, v = x.shape
+    scaled = x / divisor[:, None]  # fused into the passes that read it, never written out
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
     # The fast path's top values come from one pass over the row; min_p's row maximum is the
     # first of them, so min_p then costs no pass of its own.
     block_path = (f.top_k or f.top_p) and f.top_k_top_p != "sort"
-    desc = top_n_by_blocks(scaled, min(topk_topp.TOP_CANDIDATES, v))[0] if block_path else None
+    top = tuple(top_n_by_blocks(scaled, min(topk_topp.TOP_CANDIDATES, v))) if block_path else None
+    desc = top[0] if block_path else None
     thresh = none()
     if f.min_p:
         row_max = (lambda: desc[:, 0]) if block_path else (lambda: jnp.max(scaled, axis=-1))
         thresh = _maybe(f.runtime_skip, used["min_p"], lambda: topk_topp.min_p_threshold(row_max(), t.min_p), none)
     if not (f.top_k or f.top_p):
-        return thresh
+        return thresh, top
     floor = thresh
     k = t.top_k if f.top_k else jnp.zeros_like(t.top_k)
     p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
     if f.top_k_top_p == "sort":
         return _maybe(f.runtime_skip, (used["top_k"] & f.top_k) | (used["top_p"] & f.top_p),
-                      lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p), lambda: floor)
+                      lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p), lambda: floor), None
     # Rows whose truncation keeps only tokens among the row's top few finish on those few
     # values (topk_topp.py "fast path"); the others, if any, run the whole-row search.
     covered = topk_topp.top_covers_top_k(desc, k, v)
     total = None
     if f.top_p:
-        total = topk_topp.row_mass(scaled, desc[:, 0], floor)
+        # The row's mass is needed only where top_p runs without top_k (with top_k the mass
+        # is that of the kept top values): a whole-row pass skipped when no row needs it.
+        needs_mass = topk_topp.top_p_enabled(p) & ~topk_topp.top_k_enabled(k, v)
+        total = _maybe(f.runtime_skip, jnp.any(needs_mass),
+                       lambda: topk_topp.row_mass(x / divisor[:, None], desc[:, 0], floor),
+                       lambda: jnp.zeros((r,), jnp.float32))
         covered |= ~topk_topp.top_k_enabled(k, v) & topk_topp.top_holds_top_p(desc, floor, p, total)
     fast = topk_topp.threshold_from_sorted(desc, floor, k, p, v, total)
     needs_search = ~covered & (topk_topp.top_k_enabled(k, v) | topk_topp.top_p_enabled(p))
     slow = _maybe(f.runtime_skip, jnp.any(needs_search),
-                  lambda: _search_thresholds(scaled, t, f, used, floor), lambda: fast)
-    return jnp.where(covered, fast, slow)
+                  lambda: _search_thresholds(x / divisor[:, None], t, f, used, floor), lambda: fast)
+    return jnp.where(covered, fast, slow), top
 
 
 def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used, floor) -> jax.Array:
