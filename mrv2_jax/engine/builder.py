@@ -17,10 +17,13 @@ from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
-# Fused decode is off unless asked for: on the H200 with XLA command buffers (+WHILE) one decode
-# step per dispatch is already device-bound at batch 1, 8 and 32, and 16 fused steps measured
-# 4-10% slower (docs/benchmarks.md, "Small-batch decode"). `--max-fused-steps 16` turns it on.
-DEFAULT_MAX_FUSED_STEPS = 1
+# Up to 16 decode steps per call for small stable batches. One jitted call of the 28-layer step
+# costs the host ~2-3 ms with cuBLAS GEMMs reading the stacked weights in place (bench
+# dispatch_cost), more than the 1.6-1.7 ms batch-1 device step, so fusing steps pays again: H200,
+# sha 4dc7f18, same run, batch 1 / 8 / 32: 391 / 2,896 / 12,509 output tok/s with one step per
+# call, 521 / 4,550 / 13,520 with up to 16 (docs/benchmarks.md, "Small-batch decode").
+# `--max-fused-steps 1` turns it off.
+DEFAULT_MAX_FUSED_STEPS = 16
 
 
 @dataclass
@@ -44,7 +47,7 @@ class EngineConfig:
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
     # V2: up to this many decode steps in one compiled call for small, stable batches
-    # (runner/fused.py); default 1 (off, see DEFAULT_MAX_FUSED_STEPS); v1 and speculative decoding need 1.
+    # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
     max_fused_steps: int | None = None
     fused_unroll: int = 1  # decode steps per iteration of the fused loop (1: a plain while loop)
     seed: int = 0

@@ -1,0 +1,112 @@
+"""Host cost of one decode step's jitted call, taken apart.
+
+    python -m mrv2_jax.bench.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 1
+
+Runs `--rows` requests into steady decode, keeps one decode dispatch (the compiled step and its
+packed input buffer), then calls that step again and again on the runner's live state:
+
+  numpy packed    a fresh host buffer per call, as the engine sends it (a host->device copy and
+                  a new device allocation every call)
+  device packed   the same device-resident buffer every call (no copy; the argument's address
+                  never changes, so XLA's command buffers need no update for it)
+
+For each: `call ms`, the host time of the call alone, each call waited for before the next
+(nothing queued in front of it); `pipelined ms`, wall time per call when calls are issued back
+to back and waited for once at the end (the device's pace if the host keeps ahead). Run it
+under different XLA_FLAGS to see what the host pays for (command buffers, loops, slices).
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+
+
+def capture_decode_dispatch(llm, rows: int, output_len: int, input_len: int):
+    """(compiled step, packed numpy buffer) of a mid-run decode step with `rows` rows."""
+    from mrv2_jax.sampling_params import SamplingParams
+
+    runner, seen, kept = llm.engine.runner, [0], []
+    execute = runner.execute
+
+    def capture(out):
+        result = execute(out)
+        counts = list(out.num_scheduled_tokens.values())
+        if len(counts) == rows and all(n == 1 for n in counts):
+            seen[0] += 1
+            if seen[0] == output_len // 2:
+                kept.append(runner.last_dispatch)
+        return result
+
+    runner.execute = capture
+    prompts = random_prompts(rows, input_len, 0.0, llm.model_state.vocab_size, 0)
+    llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True), use_tqdm=False)
+    runner.execute = execute
+    if not kept:
+        raise SystemExit("no steady decode step was seen: raise --output-len")
+    return kept[0]
+
+
+def time_calls(runner, compiled, make_packed, calls: int) -> dict:
+    def call(packed):
+        runner.kv_cache, runner.state, runner.slot_state, result, runner.spec_state = compiled(
+            runner.params.leaves, runner.kv_cache, runner.state, runner.slot_state, packed, runner.spec_params,
+            runner.spec_state)
+        return result
+
+    jax.block_until_ready(call(make_packed()))
+    host = []
+    for _ in range(calls):
+        packed = make_packed()
+        start = time.perf_counter()
+        result = call(packed)
+        host.append(time.perf_counter() - start)
+        jax.block_until_ready(result)
+    start = time.perf_counter()
+    for _ in range(calls):
+        result = call(make_packed())
+    jax.block_until_ready(result)
+    pipelined = (time.perf_counter() - start) / calls
+    return {"call_ms": 1e3 * statistics.median(host), "call_p90_ms": 1e3 * sorted(host)[int(0.9 * (calls - 1))],
+            "pipelined_ms": 1e3 * pipelined}
+
+
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    from mrv2_jax.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs["max_fused_steps"] = 1
+    llm = LLM(**kwargs)
+    compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
+    on_device = jax.device_put(packed)
+    runner = llm.engine.runner
+    results = {"numpy packed": time_calls(runner, compiled, lambda: np.array(packed), args.calls),
+               "device packed": time_calls(runner, compiled, lambda: on_device, args.calls)}
+    print(f"rows {args.rows}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+    print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
+    for name, r in results.items():
+        print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
+    report = {**describe_environment(), "settings": vars(args), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "results": results}
+    if args.output_json:
+        write_report(report, args.output_json)
+    return report
+
+
+if __name__ == "__main__":
+    main()
