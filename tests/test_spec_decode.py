@@ -185,8 +185,9 @@ def test_prompt_logprobs_are_rejected_with_speculative_decoding():
     assert not llm.engine.has_work()
 
 
-@pytest.mark.parametrize("runner, spec", [("v2", {"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
-                                          ("v1", {"method": "ngram", "k": 2})], ids=["v2", "v1"])
+@pytest.mark.parametrize("runner, spec", [
+    ("v2", {"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+    ("v1", {"method": "ngram", "k": 2})], ids=["v2", "v1"])
 def test_logprobs_beside_speculating_rows(runner, spec):
     """Rows asking for logprobs get no drafts; their logprobs come out of the spec step as out
     of a plain one, while the other rows of the batch speculate."""
