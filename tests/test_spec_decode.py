@@ -183,3 +183,27 @@ def test_prompt_logprobs_are_rejected_with_speculative_decoding():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.add_request(PROMPTS[0], SamplingParams(max_tokens=2, prompt_logprobs=1))
     assert not llm.engine.has_work()
+
+
+@pytest.mark.parametrize("runner, spec", [
+    ("v2", {"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+    ("v1", {"method": "ngram", "k": 2})], ids=["v2", "v1"])
+def test_logprobs_beside_speculating_rows(runner, spec):
+    """Rows asking for logprobs get no drafts; their logprobs come out of the spec step as out
+    of a plain one, while the other rows of the batch speculate."""
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2 if i % 2 else None)
+              for i in range(len(PROMPTS))]
+    llm = engine(runner, spec)
+    drafts_before = llm.engine.scheduler.get_stats().spec_decode.num_drafts
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.scheduler.get_stats().spec_decode.num_drafts > drafts_before
+    for out, want, p in zip(outs, engine().generate(PROMPTS, params, use_tqdm=False), params):
+        got, want = out.outputs[0], want.outputs[0]
+        assert got.token_ids == want.token_ids
+        if p.logprobs is None:
+            assert got.logprobs is None
+            continue
+        assert len(got.logprobs) == len(got.token_ids)
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert list(a) == list(b) and [x.rank for x in a.values()] == [x.rank for x in b.values()]
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)

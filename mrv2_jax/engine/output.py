@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -23,9 +24,12 @@ class CompletionOutput:
     EOS or stop token. ``finish_reason`` is None while the request runs, then "stop",
     "length" or "abort"; ``stop_reason`` is the stop token id or stop string that ended it.
     ``logprobs``: when the request asked for ``logprobs=n``, one dict per token of
-    ``token_ids``, ``{token_id: Logprob}`` holding the sampled token and the top n (n or n + 1
-    entries); values are log-softmax of the raw model logits (before penalties, temperature
-    and truncation, vLLM's default ``raw_logprobs``). None otherwise.
+    ``token_ids``, ``{token_id: Logprob}`` holding the sampled token (first) and the top n (n or
+    n + 1 entries); values are log-softmax of the raw model logits (before penalties, temperature
+    and truncation, vLLM's default ``raw_logprobs``). None otherwise. From the engine it is a
+    ``LazyLogprobs`` (engine/lazy_logprobs.py), a read-only list whose dicts are built when read
+    (like vLLM's ``FlatLogprobs``): it indexes, slices, iterates and compares like a list of
+    dicts; ``list(...)`` gives a plain list.
     """
 
     text: str
@@ -33,7 +37,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     index: int = 0
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: Sequence[dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -2,8 +2,10 @@
 
 Owns one incremental detokenizer per request; when the detokenizer finds a stop string it
 reports the request so the caller can finish it in the core (the scheduler never sees text).
-Also turns the runner's per-token logprobs into `{token_id: Logprob}` dicts, with each token's
-text (cached per id: the same top tokens come back again and again).
+Keeps each request's sample logprobs in a `LogprobStore` (engine/lazy_logprobs.py): the runner's
+per-token entries are appended as they are, and the `{token_id: Logprob}` dicts, with each
+token's text (cached per id: the same top tokens come back again and again), are built only when
+the user reads them. Prompt logprobs, which come once per request, are built when they arrive.
 
 A request added with `final_only` (offline `LLM.generate`, vLLM's FINAL_ONLY output kind) gets
 no output until it finishes, and, unless it has stop strings to watch for, is detokenized once
@@ -15,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from mrv2_jax.engine.detokenizer import IncrementalDetokenizer
+from mrv2_jax.engine.lazy_logprobs import LogprobStore, logprob_dict
 from mrv2_jax.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
@@ -28,7 +31,7 @@ class _Tracked:
     text: str = ""
     delta_text: str = ""
     first_token_time: float | None = None
-    logprobs: list[dict[int, Logprob]] | None = None  # None: the request asked for none
+    logprobs: LogprobStore | None = None  # None: the request asked for none
     prompt_logprobs: list | None = None  # [None, {token_id: Logprob}, ...] once known
     final_only: bool = False  # report the request only when it finishes
     defer_detokenize: bool = False  # final_only and no stop strings: decode once, at the end
@@ -45,9 +48,9 @@ class OutputProcessor:
         params = request.sampling_params
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids, params)
-        self.tracked[request.request_id] = _Tracked(
-            request, detok, logprobs=None if params.logprobs is None else [], final_only=final_only,
-            defer_detokenize=final_only and not params.stop)
+        logprobs = None if params.logprobs is None else LogprobStore(self._decode_one)
+        self.tracked[request.request_id] = _Tracked(request, detok, logprobs=logprobs, final_only=final_only,
+                                                    defer_detokenize=final_only and not params.stop)
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
@@ -93,8 +96,8 @@ class OutputProcessor:
         if token_ids and t.first_token_time is None:
             t.first_token_time = now
         t.token_ids.extend(token_ids)
-        if t.logprobs is not None:
-            t.logprobs.extend(self._logprob_dict(entry) for entry in logprobs or ())
+        if t.logprobs is not None and logprobs:
+            t.logprobs.extend(logprobs)
         t.delta_text = ""
         matched = False
         if t.detokenizer is not None and (finish_reason is not None or not t.defer_detokenize):
@@ -109,15 +112,12 @@ class OutputProcessor:
         return self._snapshot(t, finish_reason, stop_reason, now), matched
 
     def _logprob_dict(self, entry) -> dict[int, Logprob]:
-        """runner TokenLogprobs -> {token_id: Logprob}, the sampled token first (if it is also in
-        the top n, its entry is kept: same logprob, rank counted as 1 + strictly larger)."""
-        out: dict[int, Logprob] = {}
-        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
-            if token_id not in out:
-                out[token_id] = Logprob(logprob, rank, self._decode_one(token_id))
-        return out
+        """A runner TokenLogprobs or LogprobRow -> {token_id: Logprob} (lazy_logprobs.logprob_dict)."""
+        return logprob_dict(entry, self._decode_one)
 
     def _decode_one(self, token_id: int) -> str | None:
+        # Also runs on the thread that reads an output's logprobs (their dicts are built then):
+        # a racing reader at worst decodes a token twice.
         if self.tokenizer is None:
             return None
         text = self._token_text.get(token_id)
@@ -129,7 +129,7 @@ class OutputProcessor:
         r = t.request
         completion = CompletionOutput(text=t.text, token_ids=list(t.token_ids),
                                       finish_reason=finish_reason, stop_reason=stop_reason,
-                                      logprobs=None if t.logprobs is None else list(t.logprobs))
+                                      logprobs=None if t.logprobs is None else t.logprobs.snapshot())
         metrics = RequestMetrics(arrival_time=r.arrival_time, first_token_time=t.first_token_time,
                                  finished_time=now if finish_reason else None)
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,

@@ -94,10 +94,10 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # One runner.step_result.TokenLogprobs per new token, for requests that asked for logprobs
+    # One runner.token_logprobs.LogprobRow per new token, for requests that asked for logprobs
     # (set by the engine core beside the scheduler's result).
     new_logprobs: list | None = None
-    # For a request that asked for prompt_logprobs, on its first output: one TokenLogprobs per
+    # For a request that asked for prompt_logprobs, on its first output: one LogprobRow per
     # prompt token after the first (entry 0 of each = that prompt token), in prompt order.
     prompt_logprobs: list | None = None
 

@@ -1,30 +1,22 @@
 """What a runner's `execute` returns: the sampled tokens of a step, maybe not yet on the host."""
 
-from dataclasses import dataclass
+from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow, TokenLogprobs
 
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs of one sampled token (raw model logits): entry 0 is the sampled token, then the
-    request's top n. `ranks[0]` is the sampled token's rank, the top n have ranks 1..n."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
+__all__ = ["StepResult", "TokenLogprobs", "prompt_spans", "prompt_token_logprobs"]
 
 
 class StepResult:
     """A step whose tokens are already on the host (the synchronous runners).
 
-    `logprobs()` holds, for the requests that asked for logprobs, one `TokenLogprobs` per sampled
+    `logprobs()` holds, for the requests that asked for logprobs, one `LogprobRow` per sampled
     token (beside `result()`, whose contract the scheduler relies on). `prompt_logprobs()` holds,
     for the requests that asked for prompt logprobs, (prompt position of the first entry, one
-    `TokenLogprobs` per prompt position this step computed: entry 0 of each = the prompt token
-    after that position)."""
+    `LogprobRow` per prompt position this step computed: entry 0 of each = the prompt token
+    after that position). Either may hold `TokenLogprobs` instead (the same fields, as lists)."""
 
     def __init__(self, sampled: dict[str, list[int]],
-                 logprobs: dict[str, list[TokenLogprobs]] | None = None,
-                 prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None):
+                 logprobs: dict[str, list[LogprobRow]] | None = None,
+                 prompt_logprobs: dict[str, tuple[int, list[LogprobRow]]] | None = None):
         self._sampled = sampled
         self._logprobs = logprobs or {}
         self._prompt_logprobs = prompt_logprobs or {}
@@ -32,29 +24,21 @@ class StepResult:
     def result(self) -> dict[str, list[int]]:
         return self._sampled
 
-    def logprobs(self) -> dict[str, list[TokenLogprobs]]:
+    def logprobs(self) -> dict[str, list[LogprobRow]]:
         return self._logprobs
 
-    def prompt_logprobs(self) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[LogprobRow]]]:
         return self._prompt_logprobs
-
-
-def token_logprobs(values, ids, sampled_rank, num_logprobs: int) -> TokenLogprobs:
-    """One row of a SamplerOutput (host numpy) -> the sampled token's and top-n logprobs."""
-    n = 1 + num_logprobs
-    return TokenLogprobs(ids[:n].tolist(), values[:n].tolist(), [int(sampled_rank)] + list(range(1, n)))
 
 
 def prompt_token_logprobs(out, spans: dict[str, tuple[int, int, int, int]]) -> dict:
     """A step's SamplerOutput prompt fields (device or host) and {req_id: (first token index,
     number of prompt positions, top n, first prompt position)} -> {req_id: (first prompt
-    position, [TokenLogprobs per prompt position])}."""
+    position, [LogprobRow per prompt position])}."""
     if not spans:
         return {}
-    import numpy as np
-
-    values, ids, ranks = (np.asarray(a) for a in (out.prompt_logprobs, out.prompt_token_ids, out.prompt_rank))
-    return {r: (first, [token_logprobs(values[k], ids[k], ranks[k], n) for k in range(start, start + num)])
+    block = LogprobBlock.of(out.prompt_logprobs, out.prompt_token_ids, out.prompt_rank)
+    return {r: (first, [LogprobRow(block, k, n) for k in range(start, start + num)])
             for r, (start, num, n, first) in spans.items()}
 
 

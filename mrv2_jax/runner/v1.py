@@ -36,7 +36,8 @@ from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.xla_flags import step_compiler_options
 from mrv2_jax.runner.slots import SlotAllocator
-from mrv2_jax.runner.step_result import StepResult, prompt_spans, prompt_token_logprobs, token_logprobs
+from mrv2_jax.runner.step_result import StepResult, prompt_spans, prompt_token_logprobs
+from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.tensors import (
@@ -216,8 +217,7 @@ class ModelRunnerV1:
         num_logprobs = layout.view(packed, "num_logprobs")
         want_logprobs = samples & (num_logprobs[: len(rows)] >= 0)
         if want_logprobs.any():
-            logprobs = np.asarray(result.logprobs)
-            ids, ranks = np.asarray(result.logprob_token_ids), np.asarray(result.sampled_rank)
+            block = LogprobBlock.of(result.logprobs, result.logprob_token_ids, result.sampled_rank)
         sampled, sampled_logprobs = {}, {}
         for i, req_id in enumerate(req_ids):
             if samples[i]:
@@ -226,7 +226,7 @@ class ModelRunnerV1:
                 self.num_tokens[s] += 1
                 sampled[req_id] = [int(tokens[i])]
                 if want_logprobs[i]:
-                    sampled_logprobs[req_id] = [token_logprobs(logprobs[i], ids[i], ranks[i], num_logprobs[i])]
+                    sampled_logprobs[req_id] = [LogprobRow(block, i, num_logprobs[i])]
         return StepResult(sampled, sampled_logprobs, prompt_token_logprobs(result, spans))
 
     @property
@@ -256,17 +256,17 @@ class ModelRunnerV1:
         tokens, num_sampled = np.asarray(result.tokens), np.asarray(result.num_sampled)[: len(rows)]
         first = self.num_computed[rows] + counts - num_draft  # position of each row's first sampled token
         self.num_computed[rows] = np.where(samples, first + num_sampled - 1, self.num_computed[rows] + counts)
-        sampled, sampled_logprobs = {}, {}
+        sampled, sampled_logprobs, block = {}, {}, None
         num_logprobs = layout.view(packed, "num_logprobs")
         for i in np.flatnonzero(samples):
             s, n = rows[i], num_sampled[i]
             self.token_ids[s, first[i] : first[i] + n] = tokens[i, :n]
             self.num_tokens[s] = first[i] + n
             sampled[req_ids[i]] = tokens[i, :n].tolist()
-            if num_logprobs[i] >= 0:  # (such rows carry no drafts)
-                sampled_logprobs[req_ids[i]] = [token_logprobs(np.asarray(result.logprobs)[i],
-                                                               np.asarray(result.logprob_token_ids)[i],
-                                                               np.asarray(result.sampled_rank)[i], num_logprobs[i])]
+            if num_logprobs[i] >= 0:  # (such rows carry no drafts: their logprobs are of index 0)
+                if block is None:
+                    block = LogprobBlock.of(result.logprobs, result.logprob_token_ids, result.sampled_rank)
+                sampled_logprobs[req_ids[i]] = [LogprobRow(block, i, num_logprobs[i])]
         sampling_slots = rows[samples]
         if self.spec.proposer.reads_token_table:  # n-gram: drafted here, from the CPU table
             drafts = self.spec.proposer.propose_host(self.token_ids[sampling_slots], self.num_tokens[sampling_slots])

@@ -36,7 +36,8 @@ from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.xla_flags import step_compiler_options
 from mrv2_jax.runner.slots import SlotAllocator
-from mrv2_jax.runner.step_result import StepResult, TokenLogprobs, prompt_token_logprobs, token_logprobs
+from mrv2_jax.runner.step_result import StepResult, prompt_token_logprobs
+from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
@@ -83,20 +84,23 @@ class PendingStep:
         columns = tokens.T.tolist()
         return {r: columns[i][: counts[i]] for i, r in enumerate(self._req_ids) if r in self._sampling}
 
-    def prompt_logprobs(self) -> dict[str, list[TokenLogprobs]]:
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[LogprobRow]]]:
         return prompt_token_logprobs(self._out, self._prompt_spans)
 
-    def logprobs(self) -> dict[str, list[TokenLogprobs]]:
+    def logprobs(self) -> dict[str, list[LogprobRow]]:
+        """One row reference per kept token, no lists: this runs on the critical path."""
         if not self._logprob_reqs:
             return {}
-        _, counts = self._tokens()
-        shape = (-1, len(counts))  # [K, R, ...] also for a single step
-        values = np.asarray(self._out.logprobs).reshape(*shape, self._out.logprobs.shape[-1])
-        ids = np.asarray(self._out.logprob_token_ids).reshape(values.shape)
-        ranks = np.asarray(self._out.sampled_rank).reshape(shape)
-        return {r: [token_logprobs(values[k, i], ids[k, i], ranks[k, i], self._logprob_reqs[r])
-                    for k in range(counts[i])]
-                for i, r in enumerate(self._req_ids) if r in self._logprob_reqs}
+        counts = self._tokens()[1].tolist()
+        block = LogprobBlock.of(self._out.logprobs, self._out.logprob_token_ids, self._out.sampled_rank)
+        num_rows = len(counts)  # the block's row of a row's token k: k * num_rows + row (also for one step)
+        rows = {}
+        for i, r in enumerate(self._req_ids):
+            n = self._logprob_reqs.get(r)
+            if n is not None:
+                rows[r] = ([LogprobRow(block, i, n)] if counts[i] == 1
+                           else [LogprobRow(block, k * num_rows + i, n) for k in range(counts[i])])
+        return rows
 
 
 class ModelRunnerV2:
