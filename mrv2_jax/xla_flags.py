@@ -37,13 +37,19 @@ def apply_default_xla_flags() -> None:
         os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
 
 
-def step_compiler_options(param_leaves) -> dict:
-    """XLA options for compiling the engine's step functions over these parameters.
+def step_compiler_options(param_leaves, backend: str | None = None) -> dict:
+    """XLA options for compiling the engine's step functions over these parameters on `backend`
+    (default: JAX's default backend).
 
-    cuBLAS instead of Triton for the GEMMs (see the module docstring), unless a weight is FP8:
-    an FP8 block-scaled linear (models/fp8.py) relies on a Triton GEMM fusing the dequantisation
-    into the dot; cuBLAS would first write a bf16 copy of the weight every step. A user's own
-    `--xla_gpu_enable_triton_gemm` in XLA_FLAGS wins."""
+    On GPUs, cuBLAS instead of Triton for the GEMMs (see the module docstring), unless a weight
+    is FP8: an FP8 block-scaled linear (models/fp8.py) relies on a Triton GEMM fusing the
+    dequantisation into the dot; cuBLAS would first write a bf16 copy of the weight every step.
+    A user's own `--xla_gpu_enable_triton_gemm` in XLA_FLAGS wins. Other backends get no
+    options (they have no use for them), so CPU compiles stay exactly as they were."""
+    import jax
+
+    if (backend or jax.default_backend()) != "gpu":
+        return {}
     if not _defaults_on() or "--xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
         return {}
     if any("float8" in str(getattr(leaf, "dtype", "")) for leaf in param_leaves):

@@ -28,11 +28,12 @@ def test_step_compiler_options_pick_cublas_unless_weights_are_fp8(monkeypatch):
     monkeypatch.delenv("MRV2_DEFAULT_XLA_FLAGS", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "")
     bf16 = [jnp.zeros((2, 2), jnp.bfloat16), jnp.zeros((2,), jnp.float32)]
-    assert step_compiler_options(bf16) == {"xla_gpu_enable_triton_gemm": False}
+    assert step_compiler_options(bf16, "gpu") == {"xla_gpu_enable_triton_gemm": False}
+    assert step_compiler_options(bf16, "cpu") == {}
     # An FP8 linear needs the Triton GEMM that fuses its dequantisation.
-    assert step_compiler_options([*bf16, jnp.zeros((2, 2), jnp.float8_e4m3fn)]) == {}
+    assert step_compiler_options([*bf16, jnp.zeros((2, 2), jnp.float8_e4m3fn)], "gpu") == {}
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")  # the user's choice wins
-    assert step_compiler_options(bf16) == {}
+    assert step_compiler_options(bf16, "gpu") == {}
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("MRV2_DEFAULT_XLA_FLAGS", "0")
-    assert step_compiler_options(bf16) == {}
+    assert step_compiler_options(bf16, "gpu") == {}
