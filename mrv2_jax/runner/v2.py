@@ -276,8 +276,8 @@ class ModelRunnerV2:
         view = lambda name: layout.view(packed, name)  # noqa: E731
         self._write_new_requests(out, view)
         appends = self._collect_block_appends(out)
-        counts = [out.num_scheduled_tokens[r] for r in req_ids]
-        view("idx_mapping")[: len(req_ids)] = [self.slots.slot_of(r) for r in req_ids]
+        counts = list(out.num_scheduled_tokens.values())  # in req_ids' order
+        view("idx_mapping")[: len(req_ids)] = self.slots.slots_of(req_ids)
         view("num_scheduled")[: len(req_ids)] = counts
         spans = {}  # prompt logprobs: req_id -> (first token index, positions, top n, first position)
         if self._prompts:  # rows still prefilling: send this chunk's known tokens
@@ -326,8 +326,8 @@ class ModelRunnerV2:
         def view(name):
             return layout.view(packed, name)
 
-        view("idx_mapping")[: len(req_ids)] = [self.slots.slot_of(r) for r in req_ids]
-        view("max_steps")[: len(req_ids)] = [out.num_scheduled_tokens[r] for r in req_ids]
+        view("idx_mapping")[: len(req_ids)] = self.slots.slots_of(req_ids)
+        view("max_steps")[: len(req_ids)] = list(out.num_scheduled_tokens.values())  # in req_ids' order
         view("num_reqs")[...] = len(req_ids)
         view("num_steps")[...] = out.num_fused_steps
         appends = self._collect_block_appends(out)
@@ -349,7 +349,8 @@ class ModelRunnerV2:
         # the benchmarks' timeline splits the runner's dispatch time with it.
         self.last_call_s = time.perf_counter() - start
         self.last_dispatch = (compiled, packed)
-        wants_logprobs = {r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
+        wants_logprobs = ({r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
+                          if self._logprob_reqs else {})  # (most batches: nobody asked)
         return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs, prompt_spans)
 
     def replay(self, dispatch, repeats: int) -> float:
