@@ -168,3 +168,12 @@ def test_bench_moe_smoke_at_tiny_shapes(tmp_path):
                           "gemm/pallas", "gemm/ragged_dot"}
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in cases.values())
     assert "layer/ragged_dot / layer/pallas @ 8" in report["speedups"]
+
+
+def test_host_step_bench_runs_a_few_steps():
+    from mrv2_jax.bench.host_step import PARTS, run_case
+
+    for final_only in (True, False):
+        r = run_case(None, rows=8, steps=6, final_only=final_only, prompt_len=8)
+        assert r["num_steps"] >= 4
+        assert all(r[k] >= 0 for k in PARTS) and r["engine_total"] > 0

@@ -94,7 +94,9 @@ class EngineCore:
         if logprobs:
             for out in outputs:
                 entries = logprobs.get(out.req_id)
-                out.new_logprobs = None if entries is None else entries[: len(out.new_token_ids)]
+                if entries is not None:  # (None is the output's default)
+                    n = len(out.new_token_ids)
+                    out.new_logprobs = entries if len(entries) <= n else entries[:n]  # no copy: one per step
         if self._prompt_logprobs:
             self._attach_prompt_logprobs(outputs, result)
         return outputs

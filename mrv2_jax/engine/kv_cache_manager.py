@@ -142,7 +142,9 @@ class KVCacheManager:
                 return None
             new_blocks = self.pool.allocate(num_to_allocate)
             held.extend(new_blocks)
-        if self.enable_prefix_caching:
+        # Most decode steps fill no block: skip the call unless one may have become full.
+        if self.enable_prefix_caching and (min(num_scheduled_end, len(request.all_token_ids)) // self.block_size
+                                           > self._num_cached_blocks[request.request_id]):
             self._cache_final_blocks(request, num_scheduled_end)
         return new_blocks
 

@@ -71,6 +71,15 @@ class OutputProcessor:
             tokens = out.new_token_ids
             if out.prompt_logprobs is not None:  # vLLM's layout: no logprob for the first token
                 t.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in out.prompt_logprobs]
+            if t.defer_detokenize and out.finish_reason is None:
+                # final_only without stop strings, not finished: nothing to report, decode or
+                # split into single tokens yet; only keep the tokens (the common LLM.generate step).
+                if tokens and t.first_token_time is None:
+                    t.first_token_time = now
+                t.token_ids.extend(tokens)
+                if t.logprobs is not None and out.new_logprobs:
+                    t.logprobs.extend(out.new_logprobs)
+                continue
             # Split into single tokens (a fused call or a speculative step brings several): a
             # stop string then ends the output at the token that completed it, and streams look
             # the same whatever the step size. An output without tokens (a finish) stays whole.
@@ -135,4 +144,4 @@ class OutputProcessor:
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
                              outputs=[completion], finished=finish_reason is not None, metrics=metrics,
                              num_cached_tokens=r.num_cached_tokens, delta_text=t.delta_text,
-                             prompt_logprobs=None if t.prompt_logprobs is None else list(t.prompt_logprobs))
+                             prompt_logprobs=t.prompt_logprobs)  # set once: shared, like its dicts

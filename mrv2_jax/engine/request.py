@@ -19,6 +19,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
+    # Members are singletons: identity hashing is C-level (Enum's own hashes the name in Python),
+    # and the status of every running request is looked up each step.
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self in _FINISH_REASONS

@@ -65,6 +65,8 @@ from mrv2_jax.engine.scheduler_output import (
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.spec_decode.metrics import SpecDecodeStats
 
+_FINISHED = frozenset(status for status in RequestStatus if status.is_finished)
+
 
 def may_speculate(params: SamplingParams) -> bool:
     """Drafts are verified by sampling every draft position; penalties (whose counts would have
@@ -190,27 +192,28 @@ class Scheduler:
 
         # 1. Running requests, oldest admission first. Preemption victims come off the
         #    end of `running`, so they are never requests already scheduled this step.
+        #    (This loop and step 3 run once per running request every step: they keep to
+        #    plain attribute reads and skip what is off, e.g. drafts without speculation.)
+        running, speculate = self.running, self.config.num_speculative_tokens > 0
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        while index < len(running) and budget > 0:
+            request = running[index]
+            index += 1
             num_new = self._num_running_tokens_to_schedule(request, budget)
             if num_new == 0:
-                index += 1
                 continue
-            num_draft = self._num_drafts(request, num_new, budget)
+            num_draft = self._num_drafts(request, num_new, budget) if speculate else 0
             num_new += num_draft
             new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:
                 break  # the request itself was preempted, and with it everything after it
+            req_id = request.request_id
             if num_draft:
-                num_spec[request.request_id] = num_draft
-            cached_reqs.append(
-                CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-            )
-            num_scheduled[request.request_id] = num_new
-            scheduled[request.request_id] = request
+                num_spec[req_id] = num_draft
+            cached_reqs.append(CachedRequestData(req_id, new_blocks, request.num_computed_tokens))
+            num_scheduled[req_id] = num_new
+            scheduled[req_id] = request
             budget -= num_new
-            index += 1
 
         # 2. Waiting requests in FCFS order. Not after a preemption: the pool is full, and
         #    admitting would only preempt again next step.
@@ -220,9 +223,8 @@ class Scheduler:
         # 3. Advance the computed counts now (async: the next schedule() may come before the
         #    results) and count every token this step will sample as a placeholder.
         sampling_req_ids = set()
-        for req_id, num_new in num_scheduled.items():
-            request = scheduled[req_id]
-            num_draft = num_spec.get(req_id, 0)
+        for (req_id, request), num_new in zip(scheduled.items(), num_scheduled.values()):  # same order
+            num_draft = num_spec.get(req_id, 0) if num_spec else 0
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens_with_placeholders + num_draft:
                 request.num_output_placeholders += 1 + num_draft
@@ -298,13 +300,13 @@ class Scheduler:
 
     def _num_running_tokens_to_schedule(self, request: Request, budget: int) -> int:
         """Tokens to compute for a running request this step (0: skip it this step)."""
-        num_remaining = request.num_tokens_with_placeholders - request.num_computed_tokens
+        placeholders = request.num_output_placeholders
+        num_remaining = len(request.all_token_ids) + placeholders - request.num_computed_tokens
         if num_remaining > budget:
             # A prefill chunk: samples nothing, so no output limit applies.
             return budget if self.config.enable_chunked_prefill else 0
         # This step would sample; not if the tokens already in flight reach the limit.
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        if num_outputs >= request.max_output_tokens:
+        if len(request.output_token_ids) + placeholders >= request.max_output_tokens:
             return 0
         return num_remaining
 
@@ -325,14 +327,15 @@ class Scheduler:
     def _lookahead(self, num_scheduled_end: int) -> int:
         """Extra KV slots past the scheduled tokens (a draft model's own drafts), within
         max_model_len."""
-        return max(0, min(self.config.num_lookahead_tokens, self.max_model_len - num_scheduled_end))
+        wanted = self.config.num_lookahead_tokens
+        return max(0, min(wanted, self.max_model_len - num_scheduled_end)) if wanted else 0
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: set[str]
     ) -> list[int] | None:
         """Allocates KV for the step, preempting the newest running requests until it fits.
         Returns None if ``request`` itself had to be preempted."""
-        lookahead = self._lookahead(request.num_computed_tokens + num_new)
+        lookahead = self._lookahead(request.num_computed_tokens + num_new) if self.config.num_lookahead_tokens else 0
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is not None:
@@ -423,18 +426,20 @@ class Scheduler:
         """
         outputs = []
         now = time.monotonic()
-        for req_id, token_ids in sampled_token_ids.items():
-            if token_ids and req_id not in scheduler_output.sampling_req_ids:
+        sampling_req_ids = scheduler_output.sampling_req_ids
+        for req_id in sampled_token_ids.keys() - sampling_req_ids:
+            if sampled_token_ids[req_id]:
                 raise RuntimeError(f"runner returned tokens for {req_id!r}, which did not sample")
-        for req_id in scheduler_output.num_scheduled_tokens:
-            if req_id not in scheduler_output.sampling_req_ids:
-                continue
-            request = scheduler_output.scheduled_requests[req_id]
-            if request.is_finished:
+        num_spec_tokens = scheduler_output.num_spec_tokens
+        fused = scheduler_output.num_fused_steps > 1  # (never with drafts: SchedulerConfig)
+        # Once per sampling request every step: plain attribute reads (status compared by
+        # identity, no properties), and no per-request lookups of what is off this step.
+        finished = _FINISHED
+        for req_id, request in scheduler_output.scheduled_requests.items():  # schedule order
+            if req_id not in sampling_req_ids or request.status in finished:
                 continue
             token_ids = sampled_token_ids.get(req_id, ())
-            num_draft = scheduler_output.num_spec_tokens.get(req_id, 0)
-            fused = scheduler_output.num_fused_steps > 1  # (never with drafts: SchedulerConfig)
+            num_draft = num_spec_tokens.get(req_id, 0) if num_spec_tokens else 0
             # The placeholders schedule() counted for this request's sampled tokens.
             expected = scheduler_output.num_scheduled_tokens[req_id] if fused else 1 + num_draft
             if not 1 <= len(token_ids) <= expected:
@@ -459,24 +464,26 @@ class Scheduler:
                     break
             if finish_status is not None:
                 self._finish(request, finish_status)
+                finish_reason = finish_status.finish_reason
             elif fused and len(token_ids) < expected:
                 # A fused row ends early only on a stop; fewer spec tokens means rejected drafts.
                 raise RuntimeError(f"runner stopped {req_id!r} after {len(token_ids)} of {expected} "
                                    "tokens, on a token that does not stop it")
-            outputs.append(
-                EngineCoreOutput(req_id, accepted, request.finish_reason, request.stop_reason)
-            )
+            else:
+                finish_reason = None  # it was not finished before this step either
+            outputs.append(EngineCoreOutput(req_id, accepted, finish_reason, request.stop_reason))
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_outputs = len(request.output_token_ids)  # (runs for every sampled token)
+        if num_outputs >= params.min_tokens:
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_output_tokens:
+        if num_outputs >= request.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
