@@ -111,8 +111,8 @@ def run_case(tokenizer, *, rows: int, steps: int, final_only: bool, prompt_len: 
     return result
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=64)

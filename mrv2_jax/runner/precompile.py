@@ -1,14 +1,19 @@
-"""Compiling every step variant at start-up, in parallel.
+"""Compiling every step variant at start-up, in parallel on GPUs.
 
 Tracing and lowering hold the GIL and are quick, so they run one after another here; XLA's
 compilation releases the GIL and dominates (seconds per bucket for a 28-layer model), so the
 lowered modules are compiled on a thread pool. With the persistent compilation cache, a later
 start only loads them.
+
+On the CPU backend they compile one at a time: with jax 0.11.2, XLA:CPU crashed (segmentation
+fault in `compilation_cache.put_executable_and_time`) serialising one executable for the
+persistent cache while another thread compiled, twice in the test suite.
 """
 
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import jax
 from tqdm.auto import tqdm
 
 
@@ -16,9 +21,10 @@ def compile_all(lowered: dict, show_progress: bool, desc: str = "compiling step 
                 compiler_options: dict | None = None) -> dict:
     """{key: jax Lowered} -> {key: Compiled}, compiled concurrently, with a progress bar;
     `compiler_options`: XLA options for every module (xla_flags.step_compiler_options)."""
-    workers = max(1, min(len(lowered), os.cpu_count() or 1, 16))
+    workers = 1 if jax.default_backend() == "cpu" else max(1, min(len(lowered), os.cpu_count() or 1, 16))
+    compile_one = (lambda low: low.compile(compiler_options)) if compiler_options else (lambda low: low.compile())
     with ThreadPoolExecutor(workers) as pool, tqdm(total=len(lowered), desc=desc, disable=not show_progress) as bar:
-        futures = {key: pool.submit(low.compile, compiler_options) for key, low in lowered.items()}
+        futures = {key: pool.submit(compile_one, low) for key, low in lowered.items()}
         compiled = {}
         for key, future in futures.items():
             compiled[key] = future.result()
