@@ -30,6 +30,15 @@ from mrv2_jax.sampling_params import SamplingParams
 DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "checkpoints" / "demo-qwen3"
 
 
+def load_tokenizer_arg(value: str):
+    """The host benchmarks' --tokenizer: a tokenizer directory, or 'none' (no detokenizing)."""
+    if value == "none":
+        return None
+    from mrv2_jax.engine.builder import load_tokenizer
+
+    return load_tokenizer(Path(value))
+
+
 class _HostArray(np.ndarray):
     """A numpy array that answers PendingStep's `copy_to_host_async` (it is already there)."""
 
@@ -83,11 +92,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--tokenizer", default=str(DEMO_TOKENIZER), help="a tokenizer directory, or 'none'")
     args = ap.parse_args(argv)
-    tokenizer = None
-    if args.tokenizer != "none":
-        from mrv2_jax.engine.builder import load_tokenizer
-
-        tokenizer = load_tokenizer(Path(args.tokenizer))
+    tokenizer = load_tokenizer_arg(args.tokenizer)
+    if tokenizer is not None:
         args.vocab = min(args.vocab, len(tokenizer))
     print(f"{args.num_rows} rows, logprobs={args.num_logprobs}, {args.steps} steps, "
           f"tokenizer={'none' if tokenizer is None else args.tokenizer}")

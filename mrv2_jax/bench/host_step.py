@@ -25,11 +25,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
-from mrv2_jax.bench.host_logprobs import DEMO_TOKENIZER, _HostArray
+from mrv2_jax.bench.host_logprobs import DEMO_TOKENIZER, _HostArray, load_tokenizer_arg
 from mrv2_jax.bench.timeline import StepRecorder
 from mrv2_jax.config import CacheConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
@@ -118,11 +117,7 @@ def main(argv=None, prog=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokenizer", default=str(DEMO_TOKENIZER), help="a tokenizer directory, or 'none'")
     args = ap.parse_args(argv)
-    tokenizer = None
-    if args.tokenizer != "none":
-        from mrv2_jax.engine.builder import load_tokenizer
-
-        tokenizer = load_tokenizer(Path(args.tokenizer))
+    tokenizer = load_tokenizer_arg(args.tokenizer)
     print(f"{args.steps} steps, prompt {args.prompt_len} tokens, "
           f"tokenizer={'none' if tokenizer is None else args.tokenizer}; median µs per steady decode step")
     print(f"  {'case':22s}" + "".join(f"{k:>11s}" for k in PARTS) + f"{'engine':>11s}")
