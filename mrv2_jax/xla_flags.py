@@ -11,8 +11,8 @@ sequences, v2-async, 39,984 -> 42,016 output tok/s.
 stacked weights in place. It pays only together with `step_compiler_options`: XLA's own Triton
 GEMMs cannot take a sliced operand, so with them every layer's weights were copied out of the
 stack each step (`memcpy128`, 0.6 ms of a 2.3 ms batch-1 step). With cuBLAS GEMMs and the
-slices fused (H200, sha 1ea4664): S1 at 256 sequences 40,307 -> 47,624 output tok/s (device
-step 4.81 -> 3.97 ms), batch 1 469 -> 499, batch 32 11,961 -> 14,834.
+slices fused (H200, sha 1ea4664, runs on two machines of the pool): S1 at 256 sequences, device
+step 4.81 -> 3.97 ms and 40,307 -> 47,624 output tok/s; batch 32, 11,961 -> 14,834.
 
 A flag the user already set wins (including turning command buffers off), and so does
 `MRV2_DEFAULT_XLA_FLAGS=0`. XLA reads XLA_FLAGS once, when the backend starts: importing
