@@ -101,8 +101,10 @@ for s in $sections; do case $s in
       --num-prompts 1 --disable-tqdm --output-json "$OUT/timeline_b1.json" ;;
   xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
       --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
-  compare-*) run_section $s python3 -m mrv2_jax.bench.compare --settings ${s#compare-} --vllm-python python3 \
-      --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b --output-json "$OUT/${s//-/_}.json" --plot "$OUT/${s//-/_}.png" ;;
+  # COMPARE_ARGS adds compare flags (e.g. --arms, --warmup-prompts); TAG suffixes the file names.
+  compare-*) run_section $s${TAG:-} python3 -m mrv2_jax.bench.compare --settings ${s#compare-} --vllm-python python3 \
+      --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b ${COMPARE_ARGS:-} --output-json "$OUT/${s//-/_}${TAG:-}.json" \
+      --plot "$OUT/${s//-/_}${TAG:-}.png" ;;
   fused) run_section fused python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
       --output-json "$OUT/fused_decode.json" ;;
   fused-while) run_section fused-while env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" \
