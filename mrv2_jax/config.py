@@ -35,8 +35,8 @@ class SchedulerConfig:
     ``num_lookahead_tokens``: KV slots kept allocated past the scheduled tokens (a draft model
     writes its own drafts' KV there).
     ``max_fused_steps``: up to this many decode steps in one runner call when every running
-    request decodes, none is waiting and there are at most ``max_fused_rows`` of them (what
-    the runner compiled); 1 turns fused decode off.
+    request decodes, none is waiting for a free slot and there are at most ``max_fused_rows``
+    of them (what the runner compiled); 1 turns fused decode off.
     """
 
     max_num_seqs: int = 256

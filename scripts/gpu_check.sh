@@ -60,6 +60,16 @@ for s in $sections; do case $s in
         --arms v2-async --sampling $kind --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 \
         --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256_sampling_$kind.json"
     done ;;
+  # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
+  # fused variants compiled up to 32 rows (never used there) vs up to every row.
+  fused-rows|fused-rows-1024)
+    seqs=256; [ $s = fused-rows-1024 ] && seqs=1024
+    for rows in 32 $seqs; do
+      run_section $s-$rows python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
+        --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs $seqs --max-num-batched-tokens 8192 \
+        --max-model-len 768 --temperature 1.0 --warmup-prompts 32 --max-fused-rows $rows \
+        --output-json "$OUT/${s//-/_}_$rows.json"
+    done ;;
   moe) run_section moe python3 -m mrv2_jax.bench.moe --sweep --output-json "$OUT/moe.json" ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.

@@ -183,6 +183,30 @@ def test_fused_plan_accounting():
     assert scheduler.schedule().num_fused_steps == 1
 
 
+def test_full_batch_with_waiting_requests_fuses_to_the_first_finish():
+    """Every slot taken and a request waiting: the fused call lasts until the first running
+    request can finish (min over the rows, not max), so its slot never idles while c waits."""
+    scheduler = fused_scheduler(max_fused_steps=8, max_fused_rows=2, max_num_seqs=2)
+    for req_id, max_tokens in (("a", 5), ("b", 20), ("c", 20)):
+        scheduler.add_request(Request(req_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    assert set(scheduler.schedule().num_scheduled_tokens) == {"a", "b"}  # prefills; c waits
+    second = scheduler.schedule()
+    assert second.num_fused_steps == 4 and second.num_scheduled_tokens == {"a": 4, "b": 4}
+    # a's tokens are all in flight: ordinary steps (b alone) until a finishes and c gets its slot.
+    assert scheduler.schedule().num_fused_steps == 1
+
+
+@pytest.mark.parametrize("steps_in_flight", [0, 1, 2], ids=["sync", "async", "async2"])
+def test_fused_plans_with_waiting_requests_match_reference(steps_in_flight):
+    workload = [(f"r{i}", [1 + i, 2, 3, 4], SamplingParams(max_tokens=3 + 7 * i, ignore_eos=True))
+                for i in range(7)]
+    workload += random_workload(seed=3)
+    driver, results = run_fused(workload, steps_in_flight, max_num_seqs=3, max_fused_rows=4)
+    assert_matches_reference(results, workload)
+    assert driver.runner.fused_calls
+    assert_all_blocks_free(driver)
+
+
 def test_last_prefill_token_is_not_fused():
     """A prefill with one token left looks like a decode (one token to compute) but its input
     is a prompt token the device does not have yet: it takes an ordinary step."""

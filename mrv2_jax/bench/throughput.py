@@ -42,6 +42,8 @@ def run(args) -> dict:
         "output_len": args.output_len, "num_input_tokens": num_in,
         "num_output_tokens": num_out, "runner": config.runner,
         "async_scheduling": llm.engine.async_scheduling,
+        # Runner calls that decoded several steps at once (fused decode), warm-up included.
+        "num_fused_calls": getattr(llm.engine.runner, "num_fused_calls", 0),
         "settings": {k: v for k, v in vars(config).items()},
     }
 
@@ -66,7 +68,8 @@ def main(argv=None, prog=None):
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['total_tokens_per_s']:.2f} total tokens/s, "
           f"{result['output_tokens_per_s']:.2f} output tokens/s "
-          f"(runner {result['runner']}, async {result['async_scheduling']}, startup {result['startup_s']:.1f} s)")
+          f"(runner {result['runner']}, async {result['async_scheduling']}, startup {result['startup_s']:.1f} s, "
+          f"{result['num_fused_calls']} fused calls)")
     if args.output_json:
         write_report(result, args.output_json)
     return result

@@ -10,7 +10,6 @@ VLLM_USE_V2_MODEL_RUNNER=0|1). It imports no JAX: JAX would take GPU memory from
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -43,7 +42,9 @@ def run(args) -> dict:
     argv = engine_argv(args)
     engine_args = EngineArgs.from_cli_args(parser.parse_args(argv))
     t0 = time.perf_counter()
-    llm = LLM(**dataclasses.asdict(engine_args))
+    # from_engine_args keeps nested configs as objects; dataclasses.asdict would turn them into
+    # dicts of Nones that vLLM 0.22.1's pydantic configs reject.
+    llm = LLM.from_engine_args(engine_args)
     startup = time.perf_counter() - t0
 
     vocab = vocab_size_of(args.model)

@@ -24,6 +24,7 @@ RUNNERS = ("v1", "v2")
 # call, 521 / 4,550 / 13,520 with up to 16 (docs/benchmarks.md, "Small-batch decode").
 # `--max-fused-steps 1` turns it off.
 DEFAULT_MAX_FUSED_STEPS = 16
+DEFAULT_MAX_FUSED_ROWS = 32
 
 
 @dataclass
@@ -50,6 +51,9 @@ class EngineConfig:
     # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
     max_fused_steps: int | None = None
     fused_unroll: int = 1  # decode steps per iteration of the fused loop (1: a plain while loop)
+    # V2: fused decode is compiled for batches of up to this many rows (the smallest bucket
+    # with at least that many). Larger batches decode one step per call.
+    max_fused_rows: int = DEFAULT_MAX_FUSED_ROWS
     seed: int = 0
     show_progress: bool = True
     # Speculative decoding: a SpeculativeConfig, a dict or a JSON string
@@ -71,7 +75,7 @@ class EngineConfig:
             # speculative decoding turns it off (docs/architecture.md, "Speculative decoding").
             on = self.runner == "v2" and self.speculative_config is None
             self.max_fused_steps = DEFAULT_MAX_FUSED_STEPS if on else 1
-        for name in ("max_fused_steps", "fused_unroll"):
+        for name in ("max_fused_steps", "fused_unroll", "max_fused_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -129,7 +133,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
         return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels,
-                             max_fused_steps=config.max_fused_steps, fused_unroll=config.fused_unroll, **kwargs)
+                             max_fused_steps=config.max_fused_steps, fused_unroll=config.fused_unroll,
+                             max_fused_rows=config.max_fused_rows, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)

@@ -250,21 +250,26 @@ class Scheduler:
 
     def _num_fused_steps(self) -> int:
         """K for a fused decode call now, or 1 for an ordinary step: K > 1 only when no request
-        needs the host before K more tokens (nothing waiting to be admitted, no prefill to
-        do, blocks for every token up front) and the batch fits the runner's fused variants."""
+        needs the host before K more tokens (no prefill to do, blocks for every token up front,
+        nothing waiting that a free slot could admit) and the batch fits the runner's fused
+        variants. With every slot taken and requests waiting, the call stops when the first
+        running request can finish, so that its slot does not idle while another request waits."""
         config = self.config
-        if (config.max_fused_steps <= 1 or self.waiting or not self.running
+        full = len(self.running) >= config.max_num_seqs
+        if (config.max_fused_steps <= 1 or not self.running or (self.waiting and not full)
                 or len(self.running) > min(config.max_fused_rows, config.max_num_batched_tokens)):
             return 1
-        num_steps, num_blocks = 1, 0
+        steps_left = []
         for request in self.running:
             if (request.num_computed_tokens < request.num_prefill_tokens
                     or request.num_tokens_with_placeholders - request.num_computed_tokens != 1):
                 return 1  # a prefill (chunk) to schedule
-            n = min(config.max_fused_steps, self._num_outputs_left(request))
-            num_steps = max(num_steps, n)
-            if n > 0:
-                num_blocks += self.kv_cache_manager.num_blocks_to_grow(request, n)
+            steps_left.append(min(config.max_fused_steps, self._num_outputs_left(request)))
+        num_steps = min(steps_left) if self.waiting else max(steps_left)
+        if num_steps <= 1:
+            return 1
+        num_blocks = sum(self.kv_cache_manager.num_blocks_to_grow(request, min(n, num_steps))
+                         for request, n in zip(self.running, steps_left) if n > 0)
         # Short of blocks: ordinary steps, which may preempt; a fused call never does.
         return num_steps if num_blocks <= self.kv_cache_manager.num_free_blocks else 1
 

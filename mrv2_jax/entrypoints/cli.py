@@ -27,9 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--max-fused-steps", type=int, default=None,
-                   help="v2: up to this many decode steps in one compiled call for small, stable batches "
-                        "(default 1: off, the faster on an H200 with XLA command buffers; 16 is the tested setting; "
-                        "must be 1 with --speculative-config)")
+                   help="v2: up to this many decode steps in one compiled call when every running request "
+                        "decodes (default 16; 1 turns fused decode off; must be 1 with --speculative-config)")
+    g.add_argument("--max-fused-rows", type=int, default=EngineConfig.max_fused_rows,
+                   help="v2: fused decode is compiled for batches of up to this many rows")
     g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
