@@ -1,6 +1,8 @@
 """Every sampling parameter through the real engine (all three runner arms, tiny Qwen3 fixture), against a
 plain one-request loop over the dense forward pass and the numpy sampler reference."""
 
+import collections
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,7 +125,7 @@ def test_static_sampler_variants_give_the_same_outputs(llm, monkeypatch):
 
     class StaticVariants(v1.ModelRunnerV1):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, sampler_variants=variants, **kwargs)
+            super().__init__(*args, **(kwargs | {"sampler_variants": variants}))
 
     monkeypatch.setattr(v1, "ModelRunnerV1", StaticVariants)
     static = make_llm(num_gpu_blocks=26, max_num_batched_tokens=8)  # one bucket: a quick compile
@@ -136,3 +138,50 @@ def test_static_sampler_variants_give_the_same_outputs(llm, monkeypatch):
         a = [o.outputs[0] for o in static.generate(prompts, params, use_tqdm=False)]
         b = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def count_variant_calls(runner):
+    """Wrap every compiled step of a V2 runner: counts calls per sampler variant index."""
+    used = collections.Counter()
+    for table in (runner.compiled, runner.fused):
+        for _, variants in table.values():
+            for i, fn in enumerate(variants):
+                variants[i] = (lambda fn, i: lambda *args: (used.update([i]), fn(*args))[1])(fn, i)
+    return used
+
+
+def test_plain_sampling_batches_take_the_variant_without_conditionals():
+    """Variants greedy / plain / all (the GPU default): a batch that only samples with a temperature runs
+    the plain variant, whose program has no conditional (no host round trip per step); a row
+    with a truncation switches the step to the full variant; tokens equal a runner compiled
+    with greedy and all only."""
+    quick = dict(runner="v2", num_gpu_blocks=26, max_num_batched_tokens=8, max_fused_steps=1)
+    three, two = make_llm(**quick, sampler_variants="greedy,plain,all"), make_llm(**quick, sampler_variants="greedy,all")
+    runner = three.engine.runner
+    assert runner.sampler_variants == (SamplerFeatures.greedy(), SamplerFeatures.plain_sampling(),
+                                       SamplerFeatures.all())
+    programs = [fn.as_text() for fn in next(iter(runner.compiled.values()))[1]]
+    assert "conditional(" not in programs[1] and "conditional(" in programs[2]
+    used = count_variant_calls(runner)
+    prompts = random_prompts(4, seed=21)
+    plain = [SamplingParams(max_tokens=6, temperature=t, seed=5 + i, ignore_eos=True)
+             for i, t in enumerate((0.0, 1.0, 0.7, 0.0))]
+    truncated = plain[:3] + [SamplingParams(max_tokens=6, temperature=0.8, top_p=0.5, seed=9, ignore_eos=True)]
+    for params, variant in ((plain, 1), (truncated, 2)):
+        used.clear()
+        a = [o.outputs[0].token_ids for o in three.generate(prompts, params, use_tqdm=False)]
+        b = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert a == b
+        assert max(used) == variant and used[variant] > 0
+
+
+def test_sampler_variant_names_are_checked():
+    from mrv2_jax.sample.features import default_variant_names, variants_by_name
+
+    assert default_variant_names("gpu") == ("greedy", "plain", "all")
+    assert default_variant_names("cpu") == ("greedy", "all")
+
+    assert variants_by_name("plain, all") == (SamplerFeatures.plain_sampling(), SamplerFeatures.all())
+    for bad in ("greedy", "greedy,fast,all", "all,greedy", "all,all", ""):
+        with pytest.raises(ValueError, match="sampler variants"):
+            variants_by_name(bad)

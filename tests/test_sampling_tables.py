@@ -11,7 +11,7 @@ from mrv2_jax.runner.step_result import TokenLogprobs
 from mrv2_jax.sample import SamplerFeatures, SamplingTable, SamplingTensors, sampling_row
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.penalties import pack_token_mask, unpack_token_mask
-from mrv2_jax.sample.tensors import check_request_fits, needed_features, seed_to_int32
+from mrv2_jax.sample.tensors import check_request_fits, needed_features, row_needs, seed_to_int32
 from mrv2_jax.sampling_params import SamplingParams
 
 
@@ -66,6 +66,26 @@ def test_table_gather_pads_with_neutral_rows_and_needed_features():
     assert SamplerFeatures.all().covers(needed) and not SamplerFeatures().covers(needed)
     assert not SamplerFeatures.all(num_logprobs=2).covers(needed.replace(num_logprobs=5))
     assert needed_features(SamplingTensors.neutral(2), 50) == SamplerFeatures(sampling=False, runtime_skip=False)
+
+
+def test_row_needs_is_the_one_row_needed_features():
+    """Per request (what the V2 runner keeps) as per batch (V1's table gather), for random
+    parameter sets; a greedy row needs no truncation."""
+    rng = np.random.default_rng(3)
+    table = SamplingTable(1, max_bias=3, max_stop=3)
+    for _ in range(200):
+        params = SamplingParams(
+            temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 5, 50])),
+            top_p=float(rng.choice([1.0, 0.9])), min_p=float(rng.choice([0.0, 0.1])),
+            presence_penalty=float(rng.choice([0.0, 0.5])), logit_bias={3: 1.0} if rng.random() < 0.3 else None,
+            min_tokens=int(rng.choice([0, 2])), logprobs=[None, 0, 3][rng.integers(3)], seed=1)
+        row = sampling_row(params, eos_token_ids=(2,))
+        table.write(0, row)
+        batch = needed_features(table.gather(np.array([0]), 1), vocab_size=50)
+        if params.temperature == 0:
+            batch = batch.replace(min_p=False, top_k=False, top_p=False)
+        assert row_needs(row, vocab_size=50) == batch, params
+    assert row_needs(sampling_row(SamplingParams(temperature=1.0, seed=1)), 50) == SamplerFeatures.plain_sampling()
 
 
 def test_prompt_mask_packing_round_trips():

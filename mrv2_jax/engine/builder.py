@@ -14,6 +14,7 @@ from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.models.loader import load_model, resolve_dtype
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
+from mrv2_jax.sample.features import default_variant_names, variants_by_name
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
@@ -54,6 +55,10 @@ class EngineConfig:
     # V2: fused decode is compiled for batches of up to this many rows (the smallest bucket
     # with at least that many). Larger batches decode one step per call.
     max_fused_rows: int = DEFAULT_MAX_FUSED_ROWS
+    # Sampler variants compiled per bucket, cheapest first, e.g. "greedy,plain,all"; each step
+    # runs the first that covers its batch (sample/features.py). Default: greedy,plain,all on
+    # GPUs, greedy,all elsewhere. Fewer variants: faster start, slower steps for some batches.
+    sampler_variants: str | None = None
     seed: int = 0
     show_progress: bool = True
     # Speculative decoding: a SpeculativeConfig, a dict or a JSON string
@@ -67,6 +72,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         resolve_dtype(self.dtype)
+        if self.sampler_variants is not None:
+            variants_by_name(self.sampler_variants)  # a bad list fails here, not at compile time
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
@@ -126,6 +133,7 @@ def make_spec_decoder(config: EngineConfig, model_state, lm, num_blocks: int, ma
 
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int, spec_decoder=None):
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+                  sampler_variants=variants_by_name(config.sampler_variants or default_variant_names()),
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
                   spec_decoder=spec_decoder)
@@ -140,6 +148,9 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     return ModelRunnerV1(model_state, lm, **kwargs)
 
 
+COMPILATION_CACHE_MAX_BYTES = 8 << 30  # least recently used entries go beyond this
+
+
 def enable_compilation_cache() -> None:
     """Keep compiled XLA executables on disk, so a second start skips most compiling.
     `MRV2_COMPILATION_CACHE=<dir>` moves it, `=off` turns it off."""
@@ -151,6 +162,11 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # A size limit turns on JAX's file lock around every cache read and write. Without it a
+    # process can read an entry another process is still writing (the write is not atomic),
+    # and XLA:CPU segfaulted deserialising such a truncated executable (pytest -n 2 workers
+    # sharing this cache).
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
 def build_engine(config: EngineConfig, loaded_model=None):

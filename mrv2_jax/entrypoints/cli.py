@@ -31,6 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "decodes (default 16; 1 turns fused decode off; must be 1 with --speculative-config)")
     g.add_argument("--max-fused-rows", type=int, default=EngineConfig.max_fused_rows,
                    help="v2: fused decode is compiled for batches of up to this many rows")
+    g.add_argument("--sampler-variants", default=None,
+                   help="sampler variants compiled per bucket, cheapest first, ending with 'all' "
+                        "(names: greedy, plain, all; default greedy,plain,all on GPUs, greedy,all elsewhere); "
+                        "each step runs the first that covers its batch")
     g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,

@@ -77,8 +77,8 @@ class ModelRunnerV1:
         self.prompt_top_n = np.full(max_num_seqs, -1, np.int32)  # prompt_logprobs n, -1 = none
         self.sampling = SamplingTable(max_num_seqs, MAX_LOGIT_BIAS, MAX_STOP_IDS)
         self.table_row = np.full(max_num_seqs, -1, np.int32)  # slot if its device rows are valid
-        # As V2: an argmax-only variant for plain-greedy batches, the full one otherwise.
-        self.sampler_variants = tuple(sampler_variants or (SamplerFeatures.greedy(), SamplerFeatures.all()))
+        # As V2: per step the first variant that covers the batch (greedy, plain sampling, all).
+        self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
         self.vocab_size = model_state.vocab_size
         self.eos_token_ids = tuple(model_state.eos_token_ids or ())
         # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot.

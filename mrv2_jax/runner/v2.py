@@ -41,7 +41,7 @@ from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
-from mrv2_jax.sample.tensors import (FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, is_plain_greedy,
+from mrv2_jax.sample.tensors import (FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, is_plain_greedy, row_needs,
                                      sampling_row)
 
 
@@ -117,9 +117,9 @@ class ModelRunnerV2:
                  use_kernels: bool | None = None, use_prep_kernels: bool = False,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, show_progress: bool = True,
                  spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32, fused_unroll: int = 1):
-        """`sampler_variants`: sampler feature sets compiled per bucket, cheapest first; a step
-        whose rows are all plain greedy uses the first, any other step the last (which must
-        cover everything). `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None.
+        """`sampler_variants`: sampler feature sets compiled per bucket, cheapest first, each
+        covering the ones before it; a step uses the first that covers every row's needs (the
+        last must cover everything; prompt logprobs always take it). `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None.
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
         to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
         self.params = FlatParams(lm)
@@ -144,10 +144,12 @@ class ModelRunnerV2:
         self._logprob_reqs: dict[str, int] = {}  # requests that asked for logprobs -> top n
         self._prompt_lp_reqs: dict[str, tuple[int, int]] = {}  # prompt_logprobs -> (top n, prompt length)
         self.eos_token_ids = tuple(model_state.eos_token_ids or ())
-        # Plain-greedy batches (the common benchmark case) take an argmax-only sampler; any
-        # other batch the variant with every feature behind cheap runtime skips.
-        self.sampler_variants = tuple(sampler_variants or (SamplerFeatures.greedy(), SamplerFeatures.all()))
-        self._needs_full_sampler: set[str] = set()  # live requests that are not plain greedy
+        # Plain-greedy batches take an argmax-only sampler, batches that only sample with a
+        # temperature a variant without conditionals, any other batch the variant with every
+        # feature behind runtime skips (sample/features.py says what each costs).
+        self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
+        self._variant_of: dict[str, int] = {}  # live requests that need more than variant 0
+        self.vocab_size = model_state.vocab_size
         self.slot_state = slot_state.init_slot_state(max_num_seqs, model_state.vocab_size, MAX_LOGIT_BIAS,
                                                      MAX_STOP_IDS)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
@@ -262,7 +264,7 @@ class ModelRunnerV2:
             self.slots.free(req_id)
             self._logprob_reqs.pop(req_id, None)
             self._prompt_lp_reqs.pop(req_id, None)
-            self._needs_full_sampler.discard(req_id)
+            self._variant_of.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._num_blocks.pop(req_id, None)
         req_ids = list(out.num_scheduled_tokens)
@@ -339,9 +341,12 @@ class ModelRunnerV2:
 
     def _dispatch(self, variants, packed, req_ids: list[str], out: SchedulerOutput,
                   prompt_spans: dict | None = None) -> PendingStep:
-        needs_full = bool(prompt_spans) or (self._needs_full_sampler
-                                            and any(r in self._needs_full_sampler for r in req_ids))
-        compiled = variants[-1] if needs_full else variants[0]
+        if prompt_spans:
+            compiled = variants[-1]
+        elif self._variant_of:
+            compiled = variants[max(self._variant_of.get(r, 0) for r in req_ids)]
+        else:
+            compiled = variants[0]
         start = time.perf_counter()
         self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
             self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
@@ -392,8 +397,13 @@ class ModelRunnerV2:
             if new.sampling_params.prompt_logprobs is not None and self.supports_prompt_logprobs:
                 self._prompt_lp_reqs[new.req_id] = (new.sampling_params.prompt_logprobs, new.num_prompt_tokens)
             if not is_plain_greedy(row):
-                self._needs_full_sampler.add(new.req_id)
+                self._variant_of[new.req_id] = self._smallest_variant(row)
             self._prompts[new.req_id] = list(new.token_ids)
+
+    def _smallest_variant(self, row) -> int:
+        needs = row_needs(row, self.vocab_size)
+        last = len(self.sampler_variants) - 1
+        return next((i for i, f in enumerate(self.sampler_variants) if f.covers(needs)), last)
 
     def _collect_block_appends(self, out: SchedulerOutput) -> list[tuple[int, int, int]]:
         """(slot, index in the block table, block id) for every block added this step."""

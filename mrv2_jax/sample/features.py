@@ -28,9 +28,14 @@ there, and `SamplerFeatures` (static, hashable: part of a compiled variant's key
 Measured on an H200 (256 rows x 151,936, docs/sampler.md): the temperature-only variant takes
 0.55-0.63 ms per step, the all-features variant with runtime skips on a temperature-only batch
 0.77-0.89 ms. That +0.15-0.35 ms is about what a host round trip per executed conditional would
-cost (~4-6 of them), i.e. the conditionals were apparently NOT running inside command buffers
-in that setup; worth checking with XLA_FLAGS=--xla_gpu_enable_command_buffer=...,CONDITIONAL.
-Until then, static variants are the zero-cost option.
+cost (~4-6 of them): XLA's default command buffers do not record conditionals, so each one
+splits the step's CUDA graph and the host reads its predicate back before launching the rest.
+
+So on GPUs runners compile three static variants per bucket by default (`default_variants`):
+greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all) and all
+(every feature, runtime skips); each step runs the first that covers its batch. Elsewhere the
+default is greedy and all (a CPU runs a conditional cheaply). `vllm bench
+throughput`-style runs (temperature 1, nothing else) take the plain one.
 """
 
 from __future__ import annotations
@@ -85,6 +90,17 @@ class SamplerFeatures:
     def greedy(cls) -> SamplerFeatures:
         return cls(sampling=False)
 
+    @classmethod
+    def plain_sampling(cls) -> SamplerFeatures:
+        """Temperature and seeded Gumbel noise only, and no conditional at all: the variant
+        for batches that sample with nothing else (`bench throughput --temperature 1`)."""
+        return cls(sampling=True, runtime_skip=False)
+
+    @classmethod
+    def default_variants(cls, backend: str | None = None) -> tuple[SamplerFeatures, ...]:
+        """What a runner compiles per bucket unless told otherwise, cheapest first."""
+        return variants_by_name(default_variant_names(backend))
+
     # Boolean feature flags, in a fixed order.
     FLAGS = ("sampling", "logit_bias", "min_tokens", "penalties", "min_p", "top_k", "top_p", "prompt_logprobs")
 
@@ -98,3 +114,30 @@ class SamplerFeatures:
 
     def replace(self, **changes) -> SamplerFeatures:
         return dataclasses.replace(self, **changes)
+
+
+# Named variants, for `EngineConfig.sampler_variants` / `--sampler-variants`.
+VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling, "all": SamplerFeatures.all}
+
+
+def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
+    """greedy, plain, all on GPUs; greedy, all elsewhere (default: JAX's default backend). The
+    plain variant exists because CUDA-graph command buffers do not record conditionals; a CPU
+    runs them cheaply, and each extra variant is one more compile per bucket."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return ("greedy", "plain", "all") if backend == "gpu" else ("greedy", "all")
+
+
+def variants_by_name(names) -> tuple[SamplerFeatures, ...]:
+    """("greedy", "plain", "all") or a comma-separated string of them -> feature sets. The last
+    must be "all" (a step with any feature falls back on it)."""
+    names = tuple(n.strip() for n in names.split(",")) if isinstance(names, str) else tuple(names)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"sampler variants must be names from {sorted(VARIANTS)}, got {names!r}")
+    if names[-1] != "all" or len(set(names)) != len(names):
+        raise ValueError(f"sampler variants must be distinct and end with 'all', got {names!r}")
+    return tuple(VARIANTS[n]() for n in names)

@@ -127,6 +127,18 @@ def is_plain_greedy(row: SamplingRow) -> bool:
     return s["temperature"] == 0 and not row.uses_penalties and not row.uses_sparse and s["num_logprobs"] < 0
 
 
+def row_needs(row: SamplingRow, vocab_size: int) -> SamplerFeatures:
+    """The features one request's row needs (the one-row case of `needed_features`). A greedy
+    row needs no truncation: min_p / top_k / top_p never remove the largest logit."""
+    s = row.scalars
+    sampled = s["temperature"] > 0
+    return SamplerFeatures(
+        sampling=sampled, logit_bias=len(row.bias_ids) > 0, min_tokens=len(row.stop_ids) > 0,
+        penalties=row.uses_penalties, min_p=sampled and s["min_p"] > 0,
+        top_k=sampled and 0 < s["top_k"] < vocab_size, top_p=sampled and s["top_p"] < 1,
+        num_logprobs=None if s["num_logprobs"] < 0 else int(s["num_logprobs"]), runtime_skip=False)
+
+
 def seed_to_int32(seed: int) -> int:
     """Any Python int -> int32 whose uint32 view is seed mod 2**32 (what the noise keys use), so
     seeds in [0, 2**31) keep the exact noise they always had."""
