@@ -25,7 +25,10 @@ RUNNERS = ("v1", "v2")
 # call, 521 / 4,550 / 13,520 with up to 16 (docs/benchmarks.md, "Small-batch decode").
 # `--max-fused-steps 1` turns it off.
 DEFAULT_MAX_FUSED_STEPS = 16
-DEFAULT_MAX_FUSED_ROWS = 32
+# Fused decode for batches of up to 256 rows: S1 at 256 seqs (temperature 1, H200, sha 6889369,
+# same machine) 41,865 output tok/s with fused variants up to 32 rows (never used there), 44,574
+# up to 256 (docs/benchmarks.md, "Sampler variants and fused decode at 256 rows").
+DEFAULT_MAX_FUSED_ROWS = 256
 
 
 @dataclass
