@@ -105,6 +105,11 @@ for s in $sections; do case $s in
   timeline) run_section timeline python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
       --num-prompts 256 --disable-tqdm --output-json "$OUT/timeline_s1_256.json" ;;
+  # Issue 10: where an S2 step's time goes (prefill-heavy: input 1024 / output 128), from step 20 on.
+  timeline-s2) run_section timeline-s2 python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
+      --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 1280 --input-len 1024 --output-len 128 \
+      --num-prompts 1000 --temperature 1.0 --trace-from-step 20 --window 20 --disable-tqdm \
+      --output-json "$OUT/timeline_s2.json" ;;
   # Issue 12: where a batch-1 decode step's ~2.1 ms of device time goes (kernel split).
   timeline-b1) run_section timeline-b1 python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 \

@@ -105,6 +105,22 @@ def test_bench_timeline_host_breakdown(tmp_path):
     assert (tmp_path / "timeline.trace.json.gz").stat().st_size > 0
 
 
+def test_bench_timeline_window_from_a_step(tmp_path):
+    """--trace-from-step traces steps N.. whatever they are: here prefill chunks (long prompts,
+    a small token budget), which a steady-decode window never covers."""
+    out = tmp_path / "timeline.json"
+    assert cli.main(["bench", "timeline", "--num-prompts", "4", "--input-len", "40", "--output-len", "4",
+                     "--trace-from-step", "1", "--window", "3", "--disable-tqdm", "--runner", "v2",
+                     "--no-prefix-caching",  # the warm-up ran these prompts: no cache hits wanted
+                     "--output-json", str(out), *ENGINE]) == 0
+    report = json.loads(out.read_text())
+    traced = [s for s in report["steps"] if s["traced"]]
+    assert [s["step"] for s in traced] == [1, 2, 3] and report["num_window_steps"] == 3
+    assert any(s["num_tokens"] > s["num_reqs"] for s in traced)  # prefill in the window
+    assert report["window_tokens_per_step"] == sorted(s["num_tokens"] for s in traced)[1]
+    assert report["window_median"]["wall_ms"] > 0
+
+
 def test_timeline_device_busy_from_trace_events(tmp_path):
     """The device arithmetic on a synthetic trace: two steps, kernels on a Stream line, a derived
     line that must be ignored."""

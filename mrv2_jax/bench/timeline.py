@@ -65,10 +65,13 @@ class _TimedResult:
 class StepRecorder:
     """Wraps one engine's step, schedule, execute, result and update (instance attributes, so
     nothing changes for other engines) and records each step's parts. Starts a profiler trace
-    before the `skip + 1`-th steady-decode step and stops it `window` steps later."""
+    before the `skip + 1`-th steady-decode step (or before step `from_step`, whatever its kind:
+    prefill-heavy settings) and stops it `window` steps later."""
 
-    def __init__(self, engine, rows: int, *, skip: int, window: int, trace_dir: str | None):
+    def __init__(self, engine, rows: int, *, skip: int, window: int, trace_dir: str | None,
+                 from_step: int | None = None):
         self.engine, self.rows, self.skip, self.window, self.trace_dir = engine, rows, skip, window, trace_dir
+        self.from_step = from_step
         self.steps: list[dict] = []
         self.tracing = False
         self.trace_done = trace_dir is None
@@ -131,7 +134,8 @@ class StepRecorder:
 
         if self.trace_done:
             return
-        if not self.tracing and self._steady_seen >= self.skip + 1:
+        start = index >= self.from_step if self.from_step is not None else self._steady_seen >= self.skip + 1
+        if not self.tracing and start:
             # Python tracing off: it would add its cost to every Python call of the host path.
             options = jax.profiler.ProfileOptions()
             options.python_tracer_level = 0
@@ -292,7 +296,8 @@ def run(args) -> dict:
                  use_tqdm=False)  # warm-up
     rows = min(args.max_num_seqs, len(prompts))
     trace_dir = tempfile.mkdtemp(prefix="mrv2-trace-") if args.window > 0 else None
-    recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir)
+    recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir,
+                            from_step=args.trace_from_step)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
     elapsed = time.perf_counter() - t0
@@ -301,7 +306,8 @@ def run(args) -> dict:
     device = {"note": "no trace taken (--window 0)", "steps": {}, "busy_fraction": None}
     trace_path = find_trace(trace_dir) if trace_dir else None
     if trace_dir and trace_path is None:
-        device = {"note": "no steady-decode window was reached: lower --skip-steps or raise the workload",
+        device = {"note": "the traced window was not reached: lower --skip-steps / --trace-from-step or raise "
+                          "the workload",
                   "steps": {}, "busy_fraction": None}
     if trace_path:
         device = device_timeline(trace_path)
@@ -316,7 +322,8 @@ def run(args) -> dict:
         shutil.rmtree(trace_dir, ignore_errors=True)
 
     steady = [s for s in steps if s["num_tokens"] == s["num_reqs"] == rows]
-    window = [s for s in steady if s["traced"]]
+    # The window: its steady-decode steps, or with --trace-from-step every step it traced.
+    window = [s for s in (steps if args.trace_from_step is not None else steady) if s["traced"]]
     parts = (*HOST_PARTS, "call_ms", "host_other_ms", "engine_ms", "wall_ms")
     device_parts = ("device_busy_ms", "device_idle_ms", "max_idle_gap_ms")
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -326,6 +333,7 @@ def run(args) -> dict:
         "async_scheduling": llm.engine.async_scheduling, "startup_s": startup, "elapsed_s": elapsed,
         "output_tokens_per_s": num_out / elapsed, "num_steps": len(steps), "steady_decode_rows": rows,
         "num_steady_steps": len(steady), "num_window_steps": len(window),
+        "window_tokens_per_step": statistics.median(s["num_tokens"] for s in window) if window else None,
         "steady_median": medians([s for s in steady if not s["traced"]], parts),
         "window_median": medians(window, parts) | medians([s for s in window if "device_busy_ms" in s],
                                                           device_parts),
@@ -371,6 +379,9 @@ def main(argv=None, prog=None):
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--skip-steps", type=int, default=50, help="steady-decode steps before the traced window")
     p.add_argument("--window", type=int, default=50, help="steps in the traced window (0: no trace)")
+    p.add_argument("--trace-from-step", type=int, default=None, metavar="N",
+                   help="trace from step N of the timed run whatever the steps are (prefill-heavy "
+                        "settings such as input 1024 / output 128) instead of after --skip-steps steady ones")
     p.add_argument("--trace-out", default=None, help="where to keep the Perfetto trace (default: beside "
                    "--output-json, as NAME.trace.json.gz)")
     p.add_argument("--output-json", default=None)
