@@ -59,3 +59,20 @@ def pytest_xdist_make_scheduler(config, log):
             return f"group:{group}" if group else nodeid
 
     return LoadWithGroups(config, log)
+
+
+@pytest.fixture(scope="module")
+def no_persistent_compile_cache():
+    """Compile without the on-disk cache for one module. XLA:CPU (jax 0.11.2) segfaults now and
+    then serialising or deserialising the speculative-decoding modules' executables for the cache
+    (`put_executable_and_time` / `get_executable_and_time`: four times in two sessions, always in
+    these modules, never when run alone), so they neither write nor read it."""
+    import jax
+    from jax._src import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # whether the cache is used is memoised per process
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
+    compilation_cache.reset_cache()

@@ -18,6 +18,8 @@ from mrv2_jax.models.loader import CHECKPOINTS_DIR
 from mrv2_jax.runner import v2
 from mrv2_jax.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("no_persistent_compile_cache")  # conftest.py says why
+
 DRAFT = str(CHECKPOINTS_DIR / "demo-qwen3-draft")
 TARGET = str(CHECKPOINTS_DIR / "demo-qwen3")
 # A small KV pool (20 blocks of 4; one request may need 16) forces preemptions; a 16-token

@@ -21,6 +21,9 @@ from tests.parity import FIXTURES
 
 MODEL = FIXTURES / "glm4-moe-tiny"  # num_nextn_predict_layers = 1
 
+pytestmark = pytest.mark.usefixtures("no_persistent_compile_cache")  # conftest.py says why
+
+
 
 @functools.cache
 def tiny():
