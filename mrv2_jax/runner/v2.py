@@ -119,7 +119,8 @@ class ModelRunnerV2:
                  spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32, fused_unroll: int = 1):
         """`sampler_variants`: sampler feature sets compiled per bucket, cheapest first, each
         covering the ones before it; a step uses the first that covers every row's needs (the
-        last must cover everything; prompt logprobs always take it). `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None.
+        last must cover everything; prompt logprobs always take it). `spec_decoder`: a
+        spec_decode.decoder.SpecDecoder, or None.
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
         to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
         self.params = FlatParams(lm)
