@@ -167,8 +167,7 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     # A size limit turns on JAX's file lock around every cache read and write. Without it a
     # process can read an entry another process is still writing (the write is not atomic),
-    # and XLA:CPU segfaulted deserialising such a truncated executable (pytest -n 2 workers
-    # sharing this cache).
+    # e.g. pytest -n 2 workers sharing this cache.
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 

@@ -28,8 +28,10 @@ there, and `SamplerFeatures` (static, hashable: part of a compiled variant's key
 Measured on an H200 (256 rows x 151,936, docs/sampler.md): the temperature-only variant takes
 0.55-0.63 ms per step, the all-features variant with runtime skips on a temperature-only batch
 0.77-0.89 ms. That +0.15-0.35 ms is about what a host round trip per executed conditional would
-cost (~4-6 of them): XLA's default command buffers do not record conditionals, so each one
-splits the step's CUDA graph and the host reads its predicate back before launching the rest.
+cost (~4-6 of them): XLA's default command-buffer types do not include conditionals, so each
+one splits the step's CUDA graph. Inside a whole S1 step the difference measured small (+1.4%
+for the plain variant below, H200, docs/benchmarks.md), but without conditionals fused decode
+paid at 256 rows, and with them it did not.
 
 So on GPUs runners compile three static variants per bucket by default (`default_variants`):
 greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all) and all
