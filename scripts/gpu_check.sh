@@ -9,7 +9,8 @@
 # same with the fused while loop captured in XLA command buffers; fused-unroll: 4 steps per
 # loop iteration), MoE grouped GEMM (moe), the MoE presets A/B (moe-presets, moe-presets-s2) and the
 # speculative-decoding benchmark (spec: ~5 min), the sampler's cost inside an S1 step
-# (ab-s1-sampling) and the batch-1 kernel split (timeline-b1).
+# (ab-s1-sampling), the cost of one lax.cond (conditionals), the sampler's kernels and idle gaps
+# per call (sampler-probe) and the batch-1 kernel split (timeline-b1).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
 #
@@ -93,6 +94,21 @@ for s in $sections; do case $s in
   sampler-short) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" --cases \
       dispatch greedy temperature all_unused all_used_threshold all_used_sort penalties logit_bias logprobs \
       top_k_top_p_threshold top_k_top_p_sort top_p_threshold top_p_peaked noise_threefry noise_hash ;;
+  # Issue 5: what an executed lax.cond costs (default flags, conditionals named explicitly, no command
+  # buffers), and the sampler's kernels with command buffers kept on under the profiler.
+  conditionals)
+    run_section conditionals python3 -m mrv2_jax.bench.conditionals --output-json "$OUT/conditionals.json"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL run_section conditionals-cond \
+      python3 -m mrv2_jax.bench.conditionals --output-json "$OUT/conditionals_cond.json"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= run_section conditionals-nocb \
+      python3 -m mrv2_jax.bench.conditionals --output-json "$OUT/conditionals_nocb.json" ;;
+  sampler-probe)
+    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true run_section sampler-probe \
+      python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler_probe.json" --profile --hlo-dir /tmp/hlo --cases \
+      dispatch greedy temperature all_unused all_used_threshold penalties logprobs top_k_top_p_threshold \
+      top_p_peaked top_p_threshold top64_blocks_128_16 top64_blocks_256_32_4 top64_blocks_128 \
+      top20_blocks_128_16 top20_blocks_256_32_4 --timeline all_unused all_used_threshold
+    tar czf "$OUT/sampler_hlo.tgz" -C /tmp hlo ;;
   attn-sweep) run_section attn-sweep python3 -m mrv2_jax.bench.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
   prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;

@@ -193,3 +193,33 @@ def test_host_step_bench_runs_a_few_steps():
         r = run_case(None, rows=8, steps=6, final_only=final_only, prompt_len=8)
         assert r["num_steps"] >= 4
         assert all(r[k] >= 0 for k in PARTS) and r["engine_total"] > 0
+
+
+def test_conditionals_bench_chains_agree_and_report(tmp_path):
+    """The lax.cond chain and its jnp.where twin compute the same values; the report has both."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mrv2_jax.bench import conditionals
+
+    big, small = jnp.ones((4, 16), jnp.float32), jnp.arange(4, dtype=jnp.float32)
+    for n in (0, 3):
+        np.testing.assert_allclose(conditionals.chain(n, True)(big, small), conditionals.chain(n, False)(big, small))
+    out = tmp_path / "cond.json"
+    report = conditionals.main(["--counts", "0", "2", "--runs", "2", "--warmup", "1", "--output-json", str(out)])
+    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
+    assert {(r["conditionals"], r["n"]) for r in report["results"]} == {(c, n) for c in (False, True) for n in (0, 2)}
+    assert report["us_per_cond"] is not None
+
+
+def test_sampler_bench_top_n_cases_and_hlo_dump(tmp_path):
+    from mrv2_jax.bench import sampler
+
+    out, hlo = tmp_path / "sampler.json", tmp_path / "hlo"
+    sampler.main(["--num-rows", "4", "--vocab", "3000", "--runs", "2", "--warmup", "1", "--cases",
+                  "top64_blocks_128_16", "top20_blocks_256_32_4", "greedy", "--hlo-dir", str(hlo),
+                  "--timeline", "greedy", "--output-json", str(out)])
+    cases = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(cases) == {"top64_blocks_128_16", "top20_blocks_256_32_4", "greedy"}
+    assert all(r["median_ms"] > 0 for r in cases.values())
+    assert "ENTRY" in (hlo / "greedy.hlo.txt").read_text()  # the optimized module, written per case

@@ -21,6 +21,10 @@ over --runs calls (after --warmup), each ended by block_until_ready, so it inclu
   noise_threefry, noise_hash      argmax(logits + noise) alone, with the former threefry noise and
                                   with the counter hash the sampler uses (sample/gumbel.py)
   penalties, logit_bias, logprobs the other features alone (on top of temperature)
+  top64_blocks_*, top20_blocks_* the exact top n alone (sample/block_top.py), by block sizes
+
+--timeline CASE... prints the device events of one call of those cases in order, with the idle
+gaps between them; --hlo-dir writes each case's optimized HLO.
 
 --profile traces 10 more calls of each case with jax.profiler and prints, per call, the kernels
 (by family) that take its device time: where a case's time goes, for tuning the sampler.
@@ -118,6 +122,14 @@ def run_case(name, features, kind, args):
               "features": dataclasses.asdict(features)}
     if args.profile:
         result["kernels"] = profile_kernels(compiled, inputs)
+    if args.hlo_dir:
+        import os
+
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        with open(os.path.join(args.hlo_dir, f"{name}.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
+    if name in (args.timeline or ()):
+        result["timeline"] = call_timeline(compiled, inputs)
     return result
 
 
@@ -139,6 +151,40 @@ def profile_kernels(fn, inputs, calls: int = 10) -> list[dict]:
     return kernel_split(events, events[0][0], max(e[1] for e in events), calls, top=25)
 
 
+def call_timeline(fn, inputs, calls: int = 3) -> list[dict]:
+    """The device events of the last of `calls` traced calls, in order: offset from that call's
+    first event, duration and idle gap before it (µs). Shows where a call's wall time goes that
+    no kernel accounts for (conditionals, launches between command buffers)."""
+    from mrv2_jax.bench.timeline import find_trace, read_trace
+
+    trace_dir = tempfile.mkdtemp(prefix="mrv2-sampler-trace-")
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*inputs))
+                time.sleep(0.005)  # a gap that marks where one call ends
+        path = find_trace(trace_dir)
+        events = read_trace(path)[1] if path else []
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    # Calls are separated by the sleep: split at gaps over 2 ms and keep the last group.
+    groups, last_end = [[]], None
+    for start, end, name in events:
+        if last_end is not None and start - last_end > 2000:
+            groups.append([])
+        groups[-1].append((start, end, name))
+        last_end = end if last_end is None else max(last_end, end)
+    call = groups[-1]
+    if not call:
+        return []
+    t0, out, prev_end = call[0][0], [], call[0][0]
+    for start, end, name in call:
+        out.append({"at_us": round(start - t0, 1), "us": round(end - start, 1),
+                    "gap_us": round(max(0.0, start - prev_end), 1), "kernel": name})
+        prev_end = max(prev_end, end)
+    return out
+
+
 NOISE_CASES = {"noise_threefry": threefry_gumbel_noise, "noise_hash": gumbel_noise}
 
 
@@ -156,6 +202,23 @@ def run_noise_case(name, args):
             "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": 0.0}
 
 
+# top_n_by_blocks alone: n, block sizes per level (sample/block_top.py).
+TOP_N_CASES = {"top64_blocks_128_16": (64, (128, 16)), "top64_blocks_256_32_4": (64, (256, 32, 4)),
+               "top64_blocks_128": (64, (128,)), "top20_blocks_128_16": (20, (128, 16)),
+               "top20_blocks_256_32_4": (20, (256, 32, 4))}
+
+
+def run_top_n_case(name, args):
+    from mrv2_jax.sample.block_top import top_n_by_blocks
+
+    n, blocks = TOP_N_CASES[name]
+    logits = jnp.asarray(np.random.default_rng(0).normal(0, 2, (args.num_rows, args.vocab)).astype(np.float32))
+    compiled = jax.jit(lambda x: top_n_by_blocks(x, n, blocks)).lower(logits).compile()
+    ms = sorted(s * 1e3 for s in time_calls(compiled, (logits,), args.runs, args.warmup))
+    return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": 0.0}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-rows", type=int, default=256)
@@ -164,18 +227,23 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cases", nargs="*", default=None, help="subset of case names (default: all)")
     p.add_argument("--profile", action="store_true", help="print each case's kernel split (jax.profiler)")
+    p.add_argument("--timeline", nargs="*", default=None,
+                   help="cases whose device events of one call to print in order, with the gaps")
+    p.add_argument("--hlo-dir", default=None, help="write each case's optimized HLO there (fusion boundaries)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     cases = _cases()
     names = args.cases or list(cases)
-    unknown = set(names) - set(cases) - {"dispatch", *NOISE_CASES}
+    unknown = set(names) - set(cases) - {"dispatch", *NOISE_CASES, *TOP_N_CASES}
     if unknown:
         p.error(f"unknown case(s) {sorted(unknown)}; choose from {['dispatch', *cases]}")
 
     results = []
     for name in [n for n in NOISE_CASES if n in names]:
         results.append(run_noise_case(name, args))
-    names = [n for n in names if n not in NOISE_CASES]
+    for name in [n for n in TOP_N_CASES if n in names]:
+        results.append(run_top_n_case(name, args))
+    names = [n for n in names if n not in NOISE_CASES and n not in TOP_N_CASES]
     if args.cases is None or "dispatch" in names:
         tiny = jnp.zeros((8,), jnp.float32)
         noop = jax.jit(lambda x: x + 1).lower(tiny).compile()
@@ -194,6 +262,8 @@ def main(argv=None):
         results.append(r)
         print(f"{name:28s} {r['median_ms']:10.3f} {r['min_ms']:9.3f} {r['p90_ms']:9.3f} {r['compile_s']:10.1f}",
               flush=True)
+        for e in r.get("timeline", []):
+            print(f"    +{e['at_us']:8.1f} us {e['us']:7.1f} us (gap {e['gap_us']:6.1f}) {e['kernel'][:60]}")
         for k in r.get("kernels", []):
             print(f"    {k['kernel'][:56]:56s} {k['ms_per_step']:8.4f} ms x{k['launches_per_step']:.0f} "
                   f"{k['share']:6.1%}", flush=True)

@@ -1,43 +1,45 @@
 """Which sampler features a compiled step contains, and how unused ones are skipped.
 
-A feature no request in the batch uses must cost (almost) nothing. There are two ways to get
-there, and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allows both:
+A feature no request in the batch uses should cost little. There are two ways to get there,
+and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allows both:
 
 * **Static variants.** A feature whose flag is False is not in the program at all. A runner
   may compile a few variants per bucket (say "temperature only" and "everything") and pick, on
   the host, the smallest one that covers the batch (`covers`). Zero device cost; the price is
   compile time and memory for each extra variant, and a host check per step.
 
-* **Runtime skips** (`runtime_skip=True`). Every feature compiled in is guarded on the device by
-  a test "does any row use it?", so one variant serves every batch. On the GPU, XLA runs these
-  conditionals inside its command buffers (CUDA graphs with conditional nodes), so the cost of
-  an unused feature is one tiny reduction over [R] per-row values plus a conditional node.
-  The catch: an XLA conditional whose result is the [R, V] logits must copy them in the branch
-  that does nothing (measured in the HLO: a `copy` of f32[R, V] appears), ~70 us on an H200 at
-  256 x 152K. So the sampler never lets [R, V] arrays out of a conditional:
-    - truncations (min_p / top_k / top_p) run under `lax.cond` but return only per-row
-      thresholds [R]; the masking itself is fused into the final argmax pass;
-    - the features that rewrite the logits (logit_bias, min_tokens, penalties) sit under ONE
-      conditional whose two branches each run the whole rest of the sampler and return only
-      tokens [R]: the tail is traced twice (more compile time), never copied at run time. A
-      batch using any of the three pays for all three compiled in (the penalty pass reads its
-      count table; bias-only batches are rare).
-  With runtime_skip=False, compiled-in features run unconditionally (rows that do not use them
-  carry neutral values, so results are the same; only the cost differs).
+* **Runtime skips** (`runtime_skip=True`). One variant serves every batch; the pieces that cost
+  far more than a conditional run under a `lax.cond` on "does any row need it?": the whole-row
+  threshold search (top_k > 64, or top_p on a flat row: ~2 ms at 256 x 152K on an H200), the
+  whole-row noise pass (rows the top candidates do not settle: ~0.2 ms) and prompt logprobs
+  (an lm-head pass over every scheduled token). Everything else compiled in runs every step:
+  the logit edits, the top 64 candidates, top_p's row mass, the logprobs. Rows that do not use
+  a feature carry neutral values, so results are the same either way; only the cost differs.
 
-Measured on an H200 (256 rows x 151,936, docs/sampler.md): the temperature-only variant takes
-0.55-0.63 ms per step, the all-features variant with runtime skips on a temperature-only batch
-0.77-0.89 ms. That +0.15-0.35 ms is about what a host round trip per executed conditional would
-cost (~4-6 of them): XLA's default command-buffer types do not include conditionals, so each
-one splits the step's CUDA graph. Inside a whole S1 step the difference measured small (+1.4%
-for the plain variant below, H200, docs/benchmarks.md), but without conditionals fused decode
-paid at 256 rows, and with them it did not.
+  Why not a conditional around every feature (the sampler until 2026-11-30), measured on an
+  H200 (docs/sampler.md, docs/benchmarks.md):
+    - an executed or skipped conditional costs ~20 us on its own (`bench conditionals`; the
+      same with command buffers on or off: XLA records conditionals in its CUDA graphs by
+      default, `+CONDITIONAL` changes nothing), and inside a whole decode step the three
+      cheap pieces' conditionals cost more than the pieces: every feature used, step device
+      time +16.6% over greedy without them vs +19.4% with them (one machine);
+    - a conditional that holds another one two levels down, or a four-way `lax.switch`, left
+      the GPU idle 0.1-0.4 ms per call; the search's own two inner conditionals (one level
+      down) do not;
+    - a conditional returning [R, V] logits copies them in the branch that does nothing
+      (~70 us), so the logit edits cannot be skipped that way;
+    - XLA:GPU turns a conditional whose branch holds only elementwise ops and reductions into
+      unconditional code anyway (top_p's row mass was).
+  In mixed serving batches the skips rarely skip: one row using a feature turns it on.
+  With runtime_skip=False, the search and the noise pass run unconditionally too.
+
+The figures for each layout are in docs/benchmarks.md ("Sampler: fewer conditionals").
 
 So on GPUs runners compile three static variants per bucket by default (`default_variants`):
 greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all) and all
 (every feature, runtime skips); each step runs the first that covers its batch. Elsewhere the
-default is greedy and all (a CPU runs a conditional cheaply). `vllm bench
-throughput`-style runs (temperature 1, nothing else) take the plain one.
+default is greedy and all (one compile fewer per bucket). `vllm bench throughput`-style runs
+(temperature 1, nothing else) take the plain one.
 """
 
 from __future__ import annotations

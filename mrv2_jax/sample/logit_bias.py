@@ -62,13 +62,3 @@ def edit_after_penalties(penalized: jax.Array, raw: jax.Array, t: SamplingTensor
         ids = forbidden_ids(t, v)
         penalized = penalized.at[_rows(ids), ids].set(-jnp.inf, mode="drop")
     return penalized
-
-
-def uses_sparse_edits(t: SamplingTensors, *, bias: bool = True, min_tokens: bool = True) -> jax.Array:
-    """Device-side: does any row of the batch need a sparse edit? (bool[])"""
-    used = jnp.zeros((), bool)
-    if bias:
-        used |= jnp.any(t.bias_ids >= 0)
-    if min_tokens:
-        used |= jnp.any((t.num_output_tokens < t.min_tokens)[:, None] & (t.stop_ids >= 0))
-    return used

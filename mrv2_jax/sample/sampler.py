@@ -28,9 +28,9 @@ from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
-from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, uses_sparse_edits
-from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
-from mrv2_jax.sample.penalties import PenaltyData, apply_penalties, uses_penalties
+from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties
+from mrv2_jax.sample.logprobs import compute_logprobs
+from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
 from mrv2_jax.sample.tensors import SamplingTensors
 
 __all__ = ["SamplerOutput", "sample", "sample_tokens", "gumbel_noise"]
@@ -57,24 +57,15 @@ def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features
     if f.penalties and penalties is None:
         raise ValueError("features.penalties needs PenaltyData")
     x = logits.astype(jnp.float32)
-    adjusts = f.logit_bias or f.min_tokens or f.penalties
-    with_adjust = lambda x: _pick_tokens(adjust_logits(x, t, f, penalties), t, positions, f)  # noqa: E731
-    if adjusts and f.runtime_skip:
-        # Both branches run the rest of the sampler and return tokens: a conditional returning
-        # the adjusted [R, V] logits would copy them in the branch that adjusts nothing.
-        used = uses_penalties(t) if f.penalties else jnp.zeros((), bool)
-        used |= uses_sparse_edits(t, bias=f.logit_bias, min_tokens=f.min_tokens)
-        tokens = jax.lax.cond(used, with_adjust, lambda x: _pick_tokens(x, t, positions, f), x)
-    elif adjusts:
-        tokens = with_adjust(x)
-    else:
-        tokens = _pick_tokens(x, t, positions, f)
-
+    # The edits run whenever they are compiled in, used or not: a conditional around them would
+    # have to return the [R, V] logits, and copies them in the branch that edits nothing
+    # (features.py); rows that use none carry neutral values.
+    processed = adjust_logits(x, t, f, penalties) if (f.logit_bias or f.min_tokens or f.penalties) else x
+    tokens = _pick_tokens(processed, t, positions, f)
     if f.num_logprobs is None:
         return SamplerOutput(tokens)
-    n = f.num_logprobs
-    lp = _maybe(f.runtime_skip, jnp.any(t.num_logprobs >= 0),
-                lambda: compute_logprobs(x, tokens, n), lambda: empty_logprobs(x.shape[0], n))
+    # Computed whenever compiled in (features.py: conditionals guard only the costly pieces).
+    lp = compute_logprobs(x, tokens, f.num_logprobs)
     return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.sampled_rank)
 
 
@@ -96,36 +87,41 @@ def _maybe(runtime_skip: bool, used: jax.Array, compute, skip):
 
 
 def _pick_tokens(x: jax.Array, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures) -> jax.Array:
-    """x: processed logits (after bias / penalties). -> i32[R]."""
-    greedy = lambda: jnp.argmax(x, axis=-1).astype(jnp.int32)  # noqa: E731
+    """x: processed logits (after bias / penalties). -> i32[R].
+
+    With runtime skips, two conditionals guard the whole-row passes (the noise pass here, the
+    threshold search in threshold_and_top); both return [R] values and hold no conditional
+    that could run at the same level (features.py says why)."""
     if not f.sampling:
-        return greedy()
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    is_sampled = t.temperature > 0
+    divisor = jnp.where(is_sampled, t.temperature, 1.0)
 
-    def sampled():
-        is_sampled = t.temperature > 0
-        divisor = jnp.where(is_sampled, t.temperature, 1.0)
-        keep_from, top = threshold_and_top(x, divisor, t, f)
+    def whole_row(keep_from):
+        # x / divisor is recomputed inside each conditional branch that reads it: a value
+        # handed to a conditional is written out first (one more [R, V] pass).
+        scaled = x / divisor[:, None]
+        noisy = jnp.where(scaled >= keep_from[:, None], scaled, NEG_INF)
+        noisy = noisy + gumbel_noise(t.seeds, positions, x.shape[-1])
+        # Greedy rows of a mixed batch take the argmax of their processed logits.
+        return jnp.argmax(jnp.where(is_sampled[:, None], noisy, x), axis=-1).astype(jnp.int32)
 
-        def whole_row():
-            # x / divisor is recomputed inside each conditional branch that reads it: a value
-            # handed to a conditional is written out first (one more [R, V] pass).
-            scaled = x / divisor[:, None]
-            noisy = jnp.where(scaled >= keep_from[:, None], scaled, NEG_INF)
-            noisy = noisy + gumbel_noise(t.seeds, positions, x.shape[-1])
-            # Greedy rows of a mixed batch take the argmax of their processed logits.
-            return jnp.argmax(jnp.where(is_sampled[:, None], noisy, x), axis=-1).astype(jnp.int32)
-
-        if top is None:
-            return whole_row()
-        # A row whose kept tokens all lie among its top C (the threshold is above the C-th
-        # largest value: top_k <= C, or a peaked top_p) samples from those C alone, with the
-        # noise of their ids: the same token as the whole-row pass, without reading the row.
-        on_top = is_sampled & (keep_from > top[0][:, -1])
-        from_top = _sample_among(top, keep_from, t.seeds, positions)
-        rest = _maybe(f.runtime_skip, jnp.any(~on_top), whole_row, lambda: from_top)
-        return jnp.where(on_top, from_top, rest)
-
-    return _maybe(f.runtime_skip, jnp.any(t.temperature > 0), sampled, greedy)
+    if not (f.min_p or f.top_k or f.top_p):
+        no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
+        return _maybe(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
+                      lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
+    keep_from, top = threshold_and_top(x, divisor, t, f)
+    if top is None:  # the sort reference
+        return whole_row(keep_from)
+    # A row whose kept tokens all lie among its top C (the threshold is above the C-th largest
+    # value: top_k <= C, or a peaked top_p) samples from those C alone, with the noise of their
+    # ids: the same token as the whole-row pass, without reading the row. A greedy row's pick is
+    # the first of them (ties to the lowest id, as argmax) unless its row is all -inf.
+    values, ids = top
+    on_top = jnp.where(is_sampled, keep_from > values[:, -1], values[:, 0] > NEG_INF)
+    from_top = jnp.where(is_sampled, _sample_among(top, keep_from, t.seeds, positions), ids[:, 0])
+    rest = _maybe(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top)
+    return jnp.where(on_top, from_top, rest)
 
 
 def _sample_among(top, keep_from: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
@@ -144,85 +140,73 @@ def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatur
 
 def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures):
     """For scaled = x / divisor[:, None] -> (f32[R]: each row keeps the tokens with scaled logit
-    >= this, -inf keeps everything; the row's top C scaled values and their ids [R, C] when the
-    block path found them, else None).
+    >= this, -inf keeps everything; the row's top C scaled values and their ids [R, C], or None
+    with the sort method). Rows with temperature 0 get no whole-row search: their thresholds
+    are those the top C give (a greedy row takes the maximum, which every truncation keeps).
 
-    With runtime skips, one conditional skips all truncations when no row uses any (the usual
-    case: one predicate, not three), and inside it each truncation has its own. Conditionals
-    return only [R] thresholds and [R, C] candidates."""
+    The top C and top_p's row mass are computed whenever compiled in; with runtime skips, the
+    whole-row search runs only when some sampled row's cut-off is not among its top C."""
     r, v = x.shape
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
-    used = {"min_p": jnp.any(t.min_p > 0), "top_k": jnp.any(topk_topp.top_k_enabled(t.top_k, v)),
-            "top_p": jnp.any(topk_topp.top_p_enabled(t.top_p))}
-    enabled = [name for name in used if getattr(f, name)]
+    enabled = [name for name in ("min_p", "top_k", "top_p") if getattr(f, name)]
     if not enabled:
         return none(), None
-    block_path = (f.top_k or f.top_p) and f.top_k_top_p != "sort"
-    c = min(topk_topp.TOP_CANDIDATES, v)
-    nothing = lambda: (none(), (jnp.full((r, c), NEG_INF, jnp.float32), jnp.zeros((r, c), jnp.int32)))  # noqa: E731
-    if not f.runtime_skip:
-        thresh, top = _thresholds(x, divisor, t, f, used)
-    else:
-        any_used = jnp.any(jnp.stack([used[name] for name in enabled]))
-        if block_path:
-            thresh, top = jax.lax.cond(any_used, lambda: _thresholds(x, divisor, t, f, used), nothing)
-        else:
-            thresh, top = jax.lax.cond(any_used, lambda: _thresholds(x, divisor, t, f, used)[0], none), None
-    return thresh, top
-
-
-def _thresholds(x, divisor, t: SamplingTensors, f: SamplerFeatures, used):
-    """-> (thresholds f32[R], (top values, ids) [R, C] or None) for the truncations in use."""
-    r, v = x.shape
-    scaled = x / divisor[:, None]  # fused into the passes that read it, never written out
-    none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
-    # The fast path's top values come from one pass over the row; min_p's row maximum is the
-    # first of them, so min_p then costs no pass of its own.
-    block_path = (f.top_k or f.top_p) and f.top_k_top_p != "sort"
-    top = tuple(top_n_by_blocks(scaled, min(topk_topp.TOP_CANDIDATES, v))) if block_path else None
-    desc = top[0] if block_path else None
-    thresh = none()
-    if f.min_p:
-        row_max = (lambda: desc[:, 0]) if block_path else (lambda: jnp.max(scaled, axis=-1))
-        thresh = _maybe(f.runtime_skip, used["min_p"], lambda: topk_topp.min_p_threshold(row_max(), t.min_p), none)
+    is_sampled = t.temperature > 0
+    if f.top_k_top_p == "sort":
+        return _sort_thresholds(x / divisor[:, None], t, f, is_sampled), None
+    top = top_n_by_blocks(x / divisor[:, None], min(topk_topp.TOP_CANDIDATES, v))
+    desc = top[0]
+    floor = topk_topp.min_p_threshold(desc[:, 0], t.min_p) if f.min_p else none()
     if not (f.top_k or f.top_p):
-        return thresh, top
-    floor = thresh
+        return floor, top
+    # Rows whose truncation keeps only tokens among the row's top few finish on those few
+    # values (topk_topp.py "fast path"): top_k rows whose kept tokens all lie there (with top_p,
+    # its mass is that of the kept top values), and rows that cut nothing below the floor.
     k = t.top_k if f.top_k else jnp.zeros_like(t.top_k)
     p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
-    if f.top_k_top_p == "sort":
-        return _maybe(f.runtime_skip, (used["top_k"] & f.top_k) | (used["top_p"] & f.top_p),
-                      lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p), lambda: floor), None
-    # Rows whose truncation keeps only tokens among the row's top few finish on those few
-    # values (topk_topp.py "fast path"); the others, if any, run the whole-row search.
-    covered = topk_topp.top_covers_top_k(desc, k, v)
+    k_on, p_on = topk_topp.top_k_enabled(k, v), topk_topp.top_p_enabled(p)
+    settled = topk_topp.top_covers_top_k(desc, k, v) | (~k_on & ~p_on)
     total = None
     if f.top_p:
-        # The row's mass is needed only where top_p runs without top_k (with top_k the mass
-        # is that of the kept top values): a whole-row pass skipped when no row needs it.
-        needs_mass = topk_topp.top_p_enabled(p) & ~topk_topp.top_k_enabled(k, v)
-        total = _maybe(f.runtime_skip, jnp.any(needs_mass),
-                       lambda: topk_topp.row_mass(x / divisor[:, None], desc[:, 0], floor),
-                       lambda: jnp.zeros((r,), jnp.float32))
-        covered |= ~topk_topp.top_k_enabled(k, v) & topk_topp.top_holds_top_p(desc, floor, p, total)
+        # The row's mass, for top_p without top_k (with top_k the mass is that of the kept top
+        # values): top_p alone is settled when its top C hold mass p.
+        total = topk_topp.row_mass(x / divisor[:, None], desc[:, 0], floor)
+        settled |= ~k_on & topk_topp.top_holds_top_p(desc, floor, p, total)
     fast = topk_topp.threshold_from_sorted(desc, floor, k, p, v, total)
-    needs_search = ~covered & (topk_topp.top_k_enabled(k, v) | topk_topp.top_p_enabled(p))
+    needs_search = ~settled & (k_on | p_on) & is_sampled
     slow = _maybe(f.runtime_skip, jnp.any(needs_search),
-                  lambda: _search_thresholds(x / divisor[:, None], t, f, used, floor), lambda: fast)
-    return jnp.where(covered, fast, slow), top
+                  lambda: _search_thresholds(x / divisor[:, None], t, f, floor, needs_search), lambda: fast)
+    return jnp.where(settled, fast, slow), top
 
 
-def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, used, floor) -> jax.Array:
-    """top_k then top_p by k-ary search over the whole row (topk_topp.py)."""
-    none = lambda: jnp.full((scaled.shape[0],), NEG_INF, jnp.float32)  # noqa: E731
+def _sort_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, is_sampled) -> jax.Array:
+    """The reference: min_p from the row maximum, top_k + top_p from one sort per row."""
+    r, v = scaled.shape
+    floor = topk_topp.min_p_threshold(jnp.max(scaled, axis=-1), t.min_p) if f.min_p else jnp.full((r,), NEG_INF)
+    if not (f.top_k or f.top_p):
+        return floor
+    k = t.top_k if f.top_k else jnp.zeros_like(t.top_k)
+    p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
+    cuts = (topk_topp.top_k_enabled(k, v) | topk_topp.top_p_enabled(p)) & is_sampled
+    return _maybe(f.runtime_skip, jnp.any(cuts), lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p),
+                  lambda: floor)
+
+
+def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, floor, needs_search) -> jax.Array:
+    """top_k then top_p by k-ary search over the whole row (topk_topp.py), each skipped when no
+    row needing a search uses it. These two conditionals sit inside the search's own: on an
+    H200 that depth cost ~15 us per step, where a third level, or one four-way switch in their
+    place, left the GPU idle 0.1-0.2 ms (docs/sampler.md)."""
+    k_on, p_on = topk_topp.top_k_enabled(t.top_k, scaled.shape[-1]), topk_topp.top_p_enabled(t.top_p)
     thresh = floor
     if f.top_k:
-        kth = _maybe(f.runtime_skip, used["top_k"],
-                     lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity), none)
+        kth = _maybe(f.runtime_skip, jnp.any(needs_search & k_on),
+                     lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity),
+                     lambda: jnp.full(floor.shape, NEG_INF, jnp.float32))
         thresh = jnp.maximum(thresh, kth)
     if f.top_p:
         floor = thresh
-        thresh = _maybe(f.runtime_skip, used["top_p"],
+        thresh = _maybe(f.runtime_skip, jnp.any(needs_search & p_on),
                         lambda: topk_topp.top_p_threshold_search(scaled, jnp.max(scaled, axis=-1), floor,
                                                                  t.top_p, f.search_arity),
                         lambda: floor)
