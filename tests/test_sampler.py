@@ -235,6 +235,33 @@ def test_runtime_skips_static_variants_and_sort_agree():
             np.testing.assert_array_equal(outs[0], other)
 
 
+def test_mixed_batch_on_wide_rows_matches_the_sort_reference():
+    """Rows wide enough for both levels of block maxima (V > 64 x 128): greedy rows (their
+    token from the top candidates), top_k <= 64 rows (drawn among them), and rows that take the
+    whole-row pass or the search, in one batch; every feature on. Same tokens as the sort
+    method, which takes neither shortcut."""
+    rng = np.random.default_rng(12)
+    r, v = 12, 64 * 128 + 300
+    rows = random_requests(rng, r, v)
+    extra = dict(temperature=np.array([0, 0, 0.7, 1, 1, 1, 0.5, 1, 0, 1.2, 1, 1.0]),
+                 top_k=np.array([0, 50, 20, 64, 0, 200, 1, 0, 5, 30, 0, 0]),
+                 top_p=np.array([1, 0.9, 0.9, 1, 0.95, 1, 1, 1, 0.5, 1, 1, 0.8]),
+                 min_p=np.array([0, 0, 0.05, 0, 0, 0, 0, 0.1, 0, 0, 0, 0]),
+                 seeds=rng.integers(0, 2**31, r), num_logprobs=np.full(r, -1))
+    t = tensors_for(rows, **extra)
+    logits = rng.normal(0, 2, (r, v)).astype(np.float32)
+    logits[11, rng.choice(v, 40, replace=False)] += 14  # peaked: top_p alone settles on the top 64
+    pos, pen = jnp.asarray(rng.integers(0, 1000, r), jnp.int32), penalties_for(rows, v)
+    f = ALL.replace(num_logprobs=None, prompt_logprobs=False)
+    fast = jax.jit(lambda x, t, p, pen: sample(x, t, p, f, pen))(jnp.asarray(logits), t, pos, pen).tokens
+    ref_f = f.replace(top_k_top_p="sort")
+    want = jax.jit(lambda x, t, p, pen: sample(x, t, p, ref_f, pen))(jnp.asarray(logits), t, pos, pen).tokens
+    np.testing.assert_array_equal(fast, want)
+    greedy = np.asarray(extra["temperature"]) == 0
+    processed = np.stack([ref.process_row(logits[i], **rows[i]) for i in np.flatnonzero(greedy)])
+    np.testing.assert_array_equal(np.asarray(fast)[greedy], np.argmax(processed, axis=-1))
+
+
 def test_greedy_rows_take_argmax_of_processed_logits():
     rng = np.random.default_rng(5)
     r, v = 16, 200  # the shapes of the other whole-sampler tests: one compile

@@ -7,10 +7,12 @@ Pipeline, per row (vLLM's order):
     sampled rows:  processed / T -> min_p -> top_k -> top_p -> argmax(masked + Gumbel noise)
 
 Greedy rows ignore temperature, min_p, top_k and top_p (the maximum survives every
-truncation anyway). The truncations are per-row thresholds (see topk_topp.py). A row whose
-kept tokens all lie among its top 64 values (top_k <= 64, or top_p on a peaked row), which the
-threshold search found already, draws among those 64 alone; any other row takes one fused read
-of the logits: scale, mask below the threshold, add noise, argmax. Both give the same token.
+truncation anyway). The truncations are per-row thresholds (see topk_topp.py), found on each
+row's top 64 values (block maxima, block_top.py) or, for rows those do not settle, by a search
+over the whole row. A row whose kept tokens all lie among its top 64 (top_k <= 64, or top_p on a
+peaked row) draws among those alone, and a greedy row takes the first; any other row takes one
+fused read of the logits: scale, mask below the threshold, add noise, argmax. Both give the
+same token.
 Gumbel noise is keyed by (seed, position) only (gumbel.py), so a seeded request gets the same
 tokens in any batch. Logprobs come from the raw logits (logprobs.py).
 
