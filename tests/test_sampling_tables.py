@@ -1,5 +1,7 @@
 """Host-side sampler helpers and the per-slot device tables, against plain numpy."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.runner.step_result import TokenLogprobs
 from mrv2_jax.sample import SamplerFeatures, SamplingTable, SamplingTensors, sampling_row
 from mrv2_jax.sample import slot_state
-from mrv2_jax.sample.penalties import pack_token_mask, unpack_token_mask
+from mrv2_jax.sample.penalties import PenaltyData, apply_penalties, pack_token_mask, unpack_token_mask
 from mrv2_jax.sample.tensors import check_request_fits, needed_features, row_needs, seed_to_int32
 from mrv2_jax.sampling_params import SamplingParams
 
@@ -96,9 +98,11 @@ def test_prompt_mask_packing_round_trips():
     np.testing.assert_array_equal(pack_token_mask(jnp.asarray(mask)), words)
 
 
-def test_slot_tables_write_count_and_gather():
+@pytest.mark.parametrize("max_model_len", [None, 2048])
+def test_slot_tables_write_count_and_gather(max_model_len):
     v, slots = 50, 3
-    state = slot_state.init_slot_state(slots, v, max_bias=4, max_stop=2)
+    state = slot_state.init_slot_state(slots, v, max_bias=4, max_stop=2, max_model_len=max_model_len)
+    assert state.output_counts.dtype == (jnp.int32 if max_model_len is None else jnp.uint16)
     writer = slot_state.SlotStateWriter(state, chunk=8)  # a 20-token history takes 3 writes
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, v, 20).tolist()
@@ -136,3 +140,20 @@ def test_logprob_dicts_keep_the_sampled_token_first():
     d = proc._logprob_dict(entry)
     assert list(d) == [7, 3]
     assert d[7] == Logprob(-1.5, 2, "<7>") and d[3] == Logprob(-0.5, 1, "<3>")
+
+
+def test_counts_are_narrow_only_when_no_count_can_wrap():
+    assert slot_state.counts_dtype(65_535) == jnp.uint16
+    assert slot_state.counts_dtype(65_536) == jnp.int32
+    # The largest count a u16 table must hold, reached by repeated in-step bumps, stays exact and
+    # penalises exactly as the same count in an i32 table.
+    state = slot_state.init_slot_state(1, 8, max_bias=1, max_stop=1, max_model_len=65_535)
+    state = state._replace(output_counts=state.output_counts.at[0, 3].set(65_534))
+    state = jax.jit(slot_state.count_sampled)(state, jnp.array([0]), jnp.array([3]))
+    assert int(state.output_counts[0, 3]) == 65_535
+    t = dataclasses.replace(SamplingTensors.neutral(1, 1, 1, xp=jnp), frequency_penalty=jnp.array([1e-3], jnp.float32))
+    logits = jnp.zeros((1, 8), jnp.float32)
+    wide = PenaltyData(state.output_counts.astype(jnp.int32), state.prompt_mask, jnp.zeros(1, jnp.int32))
+    narrow = PenaltyData(state.output_counts, state.prompt_mask, jnp.zeros(1, jnp.int32))
+    np.testing.assert_array_equal(apply_penalties(logits, t, narrow), apply_penalties(logits, t, wide))
+    assert float(apply_penalties(logits, t, narrow)[0, 3]) == pytest.approx(-65.535, rel=1e-6)

@@ -82,7 +82,8 @@ class ModelRunnerV1:
         self.vocab_size = model_state.vocab_size
         self.eos_token_ids = tuple(model_state.eos_token_ids or ())
         # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot.
-        self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS)
+        self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS,
+                                                     max_model_len)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
         self._seed_rng = np.random.default_rng()
         self.compiled = {}

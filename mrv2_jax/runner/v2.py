@@ -152,7 +152,7 @@ class ModelRunnerV2:
         self._variant_of: dict[str, int] = {}  # live requests that need more than variant 0
         self.vocab_size = model_state.vocab_size
         self.slot_state = slot_state.init_slot_state(max_num_seqs, model_state.vocab_size, MAX_LOGIT_BIAS,
-                                                     MAX_STOP_IDS)
+                                                     MAX_STOP_IDS, max_model_len)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
         # Fused decode takes one token per row and step: per row count up to max_fused_rows, the
         # smallest bucket with that many rows.

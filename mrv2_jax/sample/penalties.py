@@ -7,9 +7,9 @@
 
 The repetition penalty looks at prompt and output; presence and frequency at the output only.
 
-The data comes from the runner's persistent per-slot tables: output token counts
-`int32[N, V]` and the prompt's token set as a bit mask `uint32[N, ceil(V / 32)]` (32x smaller
-than a bool mask; token v is bit v % 32 of word v // 32). `rows[R]` maps each batch row to
+The data comes from the runner's persistent per-slot tables: output token counts `[N, V]`
+(uint16 or int32, slot_state.py) and the prompt's token set as a bit mask
+`uint32[N, ceil(V / 32)]` (32x smaller than a bool mask; token v is bit v % 32 of word v // 32). `rows[R]` maps each batch row to
 its table row, and the gather is fused into the penalty pass, so no [R, V] copy is made.
 """
 
@@ -27,7 +27,7 @@ from mrv2_jax.sample.tensors import SamplingTensors
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PenaltyData:
-    output_counts: jax.Array  # i32[N, V]
+    output_counts: jax.Array  # [N, V] any integer dtype (slot tables: u16 or i32)
     prompt_mask: jax.Array  # u32[N, ceil(V / 32)]
     rows: jax.Array  # i32[R]: table row of each batch row
 
