@@ -2,13 +2,13 @@
 
     python -m mrv2_jax.bench.conditionals --output-json $OUT/conditionals.json
 
-The sampler's runtime skips (sample/features.py) put a `lax.cond` around each optional feature.
-Whether that is cheap depends on how XLA runs a conditional: as a node of the step's command
+The sampler's runtime skips (sample/features.py) are `lax.cond`s; until 2026-11-30 there was one
+around each optional feature. Whether that is cheap depends on how XLA runs a conditional: as a node of the step's command
 buffer (CUDA graph), or by copying the predicate to the host and launching the branch from
 there. This times a chain of N conditionals whose predicates come from the device (a reduction
 of the previous result, so nothing can be hoisted), each doing a tiny amount of work, against
 the same chain written with `jnp.where` (both branches computed, no conditional), for several N.
-The slope per conditional is the figure: µs per executed conditional.
+The slope per conditional is the figure: µs per conditional in the chain.
 """
 
 from __future__ import annotations

@@ -108,6 +108,13 @@ def make_inputs(kind, r, v, rng):
             jnp.asarray(rng.integers(0, 4096, r), jnp.int32), penalties)
 
 
+def timed(name, fn, args_, args, compile_s: float = 0.0) -> dict:
+    """A case's report entry: median, min and p90 ms of `args.runs` calls of fn(*args_)."""
+    ms = sorted(s * 1e3 for s in time_calls(fn, args_, args.runs, args.warmup))
+    return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
+            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": compile_s}
+
+
 def run_case(name, features, kind, args):
     rng = np.random.default_rng(0)
     inputs = make_inputs(kind, args.num_rows, args.vocab, rng)
@@ -115,11 +122,7 @@ def run_case(name, features, kind, args):
     t0 = time.perf_counter()
     compiled = fn.lower(*inputs).compile()
     compile_s = time.perf_counter() - t0
-    samples = time_calls(compiled, inputs, args.runs, args.warmup)
-    ms = sorted(s * 1e3 for s in samples)
-    result = {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
-              "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": compile_s,
-              "features": dataclasses.asdict(features)}
+    result = timed(name, compiled, inputs, args, compile_s) | {"features": dataclasses.asdict(features)}
     if args.profile:
         result["kernels"] = profile_kernels(compiled, inputs)
     if args.hlo_dir:
@@ -196,10 +199,7 @@ def run_noise_case(name, args):
     positions = jnp.asarray(rng.integers(0, 4096, args.num_rows), jnp.int32)
     noise = NOISE_CASES[name]
     fn = jax.jit(lambda x, s, p: jnp.argmax(x + noise(s, p, x.shape[-1]), axis=-1))
-    compiled = fn.lower(logits, seeds, positions).compile()
-    ms = sorted(s * 1e3 for s in time_calls(compiled, (logits, seeds, positions), args.runs, args.warmup))
-    return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
-            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": 0.0}
+    return timed(name, fn.lower(logits, seeds, positions).compile(), (logits, seeds, positions), args)
 
 
 # top_n_by_blocks alone: n, block sizes per level (sample/block_top.py).
@@ -213,10 +213,7 @@ def run_top_n_case(name, args):
 
     n, blocks = TOP_N_CASES[name]
     logits = jnp.asarray(np.random.default_rng(0).normal(0, 2, (args.num_rows, args.vocab)).astype(np.float32))
-    compiled = jax.jit(lambda x: top_n_by_blocks(x, n, blocks)).lower(logits).compile()
-    ms = sorted(s * 1e3 for s in time_calls(compiled, (logits,), args.runs, args.warmup))
-    return {"case": name, "median_ms": statistics.median(ms), "min_ms": ms[0],
-            "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": 0.0}
+    return timed(name, jax.jit(lambda x: top_n_by_blocks(x, n, blocks)).lower(logits).compile(), (logits,), args)
 
 
 def main(argv=None):
@@ -246,10 +243,7 @@ def main(argv=None):
     names = [n for n in names if n not in NOISE_CASES and n not in TOP_N_CASES]
     if args.cases is None or "dispatch" in names:
         tiny = jnp.zeros((8,), jnp.float32)
-        noop = jax.jit(lambda x: x + 1).lower(tiny).compile()
-        ms = sorted(s * 1e3 for s in time_calls(noop, (tiny,), args.runs, args.warmup))
-        results.append({"case": "dispatch", "median_ms": statistics.median(ms), "min_ms": ms[0],
-                        "p90_ms": ms[int(0.9 * (len(ms) - 1))], "runs": len(ms), "compile_s": 0.0})
+        results.append(timed("dispatch", jax.jit(lambda x: x + 1).lower(tiny).compile(), (tiny,), args))
     print(f"sampler: {args.num_rows} rows x {args.vocab} vocab on {jax.devices()[0].device_kind}")
     print(f"{'case':28s} {'median ms':>10s} {'min ms':>9s} {'p90 ms':>9s} {'compile s':>10s}")
     for r in results:

@@ -16,8 +16,8 @@ dropped blocks, so none of those is in the top n.
 Step 3 is itself a top n over a row (n * block wide, its ids still increasing along it), so the
 narrowing repeats with smaller blocks: `blocks=(128, 16)` keeps n blocks of 128, then n
 sub-blocks of 16 among them, and sorts n * 16 values at the end. On an H200 (256 rows, n = 64)
-the one sort over 64 x 128 candidates took 128 us of a 1.2 ms sampler call; docs/sampler.md
-has the split after the second level.
+the one sort over 64 x 128 candidates took 128 us of a 1.2 ms sampler call; docs/benchmarks.md
+("Sampler: fewer conditionals") has the split after the second level.
 """
 
 import jax
