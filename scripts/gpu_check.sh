@@ -42,6 +42,8 @@ run_section() {  # name, command...
 for s in $sections; do case $s in
   env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
   tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+  sampler-tests) run_section sampler-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_logit_stats.py \
+      tests/test_sampler.py ;;
   oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/test_model_parity.py ;;
   load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
   attention) run_section attention python3 -m mrv2_jax.bench.attention_kernel --output-json "$OUT/attention.json" ;;
@@ -55,11 +57,14 @@ for s in $sections; do case $s in
       --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_s2_1024.json" --plot "$OUT/ab_s2_1024.png" ;;
   # Issue 5: what every sampler feature costs a real S1 step (v2-async, greedy vs all features).
+  # all-xla: the same without the sampler's Pallas kernels (sample/logit_stats.py).
   ab-s1-sampling)
-    for kind in greedy all; do
-      run_section ab-s1-sampling-$kind python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-        --arms v2-async --sampling $kind --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 \
-        --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256_sampling_$kind.json"
+    for kind in greedy all all-xla; do
+      kernels=auto; [ $kind = all-xla ] && kernels=off
+      MRV2_SAMPLER_KERNELS=$kernels run_section ab-s1-sampling-$kind python3 -m mrv2_jax.bench.ab \
+        --model qwen3-0.6b --load-format dummy --arms v2-async --sampling ${kind%-xla} --input-len 128 \
+        --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+        --output-json "$OUT/ab_s1_256_sampling_${kind//-/_}.json"
     done ;;
   # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
   # fused variants compiled up to 32 rows (never used there) vs up to every row.

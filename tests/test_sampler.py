@@ -374,11 +374,12 @@ def test_gumbel_noise_matches_numpy_and_is_gumbel():
     assert abs(np.corrcoef(got[0], got[1])[0, 1]) < 0.05  # rows (seeds / positions) independent
 
 
-def test_runtime_skips_guard_only_the_whole_row_passes():
+def test_runtime_skips_guard_only_the_whole_row_passes(monkeypatch):
     """The every-feature program has conditionals around the whole-row threshold search (its
     top_k and top_p passes one level inside it) and the whole-row noise pass, and nowhere else:
     on an H200 each conditional cost ~20 us and deeper nesting left the GPU idle 0.1-0.4 ms
     (features.py). Counted in the lowered program, so it holds on any backend."""
+    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")  # interpreted kernels add conditionals of their own
     r, v = 4, 9000
     t = SamplingTensors.neutral(r)
     pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)

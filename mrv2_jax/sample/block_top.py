@@ -26,18 +26,23 @@ import jax.numpy as jnp
 DEFAULT_BLOCKS = (128, 16)
 
 
-def top_n_by_blocks(x: jax.Array, n: int, blocks: tuple[int, ...] = DEFAULT_BLOCKS) -> tuple[jax.Array, jax.Array]:
-    """Same result as `jax.lax.top_k(x, n)` for x [R, V]: (values [R, n], ids i32[R, n])."""
+def top_n_by_blocks(x: jax.Array, n: int, blocks: tuple[int, ...] = DEFAULT_BLOCKS,
+                    block_max: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Same result as `jax.lax.top_k(x, n)` for x [R, V]: (values [R, n], ids i32[R, n]).
+
+    block_max [R, ceil(V / blocks[0])]: the maxima of x's first-level blocks, when the caller
+    has them already (sample/logit_stats.py computes them in the pass that writes x)."""
     r = x.shape[0]
     values, ids = x, None  # ids None: the column index
-    for block in blocks:
+    for level, block in enumerate(blocks):
         m = values.shape[1]
         num_blocks = -(-m // block)
         if num_blocks <= n:  # nothing to narrow at this level
             continue
         pad = num_blocks * block - m
         values = jnp.pad(values, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(r, num_blocks, block)
-        _, best = jax.lax.top_k(jnp.max(values, axis=-1), n)  # [R, n]
+        maxima = block_max if level == 0 and block_max is not None else jnp.max(values, axis=-1)
+        _, best = jax.lax.top_k(maxima, n)  # [R, n]
         best = jnp.sort(best, axis=-1)  # kept in id order, so equal values keep lower ids first
         if ids is None:
             # Padding gets ids past the row: after every real id, so it loses every tie.

@@ -62,3 +62,14 @@ def edit_after_penalties(penalized: jax.Array, raw: jax.Array, t: SamplingTensor
         ids = forbidden_ids(t, v)
         penalized = penalized.at[_rows(ids), ids].set(-jnp.inf, mode="drop")
     return penalized
+
+
+def edited_ids(t: SamplingTensors, features, vocab_size: int) -> jax.Array:
+    """i32[R, E]: every id the compiled edits may change (>= vocab_size: none), for
+    logit_stats.refresh_block_max."""
+    ids = []
+    if features.logit_bias:
+        ids.append(bias_ids(t, vocab_size))
+    if features.min_tokens:
+        ids.append(forbidden_ids(t, vocab_size))
+    return jnp.concatenate(ids, axis=1)

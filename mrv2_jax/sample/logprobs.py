@@ -3,9 +3,9 @@
 They come from the RAW logits, before bias, penalties, temperature and truncation: vLLM's
 default `logprobs_mode="raw_logprobs"`, i.e. what the model itself assigns to each token. A
 full log-softmax would write another [R, V] array; only log-softmax at the (1 + n) chosen ids is
-needed, which is logit - logsumexp: one reduction for logsumexp, the top n, one
-count for the sampled token's rank.
-The top n come from block maxima (block_top.py), not from a sort of the whole row.
+needed, which is logit - logsumexp. logsumexp and the block maxima that the top n start from
+(block_top.py: no sort of the whole row) come from the sampler's one pass over the logits
+(logit_stats.py); the sampled token's rank counts only blocks whose maximum is above it.
 
 rank = 1 + number of tokens with a strictly larger logit (vLLM's definition; the top-n entries
 get ranks 1..n). Rows that asked for no logprobs get values too: callers read only the rows and
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.sample.block_top import top_n_by_blocks
+from mrv2_jax.sample.logit_stats import count_above, logit_stats, logsumexp_from_blocks
 
 
 class Logprobs(NamedTuple):
@@ -26,23 +27,30 @@ class Logprobs(NamedTuple):
     sampled_rank: jax.Array  # i32[R]
 
 
-def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int) -> Logprobs:
+def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
+                     stats: tuple[jax.Array, jax.Array] | None = None) -> Logprobs:
+    """stats: the raw logits' (block maxima, block sums of exp(x - max)) when the caller has
+    them (logit_stats.LogitStats); otherwise they are computed here."""
+    if stats is None:
+        stats = raw_block_stats(raw_logits)
+    block_max, block_sumexp = stats
     raw = raw_logits.astype(jnp.float32)
-    top_values = top_ids = None
-    if num_top > 0:
-        top_values, top_ids = top_n_by_blocks(raw, num_top)
-    # logsumexp, with the row maximum taken from the top n when there is one (jax.nn.logsumexp
-    # would read the row once more for it).
-    row_max = top_values[:, 0] if num_top > 0 else jnp.max(raw, axis=-1)
-    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    lse = shift + jnp.log(jnp.sum(jnp.exp(raw - shift[:, None]), axis=-1))
+    lse = logsumexp_from_blocks(block_max, block_sumexp)
     sampled = jnp.take_along_axis(raw, tokens[:, None], axis=1)  # [R, 1]
-    rank = 1 + jnp.sum(raw > sampled, axis=-1, dtype=jnp.int32)
+    rank = 1 + count_above(raw_logits, block_max, sampled[:, 0])
     values, ids = sampled, tokens[:, None].astype(jnp.int32)
     if num_top > 0:
+        top_values, top_ids = top_n_by_blocks(raw, num_top, block_max=block_max)
         values = jnp.concatenate([values, top_values], axis=1)
         ids = jnp.concatenate([ids, top_ids.astype(jnp.int32)], axis=1)
     return Logprobs(values - lse[:, None], ids, rank)
+
+
+def raw_block_stats(raw_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(block maxima, block sums of exp(x - max)) of raw logits [R, V]: logit_stats without
+    penalties (the kernel on GPUs)."""
+    stats = logit_stats(raw_logits, None, None)
+    return stats.raw_block_max, stats.raw_block_sumexp
 
 
 def empty_logprobs(num_rows: int, num_top: int) -> Logprobs:

@@ -52,17 +52,22 @@ def unpack_token_mask(words: jax.Array, vocab_size: int) -> jax.Array:
 
 
 def penalize(logits, counts, in_prompt, t: SamplingTensors):
-    """The penalty formula, elementwise; `logits`, `counts`, `in_prompt` are [R, N] (any N).
+    """The penalty formula, elementwise; `logits`, `counts`, `in_prompt` are [R, N] (any N)."""
+    return penalize_values(logits, counts, in_prompt, t.repetition_penalty[:, None],
+                           t.frequency_penalty[:, None], t.presence_penalty[:, None])
+
+
+def penalize_values(logits, counts, in_prompt, repetition, frequency, presence):
+    """The formula on broadcastable operands (also the body of the Pallas logit pass).
 
     The counts are read through one f32 conversion that every term uses: on an H200, with
     `counts > 0` and the frequency term each reading the gathered counts, XLA wrote the
     comparison out as a pass of its own (52 us at 256 x 151,936) before the main one."""
     c = counts.astype(jnp.float32)
     in_output = jnp.minimum(c, 1.0)  # 1.0 where the token was output
-    rep = t.repetition_penalty[:, None]
-    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    penalized = jnp.where(logits > 0, logits / repetition, logits * repetition)
     logits = jnp.where(in_prompt | (c > 0), penalized, logits)
-    return logits - t.frequency_penalty[:, None] * c - t.presence_penalty[:, None] * in_output
+    return logits - frequency * c - presence * in_output
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors, data: PenaltyData) -> jax.Array:

@@ -30,7 +30,8 @@ from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
-from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties
+from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
+from mrv2_jax.sample.logit_stats import logit_stats, refresh_block_max
 from mrv2_jax.sample.logprobs import compute_logprobs
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
 from mrv2_jax.sample.tensors import SamplingTensors
@@ -59,26 +60,47 @@ def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features
     if f.penalties and penalties is None:
         raise ValueError("features.penalties needs PenaltyData")
     x = logits.astype(jnp.float32)
+    # One pass over the logits (logit_stats.py) gives the penalised logits and the block maxima
+    # that the top candidates and the logprobs start from, and the logprobs' logsumexp.
+    stats = None
+    if f.penalties or f.num_logprobs is not None or _uses_candidates(f):
+        stats = logit_stats(logits, t, penalties if f.penalties else None)
+    processed = x if stats is None else stats.processed
+    block_max = None if stats is None else stats.block_max
     # The edits run whenever they are compiled in, used or not: a conditional around them would
     # have to return the [R, V] logits, and copies them in the branch that edits nothing
     # (features.py); rows that use none carry neutral values.
-    processed = adjust_logits(x, t, f, penalties) if (f.logit_bias or f.min_tokens or f.penalties) else x
-    tokens = _pick_tokens(processed, t, positions, f)
+    if f.logit_bias or f.min_tokens:
+        processed = apply_edits(processed, x, t, f, penalties)
+        if block_max is not None:
+            block_max = refresh_block_max(block_max, processed, edited_ids(t, f, x.shape[-1]))
+    tokens = _pick_tokens(processed, block_max, t, positions, f)
     if f.num_logprobs is None:
         return SamplerOutput(tokens)
     # Computed whenever compiled in (features.py: conditionals guard only the costly pieces).
-    lp = compute_logprobs(x, tokens, f.num_logprobs)
+    lp = compute_logprobs(logits, tokens, f.num_logprobs, (stats.raw_block_max, stats.raw_block_sumexp))
     return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.sampled_rank)
+
+
+def _uses_candidates(f: SamplerFeatures) -> bool:
+    """Whether the variant finds each row's top candidates (threshold_and_top)."""
+    return f.sampling and (f.min_p or f.top_k or f.top_p) and f.top_k_top_p != "sort"
+
+
+def apply_edits(processed: jax.Array, raw: jax.Array, t: SamplingTensors, f: SamplerFeatures,
+                penalties: PenaltyData | None) -> jax.Array:
+    """logit_bias and min_tokens on the penalised logits, with vLLM's result (bias -> mask ->
+    penalties): logit_bias.py explains why they may come after the penalty pass."""
+    if not f.penalties:
+        return apply_sparse_edits(processed, t, bias=f.logit_bias, min_tokens=f.min_tokens)
+    return edit_after_penalties(processed, raw, t, penalties, bias=f.logit_bias, min_tokens=f.min_tokens)
 
 
 def adjust_logits(x: jax.Array, t: SamplingTensors, f: SamplerFeatures,
                   penalties: PenaltyData | None) -> jax.Array:
-    """logit_bias, min_tokens and penalties, with vLLM's result (bias -> mask -> penalties)."""
-    if not f.penalties:
-        return apply_sparse_edits(x, t, bias=f.logit_bias, min_tokens=f.min_tokens)
-    # The penalty pass writes a fresh array; the sparse edits then go into it in place.
-    return edit_after_penalties(apply_penalties(x, t, penalties), x, t, penalties,
-                                bias=f.logit_bias, min_tokens=f.min_tokens)
+    """logit_bias, min_tokens and penalties on f32 logits x (the sampler's `processed`)."""
+    processed = apply_penalties(x, t, penalties) if f.penalties else x
+    return apply_edits(processed, x, t, f, penalties) if (f.logit_bias or f.min_tokens) else processed
 
 
 def _maybe(runtime_skip: bool, used: jax.Array, compute, skip):
@@ -88,8 +110,9 @@ def _maybe(runtime_skip: bool, used: jax.Array, compute, skip):
     return jax.lax.cond(used, compute, skip)
 
 
-def _pick_tokens(x: jax.Array, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures) -> jax.Array:
-    """x: processed logits (after bias / penalties). -> i32[R].
+def _pick_tokens(x: jax.Array, block_max: jax.Array | None, t: SamplingTensors, positions: jax.Array,
+                 f: SamplerFeatures) -> jax.Array:
+    """x: processed logits (after bias / penalties); block_max: their block maxima. -> i32[R].
 
     With runtime skips, two conditionals guard the whole-row passes (the noise pass here, the
     threshold search in threshold_and_top); both return [R] values and hold no conditional
@@ -112,7 +135,7 @@ def _pick_tokens(x: jax.Array, t: SamplingTensors, positions: jax.Array, f: Samp
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
         return _maybe(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
                       lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
-    keep_from, top = threshold_and_top(x, divisor, t, f)
+    keep_from, top = threshold_and_top(x, divisor, t, f, block_max)
     if top is None:  # the sort reference
         return whole_row(keep_from)
     # A row whose kept tokens all lie among its top C (the threshold is above the C-th largest
@@ -140,11 +163,14 @@ def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatur
     return threshold_and_top(scaled, jnp.ones(scaled.shape[:1], scaled.dtype), t, f)[0]
 
 
-def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures):
+def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures,
+                      block_max: jax.Array | None = None):
     """For scaled = x / divisor[:, None] -> (f32[R]: each row keeps the tokens with scaled logit
     >= this, -inf keeps everything; the row's top C scaled values and their ids [R, C], or None
     with the sort method). Rows with temperature 0 get no whole-row search: their thresholds
     are those the top C give (a greedy row takes the maximum, which every truncation keeps).
+    block_max: the maxima of x's blocks of logit_stats.BLOCK ids, if known (dividing them by a
+    positive divisor gives those of scaled: rounded division is monotone).
 
     The top C and top_p's row mass are computed whenever compiled in; with runtime skips, the
     whole-row search runs only when some sampled row's cut-off is not among its top C."""
@@ -156,7 +182,8 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     is_sampled = t.temperature > 0
     if f.top_k_top_p == "sort":
         return _sort_thresholds(x / divisor[:, None], t, f, is_sampled), None
-    top = top_n_by_blocks(x / divisor[:, None], min(topk_topp.TOP_CANDIDATES, v))
+    scaled_block_max = None if block_max is None else block_max / divisor[:, None]
+    top = top_n_by_blocks(x / divisor[:, None], min(topk_topp.TOP_CANDIDATES, v), block_max=scaled_block_max)
     desc = top[0]
     floor = topk_topp.min_p_threshold(desc[:, 0], t.min_p) if f.min_p else none()
     if not (f.top_k or f.top_p):

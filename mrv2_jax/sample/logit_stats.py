@@ -1,0 +1,115 @@
+"""One read of the logits for everything the sampler needs from the whole row.
+
+Per row, the sampler needs the penalised logits, the maxima of blocks of `BLOCK` ids (of the
+penalised logits, for the top candidates: block_top.py; of the raw logits, for the top-n
+logprobs) and the raw row's logsumexp (logprobs.py). As separate XLA fusions these were four
+passes over [R, V] on an H200 (256 x 151,936): the penalty pass with the penalised block
+maxima fused in (108 us), the raw block maxima (44 us), and logsumexp with the sampled token's
+rank (44 us). `logit_stats` computes them in one pass: a Pallas kernel on GPUs
+(pallas_kernels/logit_stats.py), the jnp reference below elsewhere.
+
+logsumexp comes from per-block partial sums: with m_b the block maximum and
+s_b = sum over the block of exp(x - m_b), logsumexp = M + log(sum_b exp(m_b - M) * s_b),
+M = max_b m_b (the online-softmax identity), so no pass needs the row maximum first.
+
+`count_above` is the rank's count (tokens with a larger raw logit than the sampled one): with
+the block maxima known, a block whose maximum is not above the threshold holds nothing to
+count, and the kernel skips reading it; in a decode step nearly every block is skipped.
+
+The kernels run when `kernel_mode()` says so: on GPUs by default; `MRV2_SAMPLER_KERNELS=off`
+forces the jnp reference (for A/B runs), `=interpret` runs the kernels in the Pallas
+interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
+from mrv2_jax.sample.tensors import SamplingTensors
+
+BLOCK = 128  # ids per block; block_top.DEFAULT_BLOCKS[0] must match
+KERNEL_MODES = ("auto", "off", "interpret")
+
+
+class LogitStats(NamedTuple):
+    processed: jax.Array  # f32[R, V]: after penalties (the raw logits when there are none)
+    block_max: jax.Array  # f32[R, NB]: max of `processed` over ids [b * BLOCK, (b + 1) * BLOCK)
+    raw_block_max: jax.Array  # f32[R, NB]: the same for the raw logits
+    raw_block_sumexp: jax.Array  # f32[R, NB]: sum of exp(raw - raw_block_max) (0: all -inf)
+
+
+def num_blocks(vocab_size: int) -> int:
+    return -(-vocab_size // BLOCK)
+
+
+def kernel_mode() -> str | None:
+    """None (jnp), "gpu" (compiled kernels) or "interpret", from MRV2_SAMPLER_KERNELS."""
+    mode = os.environ.get("MRV2_SAMPLER_KERNELS", "auto")
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"MRV2_SAMPLER_KERNELS must be one of {KERNEL_MODES}, got {mode!r}")
+    if mode == "auto":
+        return "gpu" if jax.default_backend() == "gpu" else None
+    return None if mode == "off" else "interpret"
+
+
+def logit_stats(logits: jax.Array, t: SamplingTensors, penalties: PenaltyData | None) -> LogitStats:
+    """logits [R, V] (any float dtype); penalties None: no penalty pass."""
+    mode = kernel_mode()
+    if mode is None:
+        return logit_stats_reference(logits, t, penalties)
+    from pallas_kernels.logit_stats import logit_stats as kernel
+
+    return kernel(logits, t, penalties, interpret=mode == "interpret")
+
+
+def logit_stats_reference(logits: jax.Array, t: SamplingTensors, penalties: PenaltyData | None) -> LogitStats:
+    raw = logits.astype(jnp.float32)
+    processed = raw if penalties is None else apply_penalties(raw, t, penalties)
+    raw_max, raw_sumexp = block_max_and_sumexp(raw)
+    block_max = raw_max if penalties is None else block_max_and_sumexp(processed)[0]
+    return LogitStats(processed, block_max, raw_max, raw_sumexp)
+
+
+def block_max_and_sumexp(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x f32[R, V] -> per block of BLOCK ids: (max, sum of exp(x - max)), each f32[R, NB]."""
+    r, v = x.shape
+    nb = num_blocks(v)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - v)), constant_values=-jnp.inf).reshape(r, nb, BLOCK)
+    m = jnp.max(blocks, axis=-1)
+    shift = jnp.where(m == -jnp.inf, 0.0, m)
+    return m, jnp.sum(jnp.exp(blocks - shift[..., None]), axis=-1)
+
+
+def logsumexp_from_blocks(block_max: jax.Array, block_sumexp: jax.Array) -> jax.Array:
+    """f32[R]: the rows' logsumexp from their blocks' (max, sum of exp(x - max))."""
+    row_max = jnp.max(block_max, axis=-1)
+    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    return shift + jnp.log(jnp.sum(jnp.exp(block_max - shift[:, None]) * block_sumexp, axis=-1))
+
+
+def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array) -> jax.Array:
+    """i32[R]: the number of entries of each row of logits [R, V] greater than threshold f32[R];
+    block_max f32[R, NB] are the rows' block maxima (what lets the kernel skip blocks)."""
+    mode = kernel_mode()
+    if mode is None:
+        return jnp.sum(logits.astype(jnp.float32) > threshold[:, None], axis=-1, dtype=jnp.int32)
+    from pallas_kernels.logit_stats import count_above as kernel
+
+    return kernel(logits, block_max, threshold, interpret=mode == "interpret")
+
+
+def refresh_block_max(block_max: jax.Array, values: jax.Array, ids: jax.Array) -> jax.Array:
+    """block_max after the entries `ids` [R, E] of `values` [R, V] were edited: the blocks
+    holding them get their maximum again (ids >= V: nothing). Sparse edits touch a few ids per
+    row, so this reads E blocks per row instead of the row."""
+    r, v = values.shape
+    block = ids // BLOCK  # an id >= V names no block or the last one: recomputing it is harmless
+    cols = block[..., None] * BLOCK + jnp.arange(BLOCK)
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None, None], cols.shape)
+    fresh = jnp.max(values.at[rows, cols].get(mode="fill", fill_value=-jnp.inf), axis=-1)
+    return block_max.at[rows[..., 0], block].set(fresh, mode="drop")

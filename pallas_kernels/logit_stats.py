@@ -1,0 +1,140 @@
+"""The sampler's whole-row work as Pallas kernels (Triton backend): mrv2_jax/sample/logit_stats.py
+holds the jnp references and says what each output is for.
+
+``logit_stats``: grid (R, cdiv(NB, tile_blocks)); program (r, c) reads ids of blocks
+[c * tile_blocks, (c + 1) * tile_blocks) of row r as a [tile_blocks, BLOCK] tile: the raw
+logits, and with penalties the row's output counts and prompt bit mask (table row
+``rows[r]``: the gather is an address computation, no [R, V] copy). It writes the penalised
+tile and, per block, the penalised maximum and the raw maximum and sum of exp(raw - max). A
+mask word covers 32 ids; each lane loads its own word (the 32 loads of one word hit the same
+cache line), which keeps the tile 2-D with no reshape.
+
+``count_above``: grid (R, cdiv(NB, tile_blocks)); program (r, c) first reads its blocks'
+maxima, and reads the logits of the tile only when one of them is above the row's threshold
+(a block whose maximum is not above it holds nothing to count). Per-program counts go to an
+[R, C] array summed outside.
+
+Flattened 1-D refs and int32 offsets, as pallas_kernels/prepare_inputs.py; tails (V not a
+multiple of the tile) are masked.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from mrv2_jax.sample.logit_stats import BLOCK, LogitStats, num_blocks
+from mrv2_jax.sample.penalties import PenaltyData, penalize_values
+from mrv2_jax.sample.tensors import SamplingTensors
+
+NEG_INF = float("-inf")
+
+
+def _check_size(*arrays):
+    for a in arrays:
+        if math.prod(a.shape) >= 2**31:
+            raise ValueError(f"array of shape {a.shape} has >= 2**31 elements; int32 offsets would overflow")
+
+
+def _tile(vocab_size: int, tile_blocks: int):
+    """This program's block indices [TB], ids [TB, BLOCK] and which of them are in the row."""
+    blocks = pl.program_id(1) * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)
+    ids = blocks[:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]
+    return blocks, ids, ids < vocab_size
+
+
+def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
+    V, NB = vocab_size, num_blocks(vocab_size)
+    if penalties:
+        (logits_ref, counts_ref, mask_ref, rows_ref, rep_ref, freq_ref, pres_ref,
+         processed_ref, block_max_ref, raw_max_ref, raw_sumexp_ref) = refs
+    else:
+        logits_ref, raw_max_ref, raw_sumexp_ref = refs
+    r, R = pl.program_id(0), pl.num_programs(0)
+    blocks, ids, in_row = _tile(V, tile_blocks)
+    at = jnp.where(in_row, ids, 0)
+    block_ok = blocks < NB
+    # Masked-off lanes store one past the end (see the module docstring of prepare_inputs.py).
+    store_at = jnp.where(in_row, r * V + ids, R * V)
+    block_at = jnp.where(block_ok, r * NB + blocks, R * NB)
+    raw = pltriton.load(logits_ref.at[r * V + at], mask=in_row, other=0).astype(jnp.float32)
+    raw = jnp.where(in_row, raw, NEG_INF)
+    if penalties:
+        row = rows_ref[r]
+        counts = pltriton.load(counts_ref.at[row * V + at], mask=in_row, other=0)
+        words = pltriton.load(mask_ref.at[row * ((V + 31) // 32) + (at >> 5)], mask=in_row, other=0)
+        in_prompt = (words >> (at & 31).astype(jnp.uint32)) & 1 == 1
+        penalised = penalize_values(raw, counts, in_prompt, rep_ref[r], freq_ref[r], pres_ref[r])
+        penalised = jnp.where(in_row, penalised, NEG_INF)
+        pltriton.store(processed_ref.at[store_at], penalised, mask=in_row)
+        pltriton.store(block_max_ref.at[block_at], jnp.max(penalised, axis=1), mask=block_ok)
+    raw_max = jnp.max(raw, axis=1)
+    shift = jnp.where(raw_max == NEG_INF, 0.0, raw_max)
+    pltriton.store(raw_max_ref.at[block_at], raw_max, mask=block_ok)
+    pltriton.store(raw_sumexp_ref.at[block_at], jnp.sum(jnp.exp(raw - shift[:, None]), axis=1), mask=block_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps"))
+def logit_stats(logits: jax.Array, t: SamplingTensors, penalties: PenaltyData | None, *,
+                interpret: bool = False, tile_blocks: int = 32, num_warps: int = 4) -> LogitStats:
+    """Same result as mrv2_jax.sample.logit_stats.logit_stats_reference."""
+    r, v = logits.shape
+    nb = num_blocks(v)
+    f32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.float32)  # noqa: E731
+    kernel = functools.partial(_stats_kernel, vocab_size=v, tile_blocks=tile_blocks,
+                               penalties=penalties is not None)
+    call = functools.partial(
+        pl.pallas_call, kernel, grid=(r, pl.cdiv(nb, tile_blocks)), interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), name="logit_stats")
+    if penalties is None:
+        _check_size(logits)
+        raw_max, raw_sumexp = call(out_shape=(f32(r * nb), f32(r * nb)))(logits.reshape(-1))
+        raw_max, raw_sumexp = raw_max.reshape(r, nb), raw_sumexp.reshape(r, nb)
+        return LogitStats(logits.astype(jnp.float32), raw_max, raw_max, raw_sumexp)
+    _check_size(logits, penalties.output_counts)
+    outs = call(out_shape=(f32(r * v), f32(r * nb), f32(r * nb), f32(r * nb)))(
+        logits.reshape(-1), penalties.output_counts.reshape(-1), penalties.prompt_mask.reshape(-1),
+        penalties.rows.astype(jnp.int32), t.repetition_penalty.astype(jnp.float32),
+        t.frequency_penalty.astype(jnp.float32), t.presence_penalty.astype(jnp.float32))
+    processed, block_max, raw_max, raw_sumexp = outs
+    return LogitStats(processed.reshape(r, v), block_max.reshape(r, nb), raw_max.reshape(r, nb),
+                      raw_sumexp.reshape(r, nb))
+
+
+def _count_kernel(logits_ref, block_max_ref, threshold_ref, out_ref, *, vocab_size, tile_blocks):
+    V, NB = vocab_size, num_blocks(vocab_size)
+    r, c = pl.program_id(0), pl.program_id(1)
+    blocks, ids, in_row = _tile(V, tile_blocks)
+    block_ok = blocks < NB
+    maxima = pltriton.load(block_max_ref.at[r * NB + jnp.where(block_ok, blocks, 0)], mask=block_ok,
+                           other=NEG_INF)
+    threshold = threshold_ref[r]
+
+    at = r * pl.num_programs(1) + c
+    out_ref[at] = jnp.int32(0)
+
+    @pl.when(jnp.max(jnp.where(block_ok, maxima, NEG_INF)) > threshold)
+    def _count():
+        x = pltriton.load(logits_ref.at[r * V + jnp.where(in_row, ids, 0)], mask=in_row, other=0)
+        out_ref[at] = jnp.sum((x.astype(jnp.float32) > threshold) & in_row, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps"))
+def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array, *, interpret: bool = False,
+                tile_blocks: int = 32, num_warps: int = 4) -> jax.Array:
+    """Same result as mrv2_jax.sample.logit_stats.count_above's jnp path -> i32[R]."""
+    r, v = logits.shape
+    _check_size(logits)
+    programs = pl.cdiv(num_blocks(v), tile_blocks)
+    partial = pl.pallas_call(
+        functools.partial(_count_kernel, vocab_size=v, tile_blocks=tile_blocks),
+        grid=(r, programs), out_shape=jax.ShapeDtypeStruct((r * programs,), jnp.int32),
+        interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="count_above",
+    )(logits.reshape(-1), block_max.reshape(-1).astype(jnp.float32), threshold.astype(jnp.float32))
+    return jnp.sum(partial.reshape(r, programs), axis=1, dtype=jnp.int32)

@@ -1,0 +1,226 @@
+"""The sampler's one pass over the logits (mrv2_jax/sample/logit_stats.py) and its Pallas
+kernels (pallas_kernels/logit_stats.py) against numpy, and the sampler with the kernels
+against the sampler without them.
+
+On the CPU the kernels run in the Pallas interpreter at small shapes (a vocabulary that is
+not a multiple of the block or of the tile, so the masked tails run); `-m gpu` runs them
+compiled at 256 x 151,936. `test_kernels_lower_to_triton` lowers them for CUDA on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
+from mrv2_jax.sample import logit_stats as ls
+from mrv2_jax.sample.block_top import top_n_by_blocks
+from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
+from pallas_kernels import logit_stats as pk
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def random_case(rng, r, v, num_slots, logits_dtype=jnp.bfloat16, counts_dtype=np.uint16):
+    logits = rng.normal(0, 3, (r, v)).astype(np.float32)
+    logits[0, : v // 2] = -np.inf  # a row whose first blocks are all -inf
+    logits[1] = -np.inf  # a row of -inf (a fully masked row)
+    logits[2, 5:9] = logits[2].max() + 1  # ties at the top
+    counts = rng.integers(0, 4, (num_slots, v)) * (rng.random((num_slots, v)) < 0.2)
+    prompt = rng.random((num_slots, v)) < 0.1
+    rows = rng.permutation(num_slots)[:r]
+    t = SamplingTensors.neutral(r, max_bias=0, max_stop=0, xp=jnp)
+    t = dataclasses.replace(
+        t, repetition_penalty=jnp.asarray(rng.uniform(0.5, 2, r), jnp.float32),
+        frequency_penalty=jnp.asarray(rng.uniform(-1, 1, r), jnp.float32),
+        presence_penalty=jnp.asarray(rng.uniform(-1, 1, r), jnp.float32))
+    data = PenaltyData(jnp.asarray(counts.astype(counts_dtype)), jnp.asarray(pack_token_mask(prompt, np)),
+                       jnp.asarray(rows, jnp.int32))
+    return jnp.asarray(logits, logits_dtype), t, data, dict(counts=counts, prompt=prompt, rows=rows)
+
+
+def numpy_stats(logits, t, raw_np):
+    """Independent: the penalty formula per element in numpy, blocks by explicit slicing."""
+    x = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)
+    counts = raw_np["counts"][raw_np["rows"]]
+    seen = raw_np["prompt"][raw_np["rows"]] | (counts > 0)
+    rep = np.asarray(t.repetition_penalty, np.float64)[:, None]
+    pen = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+    pen = pen - np.asarray(t.frequency_penalty, np.float64)[:, None] * counts
+    pen = pen - np.asarray(t.presence_penalty, np.float64)[:, None] * (counts > 0)
+    v = x.shape[1]
+    edges = range(0, v, ls.BLOCK)
+    bmax = lambda a: np.stack([a[:, s : s + ls.BLOCK].max(axis=1) for s in edges], axis=1)  # noqa: E731
+    raw_max = bmax(x)
+    with np.errstate(invalid="ignore"):
+        shift = np.where(np.isneginf(raw_max), 0.0, raw_max)
+        sumexp = np.stack([np.exp(x[:, s : s + ls.BLOCK] - shift[:, [i]]).sum(axis=1) for i, s in enumerate(edges)],
+                          axis=1)
+    return pen, bmax(pen), raw_max, sumexp
+
+
+@pytest.mark.parametrize("logits_dtype,counts_dtype", [(jnp.bfloat16, np.uint16), (jnp.float32, np.int32)])
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_stats_match_numpy(impl, logits_dtype, counts_dtype):
+    rng = np.random.default_rng(0)
+    r, v = 5, 3 * 128 * 2 + 77  # tails in the last block and in the last tile (tile_blocks=2)
+    logits, t, data, raw_np = random_case(rng, r, v, 7, logits_dtype, counts_dtype)
+    if impl == "kernel":
+        got = pk.logit_stats(logits, t, data, interpret=True, tile_blocks=2)
+        plain = pk.logit_stats(logits, t, None, interpret=True, tile_blocks=2)
+    else:
+        got, plain = ls.logit_stats_reference(logits, t, data), ls.logit_stats_reference(logits, t, None)
+    pen, pen_max, raw_max, sumexp = numpy_stats(logits, t, raw_np)
+    close = dict(rtol=2e-6, atol=0)
+    np.testing.assert_allclose(got.processed, pen, **close)
+    np.testing.assert_allclose(got.block_max, pen_max, **close)
+    np.testing.assert_array_equal(got.raw_block_max, raw_max)
+    np.testing.assert_allclose(got.raw_block_sumexp, sumexp, rtol=1e-5)
+    # Without penalties: the raw logits in f32, and their block maxima twice.
+    np.testing.assert_array_equal(plain.processed, np.asarray(jnp.asarray(logits, jnp.float32)))
+    np.testing.assert_array_equal(plain.block_max, raw_max)
+    np.testing.assert_array_equal(plain.raw_block_max, raw_max)
+
+
+def test_logsumexp_from_blocks_matches_numpy():
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 5, (4, 1000)).astype(np.float32)
+    x[1, :900] = -np.inf
+    x[2] = -np.inf
+    got = ls.logsumexp_from_blocks(*ls.block_max_and_sumexp(jnp.asarray(x)))
+    with np.errstate(divide="ignore"):
+        want = np.log(np.exp(x.astype(np.float64)).sum(axis=1))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_count_above_matches_numpy(impl, monkeypatch):
+    rng = np.random.default_rng(2)
+    r, v = 6, 128 * 5 + 3
+    x = rng.normal(0, 2, (r, v)).astype(np.float32)
+    x[3] = -np.inf
+    if impl == "kernel":  # the kernel reads the logits in their own dtype
+        x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    threshold = np.array([x[0].max(), np.inf, -np.inf, 0.0, x[4, 17], np.sort(x[5])[-40]], np.float32)
+    block_max, _ = ls.block_max_and_sumexp(jnp.asarray(x))
+    if impl == "kernel":
+        got = pk.count_above(jnp.asarray(x, jnp.bfloat16), block_max, jnp.asarray(threshold), interpret=True,
+                             tile_blocks=2)
+    else:
+        monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
+        got = ls.count_above(jnp.asarray(x), block_max, jnp.asarray(threshold))
+    np.testing.assert_array_equal(got, (x > threshold[:, None]).sum(axis=1))
+
+
+def test_refresh_block_max_recomputes_edited_blocks():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3, 700)).astype(np.float32)
+    block_max, _ = ls.block_max_and_sumexp(jnp.asarray(x))
+    ids = np.array([[0, 129, 699], [5, 6, 700], [700, 700, 300]])  # 700 = no id
+    edited = x.copy()
+    for i, row in enumerate(ids):
+        for j in row[row < 700]:
+            edited[i, j] = -np.inf if j % 2 else 50.0
+    got = ls.refresh_block_max(block_max, jnp.asarray(edited), jnp.asarray(ids))
+    np.testing.assert_array_equal(got, ls.block_max_and_sumexp(jnp.asarray(edited))[0])
+
+
+def test_top_n_from_given_block_maxima():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(4, 64 * 128 + 900)).astype(np.float32)
+    x[1, ::300] = 9.0  # ties spread over blocks
+    block_max, _ = ls.block_max_and_sumexp(jnp.asarray(x))
+    for n in (20, 64):
+        got = top_n_by_blocks(jnp.asarray(x), n, block_max=block_max)
+        want = jax.lax.top_k(jnp.asarray(x), n)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_sampler_with_kernels_matches_without(monkeypatch):
+    """Every feature on, rows wide enough for both block levels: the same tokens and logprobs
+    with the kernels (interpreted) as with the jnp pass, and logprobs as numpy's log_softmax."""
+    rng = np.random.default_rng(6)
+    r, v = 6, 64 * 128 + 300
+    logits, t, data, _ = random_case(rng, r, v, 8, jnp.float32, np.int32)
+    logits = logits.at[1].set(jnp.asarray(rng.normal(0, 3, v), jnp.float32))  # no row of -inf here
+    t = dataclasses.replace(
+        t, temperature=jnp.asarray([0, 0.8, 1, 1, 0.5, 1.2], jnp.float32),
+        top_k=jnp.asarray([0, 50, 0, 200, 20, 0], jnp.int32), top_p=jnp.asarray([1, 0.9, 0.7, 1, 1, 0.95], jnp.float32),
+        min_p=jnp.asarray([0, 0.05, 0, 0, 0.1, 0], jnp.float32), seeds=jnp.arange(r, dtype=jnp.int32) * 7919,
+        bias_ids=jnp.asarray(rng.integers(0, v, (r, 4)), jnp.int32),
+        bias_values=jnp.asarray(rng.normal(0, 20, (r, 4)), jnp.float32))
+    f = SamplerFeatures.all(prompt_logprobs=False, min_tokens=False)
+    step = jax.jit(lambda x, t, pen: sample(x, t, jnp.arange(r, dtype=jnp.int32), f, pen))
+    outs = {}
+    for mode in ("off", "interpret"):
+        monkeypatch.setenv("MRV2_SAMPLER_KERNELS", mode)
+        outs[mode] = step.lower(logits, t, data).compile()(logits, t, data)
+    off, kern = outs["off"], outs["interpret"]
+    np.testing.assert_array_equal(kern.tokens, off.tokens)
+    np.testing.assert_array_equal(kern.logprob_token_ids, off.logprob_token_ids)
+    np.testing.assert_array_equal(kern.sampled_rank, off.sampled_rank)
+    np.testing.assert_allclose(kern.logprobs, off.logprobs, rtol=1e-6, atol=1e-5)
+    x = np.asarray(logits, np.float64)
+    log_softmax = x - np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)) - x.max(
+        axis=1, keepdims=True)
+    np.testing.assert_allclose(kern.logprobs, np.take_along_axis(log_softmax, np.asarray(kern.logprob_token_ids), 1),
+                               atol=1e-5)
+    sampled = x[np.arange(r), np.asarray(kern.tokens)]
+    np.testing.assert_array_equal(kern.sampled_rank, 1 + (x > sampled[:, None]).sum(axis=1))
+
+
+def test_kernel_mode_names_bad_values(monkeypatch):
+    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "fast")
+    with pytest.raises(ValueError, match="MRV2_SAMPLER_KERNELS"):
+        ls.kernel_mode()
+
+
+def test_kernels_lower_to_triton(monkeypatch):
+    """Lower both kernels for CUDA at serving shapes and verify the Triton IR, without a GPU
+    (as tests/test_prepare_kernels.py)."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lowering = registration.lowering
+    assert hasattr(registration, "gpu_info_lib"), "jax's Triton registration moved: update this test"
+    fake_gpu = types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90))
+    monkeypatch.setattr(registration, "gpu_info_lib", fake_gpu)
+    verified = []
+    lower_module = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower_module(*args, **kwargs)
+        verified.append(result.module.operation.verify())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    S = jax.ShapeDtypeStruct
+    r, v, n = 256, 151936, 512
+    t = jax.eval_shape(lambda: SamplingTensors.neutral(r, max_bias=16, max_stop=4, xp=jnp))
+    data = PenaltyData(S((n, v), jnp.uint16), S((n, (v + 31) // 32), jnp.uint32), S((r,), jnp.int32))
+    cuda = dict(lowering_platforms=("cuda",))
+    text = jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), t, data).lower(**cuda).as_text()
+    text += jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), t, None).lower(**cuda).as_text()
+    text += jax.jit(pk.count_above).trace(S((r, v), jnp.bfloat16), S((r, ls.num_blocks(v)), jnp.float32),
+                                          S((r,), jnp.float32)).lower(**cuda).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert verified == [True] * 3
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_reference_at_serving_shape():
+    rng = np.random.default_rng(7)
+    r, v = 256, 151936
+    logits, t, data, _ = random_case(rng, r, v, 300)
+    got = pk.logit_stats(logits, t, data)
+    want = jax.jit(ls.logit_stats_reference)(logits, t, data)
+    for name in ("processed", "block_max", "raw_block_sumexp"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-6, err_msg=name)
+    np.testing.assert_array_equal(got.raw_block_max, want.raw_block_max)
+    threshold = jnp.asarray(np.sort(np.asarray(logits, np.float32), axis=1)[:, -int(rng.integers(1, 100))])
+    np.testing.assert_array_equal(pk.count_above(logits, got.raw_block_max, threshold),
+                                  jnp.sum(logits.astype(jnp.float32) > threshold[:, None], axis=1))
