@@ -55,23 +55,23 @@ def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
          processed_ref, block_max_ref, raw_max_ref, raw_sumexp_ref) = refs
     else:
         logits_ref, raw_max_ref, raw_sumexp_ref = refs
-    r, R = pl.program_id(0), pl.num_programs(0)
+    r = pl.program_id(0)
     blocks, ids, in_row = _tile(V, tile_blocks)
-    at = jnp.where(in_row, ids, 0)
     block_ok = blocks < NB
-    # Masked-off lanes store one past the end (see the module docstring of prepare_inputs.py).
-    store_at = jnp.where(in_row, r * V + ids, R * V)
-    block_at = jnp.where(block_ok, r * NB + blocks, R * NB)
-    raw = pltriton.load(logits_ref.at[r * V + at], mask=in_row, other=0).astype(jnp.float32)
+    # Offsets stay affine in the lane index (no jnp.where on them): Triton then sees runs of
+    # contiguous addresses and vectorises the accesses. Masked-off lanes past a row's end point
+    # into the next row (or one past the array) and are never dereferenced.
+    at, block_at = r * V + ids, r * NB + blocks
+    raw = pltriton.load(logits_ref.at[at], mask=in_row, other=0).astype(jnp.float32)
     raw = jnp.where(in_row, raw, NEG_INF)
     if penalties:
         row = rows_ref[r]
-        counts = pltriton.load(counts_ref.at[row * V + at], mask=in_row, other=0)
-        words = pltriton.load(mask_ref.at[row * ((V + 31) // 32) + (at >> 5)], mask=in_row, other=0)
-        in_prompt = (words >> (at & 31).astype(jnp.uint32)) & 1 == 1
+        counts = pltriton.load(counts_ref.at[row * V + ids], mask=in_row, other=0)
+        words = pltriton.load(mask_ref.at[row * ((V + 31) // 32) + (ids >> 5)], mask=in_row, other=0)
+        in_prompt = (words >> (ids & 31).astype(jnp.uint32)) & 1 == 1
         penalised = penalize_values(raw, counts, in_prompt, rep_ref[r], freq_ref[r], pres_ref[r])
         penalised = jnp.where(in_row, penalised, NEG_INF)
-        pltriton.store(processed_ref.at[store_at], penalised, mask=in_row)
+        pltriton.store(processed_ref.at[at], penalised, mask=in_row)
         pltriton.store(block_max_ref.at[block_at], jnp.max(penalised, axis=1), mask=block_ok)
     raw_max = jnp.max(raw, axis=1)
     shift = jnp.where(raw_max == NEG_INF, 0.0, raw_max)
@@ -111,8 +111,7 @@ def _count_kernel(logits_ref, block_max_ref, threshold_ref, out_ref, *, vocab_si
     r, c = pl.program_id(0), pl.program_id(1)
     blocks, ids, in_row = _tile(V, tile_blocks)
     block_ok = blocks < NB
-    maxima = pltriton.load(block_max_ref.at[r * NB + jnp.where(block_ok, blocks, 0)], mask=block_ok,
-                           other=NEG_INF)
+    maxima = pltriton.load(block_max_ref.at[r * NB + blocks], mask=block_ok, other=NEG_INF)
     threshold = threshold_ref[r]
 
     at = r * pl.num_programs(1) + c
@@ -120,7 +119,7 @@ def _count_kernel(logits_ref, block_max_ref, threshold_ref, out_ref, *, vocab_si
 
     @pl.when(jnp.max(jnp.where(block_ok, maxima, NEG_INF)) > threshold)
     def _count():
-        x = pltriton.load(logits_ref.at[r * V + jnp.where(in_row, ids, 0)], mask=in_row, other=0)
+        x = pltriton.load(logits_ref.at[r * V + ids], mask=in_row, other=0)
         out_ref[at] = jnp.sum((x.astype(jnp.float32) > threshold) & in_row, dtype=jnp.int32)
 
 
