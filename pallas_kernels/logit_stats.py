@@ -41,11 +41,20 @@ def _check_size(*arrays):
             raise ValueError(f"array of shape {a.shape} has >= 2**31 elements; int32 offsets would overflow")
 
 
+WORD = 32  # ids per prompt-mask word
+
+
 def _tile(vocab_size: int, tile_blocks: int):
-    """This program's block indices [TB], ids [TB, BLOCK] and which of them are in the row."""
+    """This program's block indices [TB], ids [TB, BLOCK / WORD, WORD] and which of them are in
+    the row. Three axes, so that a mask word broadcasts over its 32 ids without a reshape."""
     blocks = pl.program_id(1) * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)
-    ids = blocks[:, None] * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]
-    return blocks, ids, ids < vocab_size
+    words = blocks[:, None] * (BLOCK // WORD) + jnp.arange(BLOCK // WORD, dtype=jnp.int32)[None, :]
+    ids = words[:, :, None] * WORD + jnp.arange(WORD, dtype=jnp.int32)[None, None, :]
+    return blocks, words, ids, ids < vocab_size
+
+
+def _per_block(op, x):
+    return op(op(x, axis=2), axis=1)
 
 
 def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
@@ -56,7 +65,7 @@ def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
     else:
         logits_ref, raw_max_ref, raw_sumexp_ref = refs
     r = pl.program_id(0)
-    blocks, ids, in_row = _tile(V, tile_blocks)
+    blocks, words, ids, in_row = _tile(V, tile_blocks)
     block_ok = blocks < NB
     # Offsets stay affine in the lane index (no jnp.where on them): Triton then sees runs of
     # contiguous addresses and vectorises the accesses. Masked-off lanes past a row's end point
@@ -67,16 +76,18 @@ def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
     if penalties:
         row = rows_ref[r]
         counts = pltriton.load(counts_ref.at[row * V + ids], mask=in_row, other=0)
-        words = pltriton.load(mask_ref.at[row * ((V + 31) // 32) + (ids >> 5)], mask=in_row, other=0)
-        in_prompt = (words >> (ids & 31).astype(jnp.uint32)) & 1 == 1
-        penalised = penalize_values(raw, counts, in_prompt, rep_ref[r], freq_ref[r], pres_ref[r])
+        num_words = (V + WORD - 1) // WORD
+        mask_words = pltriton.load(mask_ref.at[row * num_words + words], mask=words < num_words, other=0)
+        bits = (mask_words[:, :, None] >> jnp.arange(WORD, dtype=jnp.uint32)[None, None, :]) & 1
+        penalised = penalize_values(raw, counts, bits == 1, rep_ref[r], freq_ref[r], pres_ref[r])
         penalised = jnp.where(in_row, penalised, NEG_INF)
         pltriton.store(processed_ref.at[at], penalised, mask=in_row)
-        pltriton.store(block_max_ref.at[block_at], jnp.max(penalised, axis=1), mask=block_ok)
-    raw_max = jnp.max(raw, axis=1)
+        pltriton.store(block_max_ref.at[block_at], _per_block(jnp.max, penalised), mask=block_ok)
+    raw_max = _per_block(jnp.max, raw)
     shift = jnp.where(raw_max == NEG_INF, 0.0, raw_max)
     pltriton.store(raw_max_ref.at[block_at], raw_max, mask=block_ok)
-    pltriton.store(raw_sumexp_ref.at[block_at], jnp.sum(jnp.exp(raw - shift[:, None]), axis=1), mask=block_ok)
+    pltriton.store(raw_sumexp_ref.at[block_at], _per_block(jnp.sum, jnp.exp(raw - shift[:, None, None])),
+                   mask=block_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps"))
@@ -109,7 +120,7 @@ def logit_stats(logits: jax.Array, t: SamplingTensors, penalties: PenaltyData | 
 def _count_kernel(logits_ref, block_max_ref, threshold_ref, out_ref, *, vocab_size, tile_blocks):
     V, NB = vocab_size, num_blocks(vocab_size)
     r, c = pl.program_id(0), pl.program_id(1)
-    blocks, ids, in_row = _tile(V, tile_blocks)
+    blocks, _, ids, in_row = _tile(V, tile_blocks)
     block_ok = blocks < NB
     maxima = pltriton.load(block_max_ref.at[r * NB + blocks], mask=block_ok, other=NEG_INF)
     threshold = threshold_ref[r]
