@@ -2,12 +2,12 @@
 holds the jnp references and says what each output is for.
 
 ``logit_stats``: grid (R, cdiv(NB, tile_blocks)); program (r, c) reads ids of blocks
-[c * tile_blocks, (c + 1) * tile_blocks) of row r as a [tile_blocks, BLOCK] tile: the raw
+[c * tile_blocks, (c + 1) * tile_blocks) of row r as one tile: the raw
 logits, and with penalties the row's output counts and prompt bit mask (table row
 ``rows[r]``: the gather is an address computation, no [R, V] copy). It writes the penalised
-tile and, per block, the penalised maximum and the raw maximum and sum of exp(raw - max). A
-mask word covers 32 ids; each lane loads its own word (the 32 loads of one word hit the same
-cache line), which keeps the tile 2-D with no reshape.
+tile and, per block, the maximum and sum of exp((x - max) / divisor) of the penalised logits,
+and the same (divisor 1) of the raw ones. The tile is [tile_blocks, 4, 32]: a prompt-mask word
+covers 32 ids, and broadcasts over the last axis without a reshape.
 
 ``count_above``: grid (R, cdiv(NB, tile_blocks)); program (r, c) first reads its blocks'
 maxima, and reads the logits of the tile only when one of them is above the row's threshold
@@ -60,10 +60,10 @@ def _per_block(op, x):
 def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
     V, NB = vocab_size, num_blocks(vocab_size)
     if penalties:
-        (logits_ref, counts_ref, mask_ref, rows_ref, rep_ref, freq_ref, pres_ref,
-         processed_ref, block_max_ref, raw_max_ref, raw_sumexp_ref) = refs
+        (logits_ref, divisor_ref, counts_ref, mask_ref, rows_ref, rep_ref, freq_ref, pres_ref,
+         processed_ref, block_max_ref, block_sumexp_ref, raw_max_ref, raw_sumexp_ref) = refs
     else:
-        logits_ref, raw_max_ref, raw_sumexp_ref = refs
+        logits_ref, divisor_ref, block_sumexp_ref, raw_max_ref, raw_sumexp_ref = refs
     r = pl.program_id(0)
     blocks, words, ids, in_row = _tile(V, tile_blocks)
     block_ok = blocks < NB
@@ -73,25 +73,32 @@ def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
     at, block_at = r * V + ids, r * NB + blocks
     raw = pltriton.load(logits_ref.at[at], mask=in_row, other=0).astype(jnp.float32)
     raw = jnp.where(in_row, raw, NEG_INF)
+
+    def store_stats(x, max_ref, sumexp_ref, divisor=None):
+        block_max = _per_block(jnp.max, x)
+        shifted = x - jnp.where(block_max == NEG_INF, 0.0, block_max)[:, None, None]
+        if divisor is not None:
+            shifted = shifted / divisor
+        if max_ref is not None:
+            pltriton.store(max_ref.at[block_at], block_max, mask=block_ok)
+        pltriton.store(sumexp_ref.at[block_at], _per_block(jnp.sum, jnp.exp(shifted)), mask=block_ok)
+
+    processed = raw
     if penalties:
         row = rows_ref[r]
         counts = pltriton.load(counts_ref.at[row * V + ids], mask=in_row, other=0)
         num_words = (V + WORD - 1) // WORD
         mask_words = pltriton.load(mask_ref.at[row * num_words + words], mask=words < num_words, other=0)
         bits = (mask_words[:, :, None] >> jnp.arange(WORD, dtype=jnp.uint32)[None, None, :]) & 1
-        penalised = penalize_values(raw, counts, bits == 1, rep_ref[r], freq_ref[r], pres_ref[r])
-        penalised = jnp.where(in_row, penalised, NEG_INF)
-        pltriton.store(processed_ref.at[at], penalised, mask=in_row)
-        pltriton.store(block_max_ref.at[block_at], _per_block(jnp.max, penalised), mask=block_ok)
-    raw_max = _per_block(jnp.max, raw)
-    shift = jnp.where(raw_max == NEG_INF, 0.0, raw_max)
-    pltriton.store(raw_max_ref.at[block_at], raw_max, mask=block_ok)
-    pltriton.store(raw_sumexp_ref.at[block_at], _per_block(jnp.sum, jnp.exp(raw - shift[:, None, None])),
-                   mask=block_ok)
+        processed = penalize_values(raw, counts, bits == 1, rep_ref[r], freq_ref[r], pres_ref[r])
+        processed = jnp.where(in_row, processed, NEG_INF)
+        pltriton.store(processed_ref.at[at], processed, mask=in_row)
+    store_stats(processed, block_max_ref if penalties else None, block_sumexp_ref, divisor_ref[r])
+    store_stats(raw, raw_max_ref, raw_sumexp_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps"))
-def logit_stats(logits: jax.Array, t: SamplingTensors, penalties: PenaltyData | None, *,
+def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: PenaltyData | None, divisor: jax.Array, *,
                 interpret: bool = False, tile_blocks: int = 32, num_warps: int = 4) -> LogitStats:
     """Same result as mrv2_jax.sample.logit_stats.logit_stats_reference."""
     r, v = logits.shape
@@ -102,19 +109,19 @@ def logit_stats(logits: jax.Array, t: SamplingTensors, penalties: PenaltyData | 
     call = functools.partial(
         pl.pallas_call, kernel, grid=(r, pl.cdiv(nb, tile_blocks)), interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), name="logit_stats")
+    blocks = lambda a: a.reshape(r, nb)  # noqa: E731
+    divisor = divisor.astype(jnp.float32)
     if penalties is None:
         _check_size(logits)
-        raw_max, raw_sumexp = call(out_shape=(f32(r * nb), f32(r * nb)))(logits.reshape(-1))
-        raw_max, raw_sumexp = raw_max.reshape(r, nb), raw_sumexp.reshape(r, nb)
-        return LogitStats(logits.astype(jnp.float32), raw_max, raw_max, raw_sumexp)
+        sumexp, raw_max, raw_sumexp = call(out_shape=(f32(r * nb),) * 3)(logits.reshape(-1), divisor)
+        return LogitStats(logits.astype(jnp.float32), blocks(raw_max), blocks(sumexp), blocks(raw_max),
+                          blocks(raw_sumexp))
     _check_size(logits, penalties.output_counts)
-    outs = call(out_shape=(f32(r * v), f32(r * nb), f32(r * nb), f32(r * nb)))(
-        logits.reshape(-1), penalties.output_counts.reshape(-1), penalties.prompt_mask.reshape(-1),
+    processed, *stats = call(out_shape=(f32(r * v),) + (f32(r * nb),) * 4)(
+        logits.reshape(-1), divisor, penalties.output_counts.reshape(-1), penalties.prompt_mask.reshape(-1),
         penalties.rows.astype(jnp.int32), t.repetition_penalty.astype(jnp.float32),
         t.frequency_penalty.astype(jnp.float32), t.presence_penalty.astype(jnp.float32))
-    processed, block_max, raw_max, raw_sumexp = outs
-    return LogitStats(processed.reshape(r, v), block_max.reshape(r, nb), raw_max.reshape(r, nb),
-                      raw_sumexp.reshape(r, nb))
+    return LogitStats(processed.reshape(r, v), *map(blocks, stats))
 
 
 def _count_kernel(logits_ref, block_max_ref, threshold_ref, out_ref, *, vocab_size, tile_blocks):

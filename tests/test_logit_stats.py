@@ -43,7 +43,7 @@ def random_case(rng, r, v, num_slots, logits_dtype=jnp.bfloat16, counts_dtype=np
     return jnp.asarray(logits, logits_dtype), t, data, dict(counts=counts, prompt=prompt, rows=rows)
 
 
-def numpy_stats(logits, t, raw_np):
+def numpy_stats(logits, t, raw_np, divisor):
     """Independent: the penalty formula per element in numpy, blocks by explicit slicing."""
     x = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)
     counts = raw_np["counts"][raw_np["rows"]]
@@ -52,15 +52,25 @@ def numpy_stats(logits, t, raw_np):
     pen = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
     pen = pen - np.asarray(t.frequency_penalty, np.float64)[:, None] * counts
     pen = pen - np.asarray(t.presence_penalty, np.float64)[:, None] * (counts > 0)
-    v = x.shape[1]
-    edges = range(0, v, ls.BLOCK)
-    bmax = lambda a: np.stack([a[:, s : s + ls.BLOCK].max(axis=1) for s in edges], axis=1)  # noqa: E731
-    raw_max = bmax(x)
-    with np.errstate(invalid="ignore"):
-        shift = np.where(np.isneginf(raw_max), 0.0, raw_max)
-        sumexp = np.stack([np.exp(x[:, s : s + ls.BLOCK] - shift[:, [i]]).sum(axis=1) for i, s in enumerate(edges)],
-                          axis=1)
-    return pen, bmax(pen), raw_max, sumexp
+    edges = list(range(0, x.shape[1], ls.BLOCK))
+
+    def blocks(a, d):
+        m = np.stack([a[:, s : s + ls.BLOCK].max(axis=1) for s in edges], axis=1)
+        shift = np.where(np.isneginf(m), 0.0, m)
+        with np.errstate(invalid="ignore"):
+            sums = [np.exp((a[:, s : s + ls.BLOCK] - shift[:, [i]]) / d[:, None]).sum(axis=1) for i, s in enumerate(edges)]
+        return m, np.stack(sums, axis=1)
+
+    return pen, blocks(pen, np.asarray(divisor, np.float64)), blocks(x, np.ones(len(x)))
+
+
+def assert_stats(got, pen, pen_blocks, raw_blocks):
+    close = dict(rtol=2e-6, atol=0)
+    np.testing.assert_allclose(got.processed, pen, **close)
+    np.testing.assert_allclose(got.block_max, pen_blocks[0], **close)
+    np.testing.assert_allclose(got.block_sumexp, pen_blocks[1], rtol=1e-5)
+    np.testing.assert_array_equal(got.raw_block_max, raw_blocks[0])
+    np.testing.assert_allclose(got.raw_block_sumexp, raw_blocks[1], rtol=1e-5)
 
 
 @pytest.mark.parametrize("logits_dtype,counts_dtype", [(jnp.bfloat16, np.uint16), (jnp.float32, np.int32)])
@@ -69,21 +79,32 @@ def test_stats_match_numpy(impl, logits_dtype, counts_dtype):
     rng = np.random.default_rng(0)
     r, v = 5, 3 * 128 * 2 + 77  # tails in the last block and in the last tile (tile_blocks=2)
     logits, t, data, raw_np = random_case(rng, r, v, 7, logits_dtype, counts_dtype)
+    divisor = jnp.asarray([1.0, 0.7, 2.0, 1.0, 0.3], jnp.float32)
     if impl == "kernel":
-        got = pk.logit_stats(logits, t, data, interpret=True, tile_blocks=2)
-        plain = pk.logit_stats(logits, t, None, interpret=True, tile_blocks=2)
+        got = pk.logit_stats(logits, t, data, divisor, interpret=True, tile_blocks=2)
+        plain = pk.logit_stats(logits, None, None, divisor, interpret=True, tile_blocks=2)
     else:
-        got, plain = ls.logit_stats_reference(logits, t, data), ls.logit_stats_reference(logits, t, None)
-    pen, pen_max, raw_max, sumexp = numpy_stats(logits, t, raw_np)
-    close = dict(rtol=2e-6, atol=0)
-    np.testing.assert_allclose(got.processed, pen, **close)
-    np.testing.assert_allclose(got.block_max, pen_max, **close)
-    np.testing.assert_array_equal(got.raw_block_max, raw_max)
-    np.testing.assert_allclose(got.raw_block_sumexp, sumexp, rtol=1e-5)
-    # Without penalties: the raw logits in f32, and their block maxima twice.
-    np.testing.assert_array_equal(plain.processed, np.asarray(jnp.asarray(logits, jnp.float32)))
-    np.testing.assert_array_equal(plain.block_max, raw_max)
-    np.testing.assert_array_equal(plain.raw_block_max, raw_max)
+        got = ls.logit_stats_reference(logits, t, data, divisor)
+        plain = ls.logit_stats_reference(logits, None, None, divisor)
+    pen, pen_blocks, raw_blocks = numpy_stats(logits, t, raw_np, divisor)
+    assert_stats(got, pen, pen_blocks, raw_blocks)
+    # Without penalties the "penalised" logits are the raw ones in f32.
+    raw = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)
+    _, raw_scaled_blocks, _ = numpy_stats(logits, dataclasses.replace(
+        t, repetition_penalty=jnp.ones(r), frequency_penalty=jnp.zeros(r), presence_penalty=jnp.zeros(r)),
+        raw_np, divisor)
+    assert_stats(plain, raw, raw_scaled_blocks, raw_blocks)
+
+
+def test_mass_from_blocks_matches_numpy():
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 4, (3, 900)).astype(np.float32)
+    x[2, 100:] = -np.inf
+    divisor = np.array([1.0, 0.5, 1.7], np.float32)
+    got = ls.mass_from_blocks(*ls.block_max_and_sumexp(jnp.asarray(x), jnp.asarray(divisor)), jnp.asarray(divisor))
+    xd = x.astype(np.float64)
+    want = np.exp((xd - xd.max(axis=1, keepdims=True)) / divisor[:, None]).sum(axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 def test_logsumexp_from_blocks_matches_numpy():
@@ -116,17 +137,21 @@ def test_count_above_matches_numpy(impl, monkeypatch):
     np.testing.assert_array_equal(got, (x > threshold[:, None]).sum(axis=1))
 
 
-def test_refresh_block_max_recomputes_edited_blocks():
+def test_refresh_blocks_recomputes_edited_blocks():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 700)).astype(np.float32)
-    block_max, _ = ls.block_max_and_sumexp(jnp.asarray(x))
+    divisor = jnp.asarray([1.0, 0.5, 2.0], jnp.float32)
+    blocks = ls.block_max_and_sumexp(jnp.asarray(x), divisor)
     ids = np.array([[0, 129, 699], [5, 6, 700], [700, 700, 300]])  # 700 = no id
     edited = x.copy()
     for i, row in enumerate(ids):
         for j in row[row < 700]:
             edited[i, j] = -np.inf if j % 2 else 50.0
-    got = ls.refresh_block_max(block_max, jnp.asarray(edited), jnp.asarray(ids))
-    np.testing.assert_array_equal(got, ls.block_max_and_sumexp(jnp.asarray(edited))[0])
+    got = ls.refresh_blocks(*blocks, jnp.asarray(edited), jnp.asarray(ids), divisor)
+    want = ls.block_max_and_sumexp(jnp.asarray(edited), divisor)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    assert not np.array_equal(want[0], blocks[0])  # the edits moved some maxima
 
 
 def test_top_n_from_given_block_maxima():
@@ -203,8 +228,9 @@ def test_kernels_lower_to_triton(monkeypatch):
     t = jax.eval_shape(lambda: SamplingTensors.neutral(r, max_bias=16, max_stop=4, xp=jnp))
     data = PenaltyData(S((n, v), jnp.uint16), S((n, (v + 31) // 32), jnp.uint32), S((r,), jnp.int32))
     cuda = dict(lowering_platforms=("cuda",))
-    text = jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), t, data).lower(**cuda).as_text()
-    text += jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), t, None).lower(**cuda).as_text()
+    divisor = S((r,), jnp.float32)
+    text = jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), t, data, divisor).lower(**cuda).as_text()
+    text += jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), None, None, divisor).lower(**cuda).as_text()
     text += jax.jit(pk.count_above).trace(S((r, v), jnp.bfloat16), S((r, ls.num_blocks(v)), jnp.float32),
                                           S((r,), jnp.float32)).lower(**cuda).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3
@@ -216,10 +242,11 @@ def test_gpu_kernels_match_reference_at_serving_shape():
     rng = np.random.default_rng(7)
     r, v = 256, 151936
     logits, t, data, _ = random_case(rng, r, v, 300)
-    got = pk.logit_stats(logits, t, data)
-    want = jax.jit(ls.logit_stats_reference)(logits, t, data)
-    for name in ("processed", "block_max", "raw_block_sumexp"):
-        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-6, err_msg=name)
+    divisor = jnp.asarray(rng.uniform(0.2, 2, r), jnp.float32)
+    got = pk.logit_stats(logits, t, data, divisor)
+    want = jax.jit(ls.logit_stats_reference)(logits, t, data, divisor)
+    for name in ("processed", "block_max", "block_sumexp", "raw_block_sumexp"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, err_msg=name)
     np.testing.assert_array_equal(got.raw_block_max, want.raw_block_max)
     threshold = jnp.asarray(np.sort(np.asarray(logits, np.float32), axis=1)[:, -int(rng.integers(1, 100))])
     np.testing.assert_array_equal(pk.count_above(logits, got.raw_block_max, threshold),

@@ -66,13 +66,14 @@ def main(argv=None):
         logits, t, data = inputs(r, v, logits_dtype, counts_dtype, np.random.default_rng(0))
         moved = logits.nbytes + data.output_counts.nbytes + data.prompt_mask.nbytes + r * v * 4
         label = f"{jnp.dtype(logits_dtype).name} logits, {np.dtype(counts_dtype).name} counts"
-        ref = jax.jit(ls.logit_stats_reference)
+        ones = jnp.ones((r,), jnp.float32)
+        ref = jax.jit(lambda x, t, data: ls.logit_stats_reference(x, t, data, ones))
         rows.append((label, "xla reference", moved, burst_ms(ref, (logits, t, data), args.calls)))
         rows.append((label, "xla reference, no penalties", logits.nbytes,
-                     burst_ms(jax.jit(lambda x: ls.logit_stats_reference(x, None, None)), (logits,), args.calls)))
+                     burst_ms(jax.jit(lambda x: ls.logit_stats_reference(x, None, None, ones)), (logits,), args.calls)))
         for tb in args.tile_blocks:
             for warps in args.num_warps:
-                fn = functools.partial(pk.logit_stats, tile_blocks=tb, num_warps=warps, interpret=args.interpret)
+                fn = functools.partial(pk.logit_stats, divisor=ones, tile_blocks=tb, num_warps=warps, interpret=args.interpret)
                 rows.append((label, f"kernel tb={tb} warps={warps}", moved, burst_ms(fn, (logits, t, data), args.calls)))
                 rows.append((label, f"kernel tb={tb} warps={warps}, no penalties", logits.nbytes,
                              burst_ms(lambda x, fn=fn: fn(x, None, None), (logits,), args.calls)))

@@ -258,7 +258,7 @@ def kernel_family(name: str) -> str:
     return re.sub(r"([._]\d+)+$", "", name) or name
 
 
-def kernel_split(events, lo: float, hi: float, num_steps: int, top: int = 15) -> list[dict]:
+def kernel_split(events, lo: float, hi: float, num_steps: int, top: int = 60) -> list[dict]:
     """The kernels (by family) that take the device time of the window [lo, hi): per step, their
     time (ms) and launches, and their share of the summed kernel time; the `top` largest."""
     time_us, count = {}, {}
@@ -292,6 +292,10 @@ def run(args) -> dict:
     startup = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, 0.0, llm.model_state.vocab_size, args.dataset_seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    if args.sampling == "all":  # every sampler feature on every request (bench ab --sampling all)
+        from mrv2_jax.bench.ab import sampling_params
+
+        params = sampling_params("all", args.output_len, llm.model_state.vocab_size)
     llm.generate(prompts[: min(len(prompts), 16)], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
     rows = min(args.max_num_seqs, len(prompts))
@@ -363,7 +367,7 @@ def print_summary(report: dict) -> None:
         print(f"GPU busy fraction over the window: {device['busy_fraction']:.1%} "
               f"({device['window_busy_ms']:.1f} of {device['window_span_ms']:.1f} ms; {device['device_source']})")
         print(f"{'kernel (family)':48} {'ms/step':>8} {'launches/step':>13} {'share':>6}")
-        for k in device.get("kernels", [])[:10]:
+        for k in device.get("kernels", [])[: report["settings"].get("top_kernels", 10)]:
             print(f"{k['kernel'][:48]:48} {k['ms_per_step']:8.3f} {k['launches_per_step']:13.1f} {k['share']:6.1%}")
     else:
         print(f"device: {device.get('note')}")
@@ -376,6 +380,10 @@ def main(argv=None, prog=None):
     p.add_argument("--num-prompts", type=int, default=256,
                    help="default 256: one wave at --max-num-seqs 256, so most steps are steady decode")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--sampling", choices=["plain", "all"], default="plain",
+                   help="all: every sampler feature on every request, as `bench ab --sampling all` "
+                        "(--temperature is then ignored)")
+    p.add_argument("--top-kernels", type=int, default=10, help="kernel families to print")
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--skip-steps", type=int, default=50, help="steady-decode steps before the traced window")
     p.add_argument("--window", type=int, default=50, help="steps in the traced window (0: no trace)")

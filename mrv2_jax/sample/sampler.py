@@ -31,7 +31,7 @@ from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
-from mrv2_jax.sample.logit_stats import logit_stats, refresh_block_max
+from mrv2_jax.sample.logit_stats import block_max_and_sumexp, logit_stats, mass_from_blocks, refresh_blocks
 from mrv2_jax.sample.logprobs import compute_logprobs
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
 from mrv2_jax.sample.tensors import SamplingTensors
@@ -60,21 +60,24 @@ def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features
     if f.penalties and penalties is None:
         raise ValueError("features.penalties needs PenaltyData")
     x = logits.astype(jnp.float32)
-    # One pass over the logits (logit_stats.py) gives the penalised logits and the block maxima
-    # that the top candidates and the logprobs start from, and the logprobs' logsumexp.
-    stats = None
+    is_sampled = t.temperature > 0 if f.sampling else jnp.zeros(t.temperature.shape, bool)
+    divisor = jnp.where(is_sampled, t.temperature, 1.0)
+    # One pass over the logits (logit_stats.py) gives the penalised logits, the block maxima
+    # that the top candidates and the logprobs start from, the logprobs' logsumexp and top_p's
+    # mass. Gathers read `logits` in their own dtype: a gather from `x` made XLA write x out.
+    stats = blocks = None
     if f.penalties or f.num_logprobs is not None or _uses_candidates(f):
-        stats = logit_stats(logits, t, penalties if f.penalties else None)
+        stats = logit_stats(logits, t, penalties if f.penalties else None, divisor)
+        blocks = (stats.block_max, stats.block_sumexp)
     processed = x if stats is None else stats.processed
-    block_max = None if stats is None else stats.block_max
     # The edits run whenever they are compiled in, used or not: a conditional around them would
     # have to return the [R, V] logits, and copies them in the branch that edits nothing
     # (features.py); rows that use none carry neutral values.
     if f.logit_bias or f.min_tokens:
-        processed = apply_edits(processed, x, t, f, penalties)
-        if block_max is not None:
-            block_max = refresh_block_max(block_max, processed, edited_ids(t, f, x.shape[-1]))
-    tokens = _pick_tokens(processed, block_max, t, positions, f)
+        processed = apply_edits(processed, logits, t, f, penalties)
+        if blocks is not None:
+            blocks = refresh_blocks(*blocks, processed, edited_ids(t, f, x.shape[-1]), divisor)
+    tokens = _pick_tokens(processed, blocks, t, positions, f)
     if f.num_logprobs is None:
         return SamplerOutput(tokens)
     # Computed whenever compiled in (features.py: conditionals guard only the costly pieces).
@@ -89,8 +92,9 @@ def _uses_candidates(f: SamplerFeatures) -> bool:
 
 def apply_edits(processed: jax.Array, raw: jax.Array, t: SamplingTensors, f: SamplerFeatures,
                 penalties: PenaltyData | None) -> jax.Array:
-    """logit_bias and min_tokens on the penalised logits, with vLLM's result (bias -> mask ->
-    penalties): logit_bias.py explains why they may come after the penalty pass."""
+    """logit_bias and min_tokens on the penalised logits (raw: the logits, any dtype), with
+    vLLM's result (bias -> mask -> penalties): logit_bias.py explains why they may come after
+    the penalty pass."""
     if not f.penalties:
         return apply_sparse_edits(processed, t, bias=f.logit_bias, min_tokens=f.min_tokens)
     return edit_after_penalties(processed, raw, t, penalties, bias=f.logit_bias, min_tokens=f.min_tokens)
@@ -110,9 +114,9 @@ def _maybe(runtime_skip: bool, used: jax.Array, compute, skip):
     return jax.lax.cond(used, compute, skip)
 
 
-def _pick_tokens(x: jax.Array, block_max: jax.Array | None, t: SamplingTensors, positions: jax.Array,
-                 f: SamplerFeatures) -> jax.Array:
-    """x: processed logits (after bias / penalties); block_max: their block maxima. -> i32[R].
+def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures) -> jax.Array:
+    """x: processed logits (after bias / penalties); blocks: their LogitStats (block_max,
+    block_sumexp) or None. -> i32[R].
 
     With runtime skips, two conditionals guard the whole-row passes (the noise pass here, the
     threshold search in threshold_and_top); both return [R] values and hold no conditional
@@ -135,7 +139,7 @@ def _pick_tokens(x: jax.Array, block_max: jax.Array | None, t: SamplingTensors, 
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
         return _maybe(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
                       lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
-    keep_from, top = threshold_and_top(x, divisor, t, f, block_max)
+    keep_from, top = threshold_and_top(x, divisor, t, f, blocks)
     if top is None:  # the sort reference
         return whole_row(keep_from)
     # A row whose kept tokens all lie among its top C (the threshold is above the C-th largest
@@ -163,14 +167,13 @@ def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatur
     return threshold_and_top(scaled, jnp.ones(scaled.shape[:1], scaled.dtype), t, f)[0]
 
 
-def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures,
-                      block_max: jax.Array | None = None):
+def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures, blocks=None):
     """For scaled = x / divisor[:, None] -> (f32[R]: each row keeps the tokens with scaled logit
     >= this, -inf keeps everything; the row's top C scaled values and their ids [R, C], or None
     with the sort method). Rows with temperature 0 get no whole-row search: their thresholds
     are those the top C give (a greedy row takes the maximum, which every truncation keeps).
-    block_max: the maxima of x's blocks of logit_stats.BLOCK ids, if known (dividing them by a
-    positive divisor gives those of scaled: rounded division is monotone).
+    blocks: (block_max, block_sumexp) of x (logit_stats.LogitStats) or None. Dividing the
+    maxima by a positive divisor gives those of scaled (rounded division is monotone).
 
     The top C and top_p's row mass are computed whenever compiled in; with runtime skips, the
     whole-row search runs only when some sampled row's cut-off is not among its top C."""
@@ -182,7 +185,10 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     is_sampled = t.temperature > 0
     if f.top_k_top_p == "sort":
         return _sort_thresholds(x / divisor[:, None], t, f, is_sampled), None
-    scaled_block_max = None if block_max is None else block_max / divisor[:, None]
+    if blocks is None:
+        blocks = block_max_and_sumexp(x, divisor)
+    block_max, block_sumexp = blocks
+    scaled_block_max = block_max / divisor[:, None]
     top = top_n_by_blocks(x / divisor[:, None], min(topk_topp.TOP_CANDIDATES, v), block_max=scaled_block_max)
     desc = top[0]
     floor = topk_topp.min_p_threshold(desc[:, 0], t.min_p) if f.min_p else none()
@@ -198,14 +204,28 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     total = None
     if f.top_p:
         # The row's mass, for top_p without top_k (with top_k the mass is that of the kept top
-        # values): top_p alone is settled when its top C hold mass p.
-        total = topk_topp.row_mass(x / divisor[:, None], desc[:, 0], floor)
+        # values): top_p alone is settled when its top C hold mass p. It comes from the block
+        # sums; with a min_p floor only the tokens above it count, which takes a pass of its
+        # own, skipped unless some row has top_p and min_p without top_k.
+        total = mass_from_blocks(block_max, block_sumexp, divisor)
+        if f.min_p:
+            floored = is_sampled & p_on & ~k_on & (t.min_p > 0)
+            exact = _maybe(f.runtime_skip, jnp.any(floored),
+                           lambda: _row_mass_pass(x / divisor[:, None], desc[:, 0], floor), lambda: total)
+            total = jnp.where(t.min_p > 0, exact, total)
         settled |= ~k_on & topk_topp.top_holds_top_p(desc, floor, p, total)
     fast = topk_topp.threshold_from_sorted(desc, floor, k, p, v, total)
     needs_search = ~settled & (k_on | p_on) & is_sampled
     slow = _maybe(f.runtime_skip, jnp.any(needs_search),
                   lambda: _search_thresholds(x / divisor[:, None], t, f, floor, needs_search), lambda: fast)
     return jnp.where(settled, fast, slow), top
+
+
+def _row_mass_pass(scaled, row_max, floor) -> jax.Array:
+    """topk_topp.row_mass behind an optimisation barrier: XLA:GPU turns a conditional whose
+    branch is only elementwise ops and reductions into unconditional code (features.py), and
+    this pass is what the conditional is there to skip."""
+    return jax.lax.optimization_barrier(topk_topp.row_mass(scaled, row_max, floor))
 
 
 def _sort_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, is_sampled) -> jax.Array:
