@@ -121,8 +121,7 @@ class SamplerFeatures:
 
 
 # Named variants, for `EngineConfig.sampler_variants` / `--sampler-variants`.
-VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling,
-            "full": lambda: SamplerFeatures.all(prompt_logprobs=False), "all": SamplerFeatures.all}
+VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling, "all": SamplerFeatures.all}
 
 
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:

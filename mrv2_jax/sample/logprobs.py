@@ -28,10 +28,9 @@ class Logprobs(NamedTuple):
 
 
 def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
-                     stats: tuple[jax.Array, jax.Array] | None = None, top=None) -> Logprobs:
+                     stats: tuple[jax.Array, jax.Array] | None = None) -> Logprobs:
     """stats: the raw logits' (block maxima, block sums of exp(x - max)) when the caller has
-    them (logit_stats.LogitStats), and top: their top num_top (values, ids), likewise;
-    otherwise they are computed here."""
+    them (logit_stats.LogitStats); otherwise they are computed here."""
     if stats is None:
         stats = raw_block_stats(raw_logits)
     block_max, block_sumexp = stats
@@ -42,7 +41,7 @@ def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
     rank = 1 + count_above(raw_logits, block_max, sampled[:, 0])
     values, ids = sampled, tokens[:, None].astype(jnp.int32)
     if num_top > 0:
-        top_values, top_ids = top or top_n_by_blocks(raw_logits, num_top, block_max=block_max)
+        top_values, top_ids = top_n_by_blocks(raw_logits, num_top, block_max=block_max)
         values = jnp.concatenate([values, top_values.astype(jnp.float32)], axis=1)
         ids = jnp.concatenate([ids, top_ids.astype(jnp.int32)], axis=1)
     return Logprobs(values - lse[:, None], ids, rank)

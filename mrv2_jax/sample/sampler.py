@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.sample import topk_topp
-from mrv2_jax.sample.block_top import top_n_by_blocks, top_n_of_each
+from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
@@ -77,21 +77,11 @@ def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features
         processed = apply_edits(processed, logits, t, f, penalties)
         if blocks is not None:
             blocks = refresh_blocks(*blocks, processed, edited_ids(t, f, x.shape[-1]), divisor)
-    # The top candidates (of processed / divisor) and the top-n logprobs (of the raw logits)
-    # share their top_k and sort kernels (block_top.top_n_of_each).
-    top = top_logprobs = None
-    v = x.shape[-1]
-    if _uses_candidates(f) and 0 < (f.num_logprobs or 0) <= min(topk_topp.TOP_CANDIDATES, v):
-        top, (lp_values, lp_ids) = top_n_of_each(
-            [(processed / divisor[:, None], blocks[0] / divisor[:, None]), (logits, stats.raw_block_max)],
-            min(topk_topp.TOP_CANDIDATES, v))
-        top_logprobs = (lp_values[:, : f.num_logprobs], lp_ids[:, : f.num_logprobs])
-    tokens = _pick_tokens(processed, blocks, t, positions, f, top)
+    tokens = _pick_tokens(processed, blocks, t, positions, f)
     if f.num_logprobs is None:
         return SamplerOutput(tokens)
     # Computed whenever compiled in (features.py: conditionals guard only the costly pieces).
-    lp = compute_logprobs(logits, tokens, f.num_logprobs, (stats.raw_block_max, stats.raw_block_sumexp),
-                          top_logprobs)
+    lp = compute_logprobs(logits, tokens, f.num_logprobs, (stats.raw_block_max, stats.raw_block_sumexp))
     return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.sampled_rank)
 
 
@@ -124,11 +114,9 @@ def _maybe(runtime_skip: bool, used: jax.Array, compute, skip):
     return jax.lax.cond(used, compute, skip)
 
 
-def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures,
-                 top=None) -> jax.Array:
+def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures) -> jax.Array:
     """x: processed logits (after bias / penalties); blocks: their LogitStats (block_max,
-    block_sumexp) or None; top: the rows' top candidates if known (see threshold_and_top).
-    -> i32[R].
+    block_sumexp) or None. -> i32[R].
 
     With runtime skips, two conditionals guard the whole-row passes (the noise pass here, the
     threshold search in threshold_and_top); both return [R] values and hold no conditional
@@ -151,7 +139,7 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
         return _maybe(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
                       lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
-    keep_from, top = threshold_and_top(x, divisor, t, f, blocks, top)
+    keep_from, top = threshold_and_top(x, divisor, t, f, blocks)
     if top is None:  # the sort reference
         return whole_row(keep_from)
     # A row whose kept tokens all lie among its top C (the threshold is above the C-th largest
@@ -179,15 +167,13 @@ def truncation_threshold(scaled: jax.Array, t: SamplingTensors, f: SamplerFeatur
     return threshold_and_top(scaled, jnp.ones(scaled.shape[:1], scaled.dtype), t, f)[0]
 
 
-def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures, blocks=None,
-                      top=None):
+def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: SamplerFeatures, blocks=None):
     """For scaled = x / divisor[:, None] -> (f32[R]: each row keeps the tokens with scaled logit
     >= this, -inf keeps everything; the row's top C scaled values and their ids [R, C], or None
     with the sort method). Rows with temperature 0 get no whole-row search: their thresholds
     are those the top C give (a greedy row takes the maximum, which every truncation keeps).
     blocks: (block_max, block_sumexp) of x (logit_stats.LogitStats) or None. Dividing the
-    maxima by a positive divisor gives those of scaled (rounded division is monotone). top: the
-    rows' top C scaled values and ids, if the caller found them already.
+    maxima by a positive divisor gives those of scaled (rounded division is monotone).
 
     The top C and top_p's row mass are computed whenever compiled in; with runtime skips, the
     whole-row search runs only when some sampled row's cut-off is not among its top C."""
@@ -202,9 +188,8 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     if blocks is None:
         blocks = block_max_and_sumexp(x, divisor)
     block_max, block_sumexp = blocks
-    if top is None:
-        top = top_n_by_blocks(x / divisor[:, None], min(topk_topp.TOP_CANDIDATES, v),
-                              block_max=block_max / divisor[:, None])
+    scaled_block_max = block_max / divisor[:, None]
+    top = top_n_by_blocks(x / divisor[:, None], min(topk_topp.TOP_CANDIDATES, v), block_max=scaled_block_max)
     desc = top[0]
     floor = topk_topp.min_p_threshold(desc[:, 0], t.min_p) if f.min_p else none()
     if not (f.top_k or f.top_p):
