@@ -73,10 +73,27 @@ def test_bench_ab_with_every_sampling_feature(tmp_path):
     assert params.temperature > 0 and params.top_k == 50 and params.logprobs == 20 and params.min_tokens == 8
     out = tmp_path / "ab.json"
     assert cli.main(["bench", "ab", "--num-prompts", "8", "--input-len", "8", "--output-len", "8", "--arms",
-                     "v2-async", "--sampling", "all", "--capture-step", "2", "--output-json", str(out), *ENGINE]) == 0
+                     "v2-async", "--sampling", "all", "--capture-step", "2", "--step-timeline", "--output-json", str(out),
+                     *ENGINE]) == 0
     report = json.loads(out.read_text())
-    assert report["settings"]["sampling"] == "all"
+    assert report["settings"]["sampling"] == "all" and report["settings"]["step_timeline"] is True
     assert [r["arm"] for r in report["arms"]] == ["v2-async"] and report["arms"][0]["steady_step_device_ms"] > 0
+    assert "step_timeline" not in report["arms"][0]  # the CPU trace has no device events
+
+
+def test_step_timeline_summary(monkeypatch):
+    """The step timeline's summary from a given event list (the events come from a GPU trace:
+    bench/sampler.py call_timeline, which the sampler bench test runs)."""
+    from mrv2_jax.bench import ab, sampler
+
+    events = [{"at_us": 0.0, "us": 10.0, "gap_us": 0.0, "kernel": "fusion_1"},
+              {"at_us": 30.0, "us": 5.0, "gap_us": 20.0, "kernel": "logit_stats"},
+              {"at_us": 35.0, "us": 2.0, "gap_us": 0.0, "kernel": "fusion_2"}]
+    monkeypatch.setattr(sampler, "call_timeline", lambda fn, inputs: events)
+    t = ab.step_timeline(runner=None, dispatch=None)
+    assert t["span_us"] == 37.0 and t["idle_us"] == 20.0 and t["num_events"] == 3
+    assert t["largest_gaps"][0] == {"gap_us": 20.0, "at_us": 30.0, "before": "logit_stats"}
+    assert t["kernel_us"] == {"fusion": 12.0, "logit_stats": 5.0}
 
 
 def test_bench_timeline_host_breakdown(tmp_path):
@@ -223,3 +240,16 @@ def test_sampler_bench_top_n_cases_and_hlo_dump(tmp_path):
     assert set(cases) == {"top64_blocks_128_16", "top20_blocks_256_32_4", "greedy"}
     assert all(r["median_ms"] > 0 for r in cases.values())
     assert "ENTRY" in (hlo / "greedy.hlo.txt").read_text()  # the optimized module, written per case
+
+
+def test_logit_stats_bench_runs_the_kernels_interpreted(tmp_path):
+    from mrv2_jax.bench import logit_stats
+
+    out = tmp_path / "logit_stats.json"
+    logit_stats.main(["--num-rows", "2", "--vocab", "700", "--calls", "1", "--tile-blocks", "2", "--num-warps", "4",
+                      "--interpret", "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert ENVIRONMENT_KEYS <= report.keys()
+    cases = {(c["inputs"], c["case"]) for c in report["cases"]}
+    assert ("bfloat16 logits, uint16 counts", "kernel tb=2 warps=4") in cases and len(cases) == 2 * 6
+    assert all(c["ms"] > 0 for c in report["cases"])

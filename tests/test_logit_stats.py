@@ -251,3 +251,21 @@ def test_gpu_kernels_match_reference_at_serving_shape():
     threshold = jnp.asarray(np.sort(np.asarray(logits, np.float32), axis=1)[:, -int(rng.integers(1, 100))])
     np.testing.assert_array_equal(pk.count_above(logits, got.raw_block_max, threshold),
                                   jnp.sum(logits.astype(jnp.float32) > threshold[:, None], axis=1))
+
+
+def test_tables_past_int32_offsets_take_the_jnp_path(monkeypatch):
+    """A counts table of >= 2**31 entries (say 16K slots x 152K ids) cannot be addressed by the
+    kernels' int32 offsets: the sampler uses the jnp pass instead of failing to compile."""
+    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "interpret")
+    S = jax.ShapeDtypeStruct
+    r, v = 4, 151936
+    t = jax.eval_shape(lambda: SamplingTensors.neutral(r, max_bias=0, max_stop=0, xp=jnp))
+    huge = PenaltyData(S((2**31 // v + 1, v), jnp.uint16), S((2**31 // v + 1, (v + 31) // 32), jnp.uint32),
+                       S((r,), jnp.int32))
+    text = jax.jit(lambda x, t, p: ls.logit_stats(x, t, p).block_max).trace(
+        S((r, v), jnp.bfloat16), t, huge).lower().as_text()
+    assert "logit_stats" not in text  # no Pallas call (interpreted kernels would show their name)
+    small = PenaltyData(S((8, v), jnp.uint16), S((8, (v + 31) // 32), jnp.uint32), S((r,), jnp.int32))
+    text = jax.jit(lambda x, t, p: ls.logit_stats(x, t, p).block_max).trace(
+        S((r, v), jnp.bfloat16), t, small).lower().as_text()
+    assert "logit_stats" in text

@@ -93,19 +93,52 @@ def run_arm(name, args, loaded, prompts):
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p) for p in prompts)
-    wall = device = None
+    wall = device = timeline = None
     if capture is not None:
         capture.release()
         if capture.captured:
             engine.runner.state = capture.state
             device = engine.runner.replay(capture.dispatch, 20)
             wall = local_wall(engine.step_log, capture.step_index, rows)
+            if args.step_timeline:
+                timeline = step_timeline(engine.runner, capture.dispatch)
     return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
             "steady_step_wall_ms": wall and 1e3 * wall, "steady_step_device_ms": device and 1e3 * device,
             "gpu_busy_fraction": (device / wall) if (wall and device) else None,
-            "wall_profile": wall_profile(engine.step_log)}
+            "wall_profile": wall_profile(engine.step_log)} | ({"step_timeline": timeline} if timeline else {})
+
+
+def step_timeline(runner, dispatch) -> dict:
+    """The device events of one replayed step (bench/sampler.py `call_timeline`), with its span,
+    its idle time, the longest gaps and the kernel families' time. Set
+    XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true to keep the step's CUDA graphs
+    (and their gaps) as they are outside the profiler."""
+    from mrv2_jax.bench.sampler import call_timeline
+    from mrv2_jax.bench.timeline import kernel_family
+
+    events = call_timeline(lambda: runner.replay(dispatch, 1), ())
+    if not events:
+        return {}
+    families: dict[str, float] = {}
+    for e in events:
+        families[kernel_family(e["kernel"])] = families.get(kernel_family(e["kernel"]), 0.0) + e["us"]
+    gaps = sorted(events, key=lambda e: -e["gap_us"])[:12]
+    return {"span_us": round(events[-1]["at_us"] + events[-1]["us"], 1),
+            "idle_us": round(sum(e["gap_us"] for e in events), 1), "num_events": len(events),
+            "largest_gaps": [{"gap_us": e["gap_us"], "at_us": e["at_us"], "before": e["kernel"]} for e in gaps],
+            "kernel_us": {k: round(v, 1) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+            "events": events}
+
+
+def print_step_timeline(arm: str, t: dict, top: int = 25) -> None:
+    print(f"\n{arm}: one replayed step, {t['span_us']:.0f} us from first to last device event, "
+          f"{t['idle_us']:.0f} us idle, {t['num_events']} events")
+    for name, us in list(t["kernel_us"].items())[:top]:
+        print(f"  {name[:60]:60} {us:9.1f} us")
+    print("  largest idle gaps (us, before): " + ", ".join(
+        f"{g['gap_us']:.0f} ({g['before'][:30]})" for g in t["largest_gaps"]))
 
 
 def main(argv=None, prog=None):
@@ -119,6 +152,9 @@ def main(argv=None, prog=None):
                         "penalties, logit bias, min_tokens, 20 logprobs)")
     p.add_argument("--capture-step", type=int, default=100,
                    help="which full-concurrency decode step to replay for its device time")
+    p.add_argument("--step-timeline", action="store_true",
+                   help="v2: also trace one replayed decode step and report its device events, idle gaps "
+                        "and kernel families (into the JSON; a summary is printed)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="write a PNG: output tok/s per arm, and steady-decode step wall vs device time")
@@ -145,6 +181,9 @@ def main(argv=None, prog=None):
         print(f"{r['arm']:10} {r['output_tokens_per_s']:10.0f} {r['total_tokens_per_s']:12.0f} "
               f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:6.2f} {fmt(r['steady_step_wall_ms'], '13.3f')} "
               f"{fmt(r['steady_step_device_ms'], '12.3f')} {fmt(r['gpu_busy_fraction'], '9.1%')} {r['startup_s']:10.1f}")
+    for r in results:
+        if r.get("step_timeline"):
+            print_step_timeline(r["arm"], r["step_timeline"])
     report = {**describe_environment(), "load_s": load_s, "settings": vars(args), "arms": results}
     if args.output_json:
         write_report(report, args.output_json)

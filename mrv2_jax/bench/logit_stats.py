@@ -3,10 +3,11 @@ the jnp reference that XLA fuses, by tile size and warps, at serving shapes.
 
     python -m mrv2_jax.bench.logit_stats --output-json $OUT/logit_stats.json
 
-Each case is timed as a burst of --calls back-to-back calls with one wait at the end, so the
-figure per call is device time whenever the device is the bottleneck (every case here takes
-longer on the GPU than a dispatch takes on the host). The floor is bytes moved / bandwidth:
-`gb` says how many GB one call reads and writes.
+Each case reports the device time of its kernels per call, from a profiler trace of --calls
+calls (bench/sampler.py `profile_kernels`): a host-timed burst of calls measured the ~0.1 ms
+dispatch of a jitted call, not the kernel. Without device events (a CPU) the wall time per call
+of a burst stands in. The floor is bytes moved / bandwidth: `gb` says how many GB one call
+reads and writes.
 """
 
 from __future__ import annotations
@@ -37,22 +38,24 @@ def inputs(r: int, v: int, logits_dtype, counts_dtype, rng):
     return jnp.asarray(rng.normal(0, 2, (r, v)), logits_dtype), t, data
 
 
-def burst_ms(fn, args, calls: int, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = [fn(*args) for _ in range(calls)]
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / calls * 1e3)
-    return best
+def device_ms(fn, args, calls: int) -> float:
+    """Device ms per call (summed kernel time), or the wall ms per call of a burst without a GPU."""
+    from mrv2_jax.bench.sampler import profile_kernels
+
+    jax.block_until_ready(fn(*args))  # compile outside the trace
+    kernels = profile_kernels(fn, args, calls)
+    if kernels:
+        return sum(k["ms_per_step"] for k in kernels)
+    t0 = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-rows", type=int, default=256)
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--calls", type=int, default=10)
     p.add_argument("--tile-blocks", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU smoke runs)")
@@ -68,21 +71,21 @@ def main(argv=None):
         label = f"{jnp.dtype(logits_dtype).name} logits, {np.dtype(counts_dtype).name} counts"
         ones = jnp.ones((r,), jnp.float32)
         ref = jax.jit(lambda x, t, data: ls.logit_stats_reference(x, t, data, ones))
-        rows.append((label, "xla reference", moved, burst_ms(ref, (logits, t, data), args.calls)))
+        rows.append((label, "xla reference", moved, device_ms(ref, (logits, t, data), args.calls)))
         rows.append((label, "xla reference, no penalties", logits.nbytes,
-                     burst_ms(jax.jit(lambda x: ls.logit_stats_reference(x, None, None, ones)), (logits,), args.calls)))
+                     device_ms(jax.jit(lambda x: ls.logit_stats_reference(x, None, None, ones)), (logits,), args.calls)))
         for tb in args.tile_blocks:
             for warps in args.num_warps:
                 fn = functools.partial(pk.logit_stats, divisor=ones, tile_blocks=tb, num_warps=warps, interpret=args.interpret)
-                rows.append((label, f"kernel tb={tb} warps={warps}", moved, burst_ms(fn, (logits, t, data), args.calls)))
+                rows.append((label, f"kernel tb={tb} warps={warps}", moved, device_ms(fn, (logits, t, data), args.calls)))
                 rows.append((label, f"kernel tb={tb} warps={warps}, no penalties", logits.nbytes,
-                             burst_ms(lambda x, fn=fn: fn(x, None, None), (logits,), args.calls)))
+                             device_ms(lambda x, fn=fn: fn(x, None, None), (logits,), args.calls)))
         stats = ref(logits, t, data)
         threshold = jnp.sort(logits.astype(jnp.float32), axis=1)[:, -30]
-        rows.append((label, "count_above xla", logits.nbytes, burst_ms(
+        rows.append((label, "count_above xla", logits.nbytes, device_ms(
             jax.jit(lambda x, s: jnp.sum(x.astype(jnp.float32) > s[:, None], axis=1)), (logits, threshold), args.calls)))
         for tb in args.tile_blocks:
-            rows.append((label, f"count_above kernel tb={tb}", 0, burst_ms(
+            rows.append((label, f"count_above kernel tb={tb}", 0, device_ms(
                 functools.partial(pk.count_above, tile_blocks=tb, interpret=args.interpret), (logits, stats.raw_block_max, threshold), args.calls)))
     report = describe_environment() | {"num_rows": r, "vocab": v, "cases": [
         {"inputs": a, "case": b, "gb": m / 1e9, "ms": ms} for a, b, m, ms in rows]}

@@ -14,7 +14,9 @@ peaked row) draws among those alone, and a greedy row takes the first; any other
 fused read of the logits: scale, mask below the threshold, add noise, argmax. Both give the
 same token.
 Gumbel noise is keyed by (seed, position) only (gumbel.py), so a seeded request gets the same
-tokens in any batch. Logprobs come from the raw logits (logprobs.py).
+tokens in any batch. Logprobs come from the raw logits (logprobs.py). One pass over the logits
+(logit_stats.py: a Pallas kernel on GPUs) writes the penalised logits and the per-block maxima
+and exp-sums that the top candidates, top_p's mass and the logprobs start from.
 
 `features` (static) says what is compiled in and whether unused features are skipped at run
 time; features.py explains the trade-off and why no [R, V] array leaves a conditional.
@@ -175,8 +177,10 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     blocks: (block_max, block_sumexp) of x (logit_stats.LogitStats) or None. Dividing the
     maxima by a positive divisor gives those of scaled (rounded division is monotone).
 
-    The top C and top_p's row mass are computed whenever compiled in; with runtime skips, the
-    whole-row search runs only when some sampled row's cut-off is not among its top C."""
+    The top C and top_p's row mass (from the block sums) are computed whenever compiled in;
+    with runtime skips, the whole-row search runs only when some sampled row's cut-off is not
+    among its top C, and the floored mass pass only when some sampled row has top_p and min_p
+    without top_k."""
     r, v = x.shape
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
     enabled = [name for name in ("min_p", "top_k", "top_p") if getattr(f, name)]
