@@ -10,8 +10,10 @@
 # loop iteration), MoE grouped GEMM (moe), the MoE presets A/B (moe-presets, moe-presets-s2) and the
 # speculative-decoding benchmark (spec: ~5 min), the sampler's cost inside an S1 step
 # (ab-s1-sampling), the cost of one lax.cond (conditionals), the sampler's kernels and idle gaps
-# per call (sampler-probe) and the batch-1 kernel split (timeline-b1).
-# Logs and JSON go to $OUT. Set MRV2_GIT_SHA when the copy has no .git.
+# per call (sampler-probe), one replayed sampling step's events (ab-s1-sampling-timeline), the
+# sampler's logit pass by tile size (logit-stats) and the batch-1 kernel split (timeline-b1).
+# Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
+# here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
 #
 # serve-256 needs fastapi/uvicorn/pydantic and a Qwen3 tokenizer, compare-* needs vLLM: the GPU
@@ -66,6 +68,16 @@ for s in $sections; do case $s in
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
         --output-json "$OUT/ab_s1_256_sampling_${kind//-/_}.json"
     done ;;
+  # Issue 5: one replayed S1 decode step's device events, gaps and kernel families (greedy vs every
+  # feature), with the step's CUDA graphs kept under the profiler; and the logit pass alone.
+  ab-s1-sampling-timeline)
+    for kind in greedy all; do
+      XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true run_section ab-s1-sampling-timeline-$kind \
+        python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async --sampling $kind \
+        --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --max-model-len 1024 --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
+    done ;;
+  logit-stats) run_section logit-stats python3 -m mrv2_jax.bench.logit_stats --output-json "$OUT/logit_stats.json" ;;
   # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
   # fused variants compiled up to 32 rows (never used there) vs up to every row.
   fused-rows|fused-rows-1024)
