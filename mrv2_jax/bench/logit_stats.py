@@ -70,10 +70,11 @@ def main(argv=None):
         moved = logits.nbytes + data.output_counts.nbytes + data.prompt_mask.nbytes + r * v * 4
         label = f"{jnp.dtype(logits_dtype).name} logits, {np.dtype(counts_dtype).name} counts"
         ones = jnp.ones((r,), jnp.float32)
-        ref = jax.jit(lambda x, t, data: ls.logit_stats_reference(x, t, data, ones))
+        ref = jax.jit(lambda x, t, data, ones=ones: ls.logit_stats_reference(x, t, data, ones))
         rows.append((label, "xla reference", moved, device_ms(ref, (logits, t, data), args.calls)))
         rows.append((label, "xla reference, no penalties", logits.nbytes,
-                     device_ms(jax.jit(lambda x: ls.logit_stats_reference(x, None, None, ones)), (logits,), args.calls)))
+                     device_ms(jax.jit(lambda x, ones=ones: ls.logit_stats_reference(x, None, None, ones)), (logits,),
+                               args.calls)))
         for tb in args.tile_blocks:
             for warps in args.num_warps:
                 fn = functools.partial(pk.logit_stats, divisor=ones, tile_blocks=tb, num_warps=warps, interpret=args.interpret)
