@@ -2,7 +2,8 @@
 holds the jnp references and says what each output is for.
 
 ``logit_stats``: grid (R, cdiv(NB, tile_blocks)); program (r, c) reads ids of blocks
-[c * tile_blocks, (c + 1) * tile_blocks) of row r as one tile: the raw
+[c * tile_blocks, (c + 1) * tile_blocks) of row r as one tile (or, with tiles_per_program > 1,
+that many consecutive tiles in a loop): the raw
 logits, and with penalties the row's output counts and prompt bit mask (table row
 ``rows[r]``: the gather is an address computation, no [R, V] copy). It writes the penalised
 tile and, per block, the maximum and sum of exp((x - max) / divisor) of the penalised logits,
@@ -44,10 +45,12 @@ def _check_size(*arrays):
 WORD = 32  # ids per prompt-mask word
 
 
-def _tile(vocab_size: int, tile_blocks: int):
-    """This program's block indices [TB], ids [TB, BLOCK / WORD, WORD] and which of them are in
-    the row. Three axes, so that a mask word broadcasts over its 32 ids without a reshape."""
-    blocks = pl.program_id(1) * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)
+def _tile(vocab_size: int, tile_blocks: int, tile=None):
+    """Tile `tile` of the row (default: this program's): block indices [TB], ids [TB, BLOCK /
+    WORD, WORD] and which of them are in the row. Three axes, so that a mask word broadcasts
+    over its 32 ids without a reshape."""
+    tile = pl.program_id(1) if tile is None else tile
+    blocks = tile * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)
     words = blocks[:, None] * (BLOCK // WORD) + jnp.arange(BLOCK // WORD, dtype=jnp.int32)[None, :]
     ids = words[:, :, None] * WORD + jnp.arange(WORD, dtype=jnp.int32)[None, None, :]
     return blocks, words, ids, ids < vocab_size
@@ -57,15 +60,30 @@ def _per_block(op, x):
     return op(op(x, axis=2), axis=1)
 
 
-def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
+def _stats_kernel(*refs, vocab_size, tile_blocks, tiles_per_program, penalties):
+    """Each program does `tiles_per_program` consecutive tiles of its row, in a loop (which
+    Triton can software-pipeline with num_stages > 1)."""
+    # Program ids are read once, outside the loop (the Pallas interpreter wants them there).
+    r, first = pl.program_id(0), pl.program_id(1) * tiles_per_program
+    if tiles_per_program == 1:
+        return _stats_tile(*refs, vocab_size=vocab_size, tile_blocks=tile_blocks, penalties=penalties, r=r,
+                           tile=first)
+
+    def body(i, carry):
+        _stats_tile(*refs, vocab_size=vocab_size, tile_blocks=tile_blocks, penalties=penalties, r=r, tile=first + i)
+        return carry
+
+    jax.lax.fori_loop(0, tiles_per_program, body, 0)
+
+
+def _stats_tile(*refs, vocab_size, tile_blocks, penalties, r, tile):
     V, NB = vocab_size, num_blocks(vocab_size)
     if penalties:
         (logits_ref, divisor_ref, counts_ref, mask_ref, rows_ref, rep_ref, freq_ref, pres_ref,
          processed_ref, block_max_ref, block_sumexp_ref, raw_max_ref, raw_sumexp_ref) = refs
     else:
         logits_ref, divisor_ref, block_sumexp_ref, raw_max_ref, raw_sumexp_ref = refs
-    r = pl.program_id(0)
-    blocks, words, ids, in_row = _tile(V, tile_blocks)
+    blocks, words, ids, in_row = _tile(V, tile_blocks, tile)
     block_ok = blocks < NB
     # Offsets stay affine in the lane index (no jnp.where on them): Triton then sees runs of
     # contiguous addresses and vectorises the accesses. Masked-off lanes past a row's end point
@@ -97,18 +115,22 @@ def _stats_kernel(*refs, vocab_size, tile_blocks, penalties):
     store_stats(raw, raw_max_ref, raw_sumexp_ref)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps", "tiles_per_program",
+                                             "num_stages"))
 def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: PenaltyData | None, divisor: jax.Array, *,
-                interpret: bool = False, tile_blocks: int = 32, num_warps: int = 4) -> LogitStats:
-    """Same result as mrv2_jax.sample.logit_stats.logit_stats_reference."""
+                interpret: bool = False, tile_blocks: int = 32, num_warps: int = 4, tiles_per_program: int = 1,
+                num_stages: int = 1) -> LogitStats:
+    """Same result as mrv2_jax.sample.logit_stats.logit_stats_reference. The launch defaults
+    are the measured ones (docs/benchmarks.md); `bench logit_stats` sweeps them."""
     r, v = logits.shape
     nb = num_blocks(v)
     f32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.float32)  # noqa: E731
     kernel = functools.partial(_stats_kernel, vocab_size=v, tile_blocks=tile_blocks,
-                               penalties=penalties is not None)
+                               tiles_per_program=tiles_per_program, penalties=penalties is not None)
+    programs = pl.cdiv(pl.cdiv(nb, tile_blocks), tiles_per_program)
     call = functools.partial(
-        pl.pallas_call, kernel, grid=(r, pl.cdiv(nb, tile_blocks)), interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), name="logit_stats")
+        pl.pallas_call, kernel, grid=(r, programs), interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages), name="logit_stats")
     blocks = lambda a: a.reshape(r, nb)  # noqa: E731
     divisor = divisor.astype(jnp.float32)
     if penalties is None:

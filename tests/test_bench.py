@@ -247,9 +247,9 @@ def test_logit_stats_bench_runs_the_kernels_interpreted(tmp_path):
 
     out = tmp_path / "logit_stats.json"
     logit_stats.main(["--num-rows", "2", "--vocab", "700", "--calls", "1", "--tile-blocks", "2", "--num-warps", "4",
-                      "--interpret", "--output-json", str(out)])
+                      "--loops", "2x1", "--interpret", "--output-json", str(out)])
     report = json.loads(out.read_text())
     assert ENVIRONMENT_KEYS <= report.keys()
     cases = {(c["inputs"], c["case"]) for c in report["cases"]}
-    assert ("bfloat16 logits, uint16 counts", "kernel tb=2 warps=4") in cases and len(cases) == 2 * 6
+    assert ("bfloat16 logits, uint16 counts", "kernel tb=2 warps=4") in cases and len(cases) == 2 * 7
     assert all(c["ms"] > 0 for c in report["cases"])

@@ -9,6 +9,7 @@ compiled at 256 x 151,936. `test_kernels_lower_to_triton` lowers them for CUDA o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -74,15 +75,16 @@ def assert_stats(got, pen, pen_blocks, raw_blocks):
 
 
 @pytest.mark.parametrize("logits_dtype,counts_dtype", [(jnp.bfloat16, np.uint16), (jnp.float32, np.int32)])
-@pytest.mark.parametrize("impl", ["reference", "kernel"])
+@pytest.mark.parametrize("impl", ["reference", "kernel", "kernel_loop"])
 def test_stats_match_numpy(impl, logits_dtype, counts_dtype):
     rng = np.random.default_rng(0)
     r, v = 5, 3 * 128 * 2 + 77  # tails in the last block and in the last tile (tile_blocks=2)
     logits, t, data, raw_np = random_case(rng, r, v, 7, logits_dtype, counts_dtype)
     divisor = jnp.asarray([1.0, 0.7, 2.0, 1.0, 0.3], jnp.float32)
-    if impl == "kernel":
-        got = pk.logit_stats(logits, t, data, divisor, interpret=True, tile_blocks=2)
-        plain = pk.logit_stats(logits, None, None, divisor, interpret=True, tile_blocks=2)
+    if impl.startswith("kernel"):
+        launch = dict(interpret=True, tile_blocks=2, tiles_per_program=2 if impl == "kernel_loop" else 1)
+        got = pk.logit_stats(logits, t, data, divisor, **launch)
+        plain = pk.logit_stats(logits, None, None, divisor, **launch)
     else:
         got = ls.logit_stats_reference(logits, t, data, divisor)
         plain = ls.logit_stats_reference(logits, None, None, divisor)
@@ -231,10 +233,12 @@ def test_kernels_lower_to_triton(monkeypatch):
     divisor = S((r,), jnp.float32)
     text = jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), t, data, divisor).lower(**cuda).as_text()
     text += jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), None, None, divisor).lower(**cuda).as_text()
+    looped = functools.partial(pk.logit_stats, tiles_per_program=4, num_stages=2)
+    text += jax.jit(looped).trace(S((r, v), jnp.bfloat16), t, data, divisor).lower(**cuda).as_text()
     text += jax.jit(pk.count_above).trace(S((r, v), jnp.bfloat16), S((r, ls.num_blocks(v)), jnp.float32),
                                           S((r,), jnp.float32)).lower(**cuda).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 3
-    assert verified == [True] * 3
+    assert text.count("__gpu$xla.gpu.triton") == 4
+    assert verified == [True] * 4
 
 
 @pytest.mark.gpu

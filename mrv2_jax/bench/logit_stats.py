@@ -58,6 +58,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--tile-blocks", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--loops", nargs="+", default=["1x1", "4x1", "4x2", "4x3"], metavar="TILESxSTAGES",
+                   help="tiles per program x Triton num_stages, each with tile_blocks 32 and 4 warps")
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU smoke runs)")
     p.add_argument("--output-json")
     args = p.parse_args(argv)
@@ -81,6 +83,11 @@ def main(argv=None):
                 rows.append((label, f"kernel tb={tb} warps={warps}", moved, device_ms(fn, (logits, t, data), args.calls)))
                 rows.append((label, f"kernel tb={tb} warps={warps}, no penalties", logits.nbytes,
                              device_ms(lambda x, fn=fn: fn(x, None, None), (logits,), args.calls)))
+        for loop in args.loops:
+            tiles, stages = map(int, loop.split("x"))
+            fn = functools.partial(pk.logit_stats, divisor=ones, tiles_per_program=tiles, num_stages=stages,
+                                   interpret=args.interpret)
+            rows.append((label, f"kernel tb=32 warps=4 loop {loop}", moved, device_ms(fn, (logits, t, data), args.calls)))
         stats = ref(logits, t, data)
         threshold = jnp.sort(logits.astype(jnp.float32), axis=1)[:, -30]
         rows.append((label, "count_above xla", logits.nbytes, device_ms(
