@@ -11,9 +11,9 @@ and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allow
 * **Runtime skips** (`runtime_skip=True`). One variant serves every batch; the pieces that cost
   far more than a conditional run under a `lax.cond` on "does any row need it?": the whole-row
   threshold search (top_k > 64, or top_p on a flat row: ~2 ms at 256 x 152K on an H200), the
-  whole-row noise pass (rows the top candidates do not settle: ~0.2 ms), top_p's mass above a
-  min_p floor (rows with top_p and min_p but no top_k: one pass) and prompt logprobs (an
-  lm-head pass over every scheduled token). Everything else compiled in runs every step: the
+  whole-row noise pass (rows the top candidates do not settle: ~0.2 ms) and prompt logprobs
+  (an lm-head pass over every scheduled token). top_p's mass above a min_p floor (rows with
+  top_p and min_p but no top_k: one pass) runs inside the search's conditional, before it. Everything else compiled in runs every step: the
   logit edits, the one pass over the logits (sample/logit_stats.py), the top 64 candidates,
   top_p's mass without a floor (from that pass's block sums), the logprobs. Rows that do not use
   a feature carry neutral values, so results are the same either way; only the cost differs.

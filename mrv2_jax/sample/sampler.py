@@ -178,9 +178,9 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     maxima by a positive divisor gives those of scaled (rounded division is monotone).
 
     The top C and top_p's row mass (from the block sums) are computed whenever compiled in;
-    with runtime skips, the whole-row search runs only when some sampled row's cut-off is not
-    among its top C, and the floored mass pass only when some sampled row has top_p and min_p
-    without top_k."""
+    with runtime skips, the slow path (the mass above a min_p floor, then the whole-row
+    search) runs only when some sampled row is not settled by its top C: its cut-off is not
+    among them, or it has top_p and min_p without top_k."""
     r, v = x.shape
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
     enabled = [name for name in ("min_p", "top_k", "top_p") if getattr(f, name)]
@@ -205,31 +205,31 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
     k_on, p_on = topk_topp.top_k_enabled(k, v), topk_topp.top_p_enabled(p)
     settled = topk_topp.top_covers_top_k(desc, k, v) | (~k_on & ~p_on)
-    total = None
+    total, floored = None, jnp.zeros_like(settled)
     if f.top_p:
         # The row's mass, for top_p without top_k (with top_k the mass is that of the kept top
         # values): top_p alone is settled when its top C hold mass p. It comes from the block
-        # sums; with a min_p floor only the tokens above it count, which takes a pass of its
-        # own, skipped unless some row has top_p and min_p without top_k.
+        # sums; with a min_p floor only the tokens above it count, which the blocks cannot
+        # tell: those rows go to the slow path, which reads the row for their mass.
         total = mass_from_blocks(block_max, block_sumexp, divisor)
-        if f.min_p:
-            floored = is_sampled & p_on & ~k_on & (t.min_p > 0)
-            exact = _maybe(f.runtime_skip, jnp.any(floored),
-                           lambda: _row_mass_pass(x / divisor[:, None], desc[:, 0], floor), lambda: total)
-            total = jnp.where(t.min_p > 0, exact, total)
-        settled |= ~k_on & topk_topp.top_holds_top_p(desc, floor, p, total)
+        floored = p_on & ~k_on & (t.min_p > 0) if f.min_p else floored
+        settled |= ~k_on & ~floored & topk_topp.top_holds_top_p(desc, floor, p, total)
     fast = topk_topp.threshold_from_sorted(desc, floor, k, p, v, total)
-    needs_search = ~settled & (k_on | p_on) & is_sampled
-    slow = _maybe(f.runtime_skip, jnp.any(needs_search),
-                  lambda: _search_thresholds(x / divisor[:, None], t, f, floor, needs_search), lambda: fast)
+    to_slow = ~settled & (k_on | p_on) & is_sampled
+
+    def slow_path():
+        # One conditional for both whole-row pieces (each costs ~20 us, executed or skipped):
+        # the floored rows' mass, then the search for the rows it does not settle either.
+        mass, settles, thresh = total, settled, fast
+        if f.top_p and f.min_p:
+            mass = jnp.where(floored, topk_topp.row_mass(x / divisor[:, None], desc[:, 0], floor), total)
+            settles = settled | (floored & topk_topp.top_holds_top_p(desc, floor, p, mass))
+            thresh = topk_topp.threshold_from_sorted(desc, floor, k, p, v, mass)
+        needs_search = ~settles & (k_on | p_on) & is_sampled
+        return jnp.where(settles, thresh, _search_thresholds(x / divisor[:, None], t, f, floor, needs_search))
+
+    slow = _maybe(f.runtime_skip, jnp.any(to_slow), slow_path, lambda: fast)
     return jnp.where(settled, fast, slow), top
-
-
-def _row_mass_pass(scaled, row_max, floor) -> jax.Array:
-    """topk_topp.row_mass behind an optimisation barrier: XLA:GPU turns a conditional whose
-    branch is only elementwise ops and reductions into unconditional code (features.py), and
-    this pass is what the conditional is there to skip."""
-    return jax.lax.optimization_barrier(topk_topp.row_mass(scaled, row_max, floor))
 
 
 def _sort_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, is_sampled) -> jax.Array:
