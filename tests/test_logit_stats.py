@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from mrv2_jax.sample import logit_stats as ls
 from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
 from pallas_kernels import logit_stats as pk
+from tests.triton_lowering import verify_triton_lowering
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -210,21 +210,7 @@ def test_kernel_mode_names_bad_values(monkeypatch):
 def test_kernels_lower_to_triton(monkeypatch):
     """Lower both kernels for CUDA at serving shapes and verify the Triton IR, without a GPU
     (as tests/test_prepare_kernels.py)."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    lowering = registration.lowering
-    assert hasattr(registration, "gpu_info_lib"), "jax's Triton registration moved: update this test"
-    fake_gpu = types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90))
-    monkeypatch.setattr(registration, "gpu_info_lib", fake_gpu)
-    verified = []
-    lower_module = lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower_module(*args, **kwargs)
-        verified.append(result.module.operation.verify())
-        return result
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    verified = verify_triton_lowering(monkeypatch)
     S = jax.ShapeDtypeStruct
     r, v, n = 256, 151936, 512
     t = jax.eval_shape(lambda: SamplingTensors.neutral(r, max_bias=16, max_stop=4, xp=jnp))

@@ -18,7 +18,6 @@ faked GPU description), which catches Pallas-to-Triton lowering errors without a
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +28,7 @@ from mrv2_jax.runner import prepare
 from mrv2_jax.runner.device_state import init_device_state
 from mrv2_jax.runner.prepare import StepInputs
 from pallas_kernels import prepare_inputs as pk
+from tests.triton_lowering import verify_triton_lowering
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -220,22 +220,7 @@ def test_prepare_ops_selects_implementation():
 def test_kernels_lower_to_triton(monkeypatch, num_rows, num_tokens):
     """Lower all three kernels for CUDA at serving shapes (default tuning) and verify the
     Triton IR, without a GPU: the registration only needs the GPU's compute capability."""
-    # Private jax API; jax is pinned (pyproject), so a change here must fail, not skip silently.
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    lowering = registration.lowering
-    assert hasattr(registration, "gpu_info_lib"), "jax's Triton registration moved: update this test"
-    fake_gpu = types.SimpleNamespace(get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90))
-    monkeypatch.setattr(registration, "gpu_info_lib", fake_gpu)
-    verified = []
-    lower_module = lowering.lower_jaxpr_to_triton_module
-
-    def lower_and_verify(*args, **kwargs):
-        result = lower_module(*args, **kwargs)
-        verified.append(result.module.operation.verify())
-        return result
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    verified = verify_triton_lowering(monkeypatch)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     state = jax.eval_shape(lambda: init_device_state(1024, 4096, 256))
     R, T = num_rows, num_tokens
