@@ -87,7 +87,7 @@ def _stats_tile(*refs, vocab_size, tile_blocks, penalties, r, tile):
     block_ok = blocks < NB
     # Offsets stay affine in the lane index (no jnp.where on them): Triton then sees runs of
     # contiguous addresses and vectorises the accesses. Masked-off lanes past a row's end point
-    # into the next row (or one past the array) and are never dereferenced.
+    # into the next row (or past the array's end) and are never dereferenced.
     at, block_at = r * V + ids, r * NB + blocks
     raw = pltriton.load(logits_ref.at[at], mask=in_row, other=0).astype(jnp.float32)
     raw = jnp.where(in_row, raw, NEG_INF)
