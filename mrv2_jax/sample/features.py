@@ -13,10 +13,11 @@ and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allow
   threshold search (top_k > 64, or top_p on a flat row: ~2 ms at 256 x 152K on an H200), the
   whole-row noise pass (rows the top candidates do not settle: ~0.2 ms) and prompt logprobs
   (an lm-head pass over every scheduled token). top_p's mass above a min_p floor (rows with
-  top_p and min_p but no top_k: one pass) runs inside the search's conditional, before it. Everything else compiled in runs every step: the
-  logit edits, the one pass over the logits (sample/logit_stats.py), the top 64 candidates,
-  top_p's mass without a floor (from that pass's block sums), the logprobs. Rows that do not use
-  a feature carry neutral values, so results are the same either way; only the cost differs.
+  top_p and min_p but no top_k: one pass) runs inside the search's conditional, before it.
+  Everything else compiled in runs every step: the logit edits, the one pass over the logits
+  (sample/logit_stats.py), the top 64 candidates, top_p's mass without a floor (from that
+  pass's block sums), the logprobs. Rows that do not use a feature carry neutral values, so
+  results are the same either way; only the cost differs.
 
   Why not a conditional around every feature (the sampler until 2026-11-30), measured on an
   H200 (docs/sampler.md, docs/benchmarks.md):

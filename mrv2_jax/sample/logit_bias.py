@@ -66,7 +66,7 @@ def edit_after_penalties(penalized: jax.Array, raw: jax.Array, t: SamplingTensor
 
 def edited_ids(t: SamplingTensors, features, vocab_size: int) -> jax.Array:
     """i32[R, E]: every id the compiled edits may change (>= vocab_size: none), for
-    logit_stats.refresh_block_max."""
+    logit_stats.refresh_blocks."""
     ids = []
     if features.logit_bias:
         ids.append(bias_ids(t, vocab_size))

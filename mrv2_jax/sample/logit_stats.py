@@ -3,10 +3,10 @@
 Per row, the sampler needs the penalised logits, the maxima of blocks of `BLOCK` ids (of the
 penalised logits, for the top candidates: block_top.py; of the raw logits, for the top-n
 logprobs), the raw row's logsumexp (logprobs.py) and top_p's mass, the sum of
-exp((x - max) / temperature) over the penalised row (sampler.py). As separate XLA fusions these were four
-passes over [R, V] on an H200 (256 x 151,936): the penalty pass with the penalised block
-maxima fused in (108 us), the raw block maxima (44 us), and logsumexp with the sampled token's
-rank (44 us). `logit_stats` computes them in one pass: a Pallas kernel on GPUs
+exp((x - max) / temperature) over the penalised row (sampler.py). As separate XLA fusions
+these were five passes over [R, V] on an H200 (256 x 151,936): the penalty pass with the
+penalised block maxima fused in (108 us), the raw block maxima (44 us), top_p's mass (45 us)
+and logsumexp with the sampled token's rank (44 us). `logit_stats` computes them in one pass: a Pallas kernel on GPUs
 (pallas_kernels/logit_stats.py), the jnp reference below elsewhere.
 
 logsumexp comes from per-block partial sums: with m_b the block maximum and
@@ -110,16 +110,24 @@ def _sumexp(blocks: jax.Array, block_max: jax.Array, divisor: jax.Array | None) 
 def mass_from_blocks(block_max: jax.Array, block_sumexp: jax.Array, divisor: jax.Array) -> jax.Array:
     """f32[R]: sum over the row of exp((x - max) / divisor) (top_p's total without a floor),
     from the blocks' maxima and their sums of exp((x - block max) / divisor)."""
-    row_max = jnp.max(block_max, axis=-1)
-    shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    return jnp.sum(jnp.exp((block_max - shift[:, None]) / divisor[:, None]) * block_sumexp, axis=-1)
+    return _combine_blocks(block_max, block_sumexp, divisor)[1]
 
 
 def logsumexp_from_blocks(block_max: jax.Array, block_sumexp: jax.Array) -> jax.Array:
     """f32[R]: the rows' logsumexp from their blocks' (max, sum of exp(x - max))."""
+    shift, total = _combine_blocks(block_max, block_sumexp, None)
+    return shift + jnp.log(total)
+
+
+def _combine_blocks(block_max, block_sumexp, divisor):
+    """(shift, sum over blocks of exp((m_b - shift) / divisor) * s_b): shift is the row maximum
+    (0 for a row of -inf)."""
     row_max = jnp.max(block_max, axis=-1)
     shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    return shift + jnp.log(jnp.sum(jnp.exp(block_max - shift[:, None]) * block_sumexp, axis=-1))
+    scaled = block_max - shift[:, None]
+    if divisor is not None:
+        scaled = scaled / divisor[:, None]
+    return shift, jnp.sum(jnp.exp(scaled) * block_sumexp, axis=-1)
 
 
 def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array) -> jax.Array:
