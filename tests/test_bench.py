@@ -62,6 +62,7 @@ def test_bench_ab_report_and_plot(tmp_path):
     for name in ("v2-sync", "v2-async"):  # the steady-decode step was captured and replayed
         assert arms[name]["steady_step_wall_ms"] > 0 and arms[name]["steady_step_device_ms"] > 0
         assert arms[name]["gpu_busy_fraction"] > 0
+        assert 0 < arms[name]["replay_enqueue_ms"] <= arms[name]["steady_step_device_ms"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -94,6 +95,9 @@ def test_step_timeline_summary(monkeypatch):
     assert t["span_us"] == 37.0 and t["idle_us"] == 20.0 and t["num_events"] == 3
     assert t["largest_gaps"][0] == {"gap_us": 20.0, "at_us": 30.0, "before": "logit_stats"}
     assert t["kernel_us"] == {"fusion": 12.0, "logit_stats": 5.0}
+    b = ab.back_to_back_timeline(runner=None, dispatch=None, steps=2)
+    assert b["steps"] == 2 and b["period_us"] == 18.5 and b["idle_us_per_step"] == 10.0
+    assert b["largest_gaps"][0] == {"gap_us": 20.0, "at_us": 30.0, "after": "fusion_1", "before": "logit_stats"}
 
 
 def test_bench_timeline_host_breakdown(tmp_path):

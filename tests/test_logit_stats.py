@@ -168,9 +168,8 @@ def test_top_n_from_given_block_maxima():
         np.testing.assert_array_equal(got[1], want[1])
 
 
-def test_sampler_with_kernels_matches_without(monkeypatch):
-    """Every feature on, rows wide enough for both block levels: the same tokens and logprobs
-    with the kernels (interpreted) as with the jnp pass, and logprobs as numpy's log_softmax."""
+def every_feature_case(logits_dtype=jnp.float32):
+    """Every feature on, rows wide enough for both block levels."""
     rng = np.random.default_rng(6)
     r, v = 6, 64 * 128 + 300
     logits, t, data, _ = random_case(rng, r, v, 8, jnp.float32, np.int32)
@@ -183,6 +182,14 @@ def test_sampler_with_kernels_matches_without(monkeypatch):
         bias_values=jnp.asarray(rng.normal(0, 20, (r, 4)), jnp.float32))
     f = SamplerFeatures.all(prompt_logprobs=False, min_tokens=False)
     step = jax.jit(lambda x, t, pen: sample(x, t, jnp.arange(r, dtype=jnp.int32), f, pen))
+    return logits.astype(logits_dtype), t, data, step
+
+
+def test_sampler_with_kernels_matches_without(monkeypatch):
+    """The same tokens and logprobs with the kernels (interpreted) as with the jnp pass, and
+    logprobs as numpy's log_softmax."""
+    logits, t, data, step = every_feature_case()
+    r = logits.shape[0]
     outs = {}
     for mode in ("off", "interpret"):
         monkeypatch.setenv("MRV2_SAMPLER_KERNELS", mode)
@@ -199,6 +206,20 @@ def test_sampler_with_kernels_matches_without(monkeypatch):
                                atol=1e-5)
     sampled = x[np.arange(r), np.asarray(kern.tokens)]
     np.testing.assert_array_equal(kern.sampled_rank, 1 + (x > sampled[:, None]).sum(axis=1))
+
+
+@pytest.mark.parametrize("mode", ["off", "interpret"])
+def test_sampler_reads_bf16_logits_as_their_f32_values(mode, monkeypatch):
+    """The step hands the sampler bf16 logits (runner/model_step.py): every output equals the
+    one from the same logits converted to f32 first."""
+    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", mode)
+    logits, t, data, step = every_feature_case(jnp.bfloat16)
+    got = step.lower(logits, t, data).compile()(logits, t, data)
+    wide = logits.astype(jnp.float32)
+    want = step.lower(wide, t, data).compile()(wide, t, data)
+    for name in ("tokens", "logprob_token_ids", "sampled_rank"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
 
 
 def test_kernel_mode_names_bad_values(monkeypatch):

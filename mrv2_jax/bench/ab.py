@@ -93,19 +93,23 @@ def run_arm(name, args, loaded, prompts):
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p) for p in prompts)
-    wall = device = timeline = None
+    wall = device = enqueue = timeline = None
     if capture is not None:
         capture.release()
         if capture.captured:
             engine.runner.state = capture.state
             device = engine.runner.replay(capture.dispatch, 20)
+            enqueue = engine.runner.last_replay_enqueue_s
             wall = local_wall(engine.step_log, capture.step_index, rows)
             if args.step_timeline:
                 timeline = step_timeline(engine.runner, capture.dispatch)
+                if timeline:  # (no device events on a CPU)
+                    timeline["back_to_back"] = back_to_back_timeline(engine.runner, capture.dispatch)
     return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
             "steady_step_wall_ms": wall and 1e3 * wall, "steady_step_device_ms": device and 1e3 * device,
+            "replay_enqueue_ms": enqueue and 1e3 * enqueue,
             "gpu_busy_fraction": (device / wall) if (wall and device) else None,
             "wall_profile": wall_profile(engine.step_log)} | ({"step_timeline": timeline} if timeline else {})
 
@@ -132,6 +136,23 @@ def step_timeline(runner, dispatch) -> dict:
             "events": events}
 
 
+def back_to_back_timeline(runner, dispatch, steps: int = 4) -> dict:
+    """`steps` replays enqueued back to back, as the replayed device time runs them: the mean
+    period (first event to last over steps), the idle time per step and the longest gaps, with
+    the kernels around them. Gaps that one replayed step does not show (a step waiting on the
+    host, a sync inside it) show here."""
+    from mrv2_jax.bench.sampler import call_timeline
+
+    events = call_timeline(lambda: runner.replay(dispatch, steps), ())
+    if not events:
+        return {}
+    gaps = sorted(range(1, len(events)), key=lambda i: -events[i]["gap_us"])[:8]
+    return {"steps": steps, "period_us": round((events[-1]["at_us"] + events[-1]["us"]) / steps, 1),
+            "idle_us_per_step": round(sum(e["gap_us"] for e in events) / steps, 1),
+            "largest_gaps": [{"gap_us": events[i]["gap_us"], "at_us": events[i]["at_us"],
+                              "after": events[i - 1]["kernel"], "before": events[i]["kernel"]} for i in gaps]}
+
+
 def print_step_timeline(arm: str, t: dict, top: int = 25) -> None:
     print(f"\n{arm}: one replayed step, {t['span_us']:.0f} us from first to last device event, "
           f"{t['idle_us']:.0f} us idle, {t['num_events']} events")
@@ -139,6 +160,11 @@ def print_step_timeline(arm: str, t: dict, top: int = 25) -> None:
         print(f"  {name[:60]:60} {us:9.1f} us")
     print("  largest idle gaps (us, before): " + ", ".join(
         f"{g['gap_us']:.0f} ({g['before'][:30]})" for g in t["largest_gaps"]))
+    b = t.get("back_to_back")
+    if b:
+        print(f"  {b['steps']} replays back to back: {b['period_us']:.0f} us per step, "
+              f"{b['idle_us_per_step']:.0f} us idle per step; largest gaps (us, after -> before): " + ", ".join(
+                  f"{g['gap_us']:.0f} ({g['after'][:24]} -> {g['before'][:24]})" for g in b["largest_gaps"]))
 
 
 def main(argv=None, prog=None):
@@ -175,12 +201,13 @@ def main(argv=None, prog=None):
     print(f"\ninput {args.input_len} / output {args.output_len}, {args.num_prompts} prompts, "
           f"max_num_seqs {args.max_num_seqs}, weights loaded in {load_s:.1f} s")
     print(f"{'arm':10} {'out tok/s':>10} {'total tok/s':>12} {'vs v1':>6} {'step wall ms':>13} "
-          f"{'step dev ms':>12} {'GPU busy':>9} {'startup s':>10}")
+          f"{'step dev ms':>12} {'enqueue ms':>11} {'GPU busy':>9} {'startup s':>10}")
     fmt = lambda v, f: format(v, f) if v is not None else "-"
     for r in results:
         print(f"{r['arm']:10} {r['output_tokens_per_s']:10.0f} {r['total_tokens_per_s']:12.0f} "
               f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:6.2f} {fmt(r['steady_step_wall_ms'], '13.3f')} "
-              f"{fmt(r['steady_step_device_ms'], '12.3f')} {fmt(r['gpu_busy_fraction'], '9.1%')} {r['startup_s']:10.1f}")
+              f"{fmt(r['steady_step_device_ms'], '12.3f')} {fmt(r.get('replay_enqueue_ms'), '11.3f')} "
+              f"{fmt(r['gpu_busy_fraction'], '9.1%')} {r['startup_s']:10.1f}")
     for r in results:
         if r.get("step_timeline"):
             print_step_timeline(r["arm"], r["step_timeline"])

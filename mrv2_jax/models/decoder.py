@@ -114,8 +114,9 @@ class CausalLM(nnx.Module):
             (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), xs, unroll=self.layer_unroll)
         return rms_norm(x, self.final_norm[...], self.spec.rms_norm_eps), kv_cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """[N, H] -> float32 [N, vocab].
+    def compute_logits(self, hidden: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """[N, H] -> [N, vocab] in `dtype` (None: the model dtype, for readers that convert
+        where they read, such as the sampler).
 
         The GEMM accumulates in f32 but returns the model dtype (as vLLM's lm_head does), cast
         after: asking the GEMM for f32 output made XLA convert the whole bf16 [vocab, H] matrix
@@ -124,7 +125,7 @@ class CausalLM(nnx.Module):
             logits = jnp.einsum("nh,vh->nv", hidden, self.embed_tokens[...])
         else:
             logits = hidden @ self.lm_head[...]
-        return logits.astype(jnp.float32)
+        return logits if dtype is None else logits.astype(dtype)
 
     def forward_mtp(self, depth, input_ids, prev_hidden, positions, attention, kv_cache=(),
                     return_pre_norm: bool = False):

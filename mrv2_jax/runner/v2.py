@@ -361,7 +361,9 @@ class ModelRunnerV2:
 
     def replay(self, dispatch, repeats: int) -> float:
         """Benchmarks only: run a captured step `repeats` times back to back on the current
-        state and return the device time per step (it advances that state: run it last)."""
+        state and return the device time per step (it advances that state: run it last).
+        `last_replay_enqueue_s` is the host's time per step to enqueue them: near the returned
+        time, the host (or a sync inside the step) is what limits the replay, not the GPU."""
         compiled, packed = dispatch
         packed = jax.device_put(packed)
         jax.block_until_ready(self.state)
@@ -370,6 +372,7 @@ class ModelRunnerV2:
             self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
                 self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
                 self.spec_state)
+        self.last_replay_enqueue_s = (time.perf_counter() - start) / repeats
         jax.block_until_ready(result.tokens)
         return (time.perf_counter() - start) / repeats
 

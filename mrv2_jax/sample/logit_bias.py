@@ -56,7 +56,7 @@ def edit_after_penalties(penalized: jax.Array, raw: jax.Array, t: SamplingTensor
     if bias:
         ids = bias_ids(t, v)
         rows = _rows(ids)
-        biased = raw.at[rows, ids].get(mode="fill", fill_value=0.0) + t.bias_values
+        biased = raw.at[rows, ids].get(mode="fill", fill_value=0.0).astype(jnp.float32) + t.bias_values
         penalized = penalized.at[rows, ids].set(penalize_at(biased, t, data, ids), mode="drop")
     if min_tokens:
         ids = forbidden_ids(t, v)
