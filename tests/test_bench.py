@@ -98,6 +98,7 @@ def test_step_timeline_summary(monkeypatch):
     b = ab.back_to_back_timeline(runner=None, dispatch=None, steps=2)
     assert b["steps"] == 2 and b["period_us"] == 18.5 and b["idle_us_per_step"] == 10.0
     assert b["largest_gaps"][0] == {"gap_us": 20.0, "at_us": 30.0, "after": "fusion_1", "before": "logit_stats"}
+    assert b["idle_us_per_step_by_pair"] == {"fusion -> logit_stats": 10.0, "logit_stats -> fusion": 0.0}
 
 
 def test_bench_timeline_host_breakdown(tmp_path):

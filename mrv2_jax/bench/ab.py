@@ -143,14 +143,22 @@ def back_to_back_timeline(runner, dispatch, steps: int = 4) -> dict:
     host, a sync inside it) show here."""
     from mrv2_jax.bench.sampler import call_timeline
 
+    from mrv2_jax.bench.timeline import kernel_family
+
     events = call_timeline(lambda: runner.replay(dispatch, steps), ())
     if not events:
         return {}
     gaps = sorted(range(1, len(events)), key=lambda i: -events[i]["gap_us"])[:8]
+    # Idle per step by the kernel families on either side: where a step's idle time sits.
+    by_pair: dict[str, float] = {}
+    for prev, e in zip(events, events[1:]):
+        pair = f"{kernel_family(prev['kernel'])} -> {kernel_family(e['kernel'])}"
+        by_pair[pair] = by_pair.get(pair, 0.0) + e["gap_us"] / steps
     return {"steps": steps, "period_us": round((events[-1]["at_us"] + events[-1]["us"]) / steps, 1),
             "idle_us_per_step": round(sum(e["gap_us"] for e in events) / steps, 1),
             "largest_gaps": [{"gap_us": events[i]["gap_us"], "at_us": events[i]["at_us"],
-                              "after": events[i - 1]["kernel"], "before": events[i]["kernel"]} for i in gaps]}
+                              "after": events[i - 1]["kernel"], "before": events[i]["kernel"]} for i in gaps],
+            "idle_us_per_step_by_pair": {k: round(v, 1) for k, v in sorted(by_pair.items(), key=lambda kv: -kv[1])[:20]}}
 
 
 def print_step_timeline(arm: str, t: dict, top: int = 25) -> None:
@@ -165,6 +173,8 @@ def print_step_timeline(arm: str, t: dict, top: int = 25) -> None:
         print(f"  {b['steps']} replays back to back: {b['period_us']:.0f} us per step, "
               f"{b['idle_us_per_step']:.0f} us idle per step; largest gaps (us, after -> before): " + ", ".join(
                   f"{g['gap_us']:.0f} ({g['after'][:24]} -> {g['before'][:24]})" for g in b["largest_gaps"]))
+        print("  idle per step by neighbours (us): " + ", ".join(
+            f"{us:.0f} ({pair})" for pair, us in list(b["idle_us_per_step_by_pair"].items())[:12]))
 
 
 def main(argv=None, prog=None):
