@@ -63,6 +63,7 @@ def test_bench_ab_report_and_plot(tmp_path):
         assert arms[name]["steady_step_wall_ms"] > 0 and arms[name]["steady_step_device_ms"] > 0
         assert arms[name]["gpu_busy_fraction"] > 0
         assert 0 < arms[name]["replay_enqueue_ms"] <= arms[name]["steady_step_device_ms"]
+        assert arms[name]["steady_step_device_ms_host_ahead"] is None  # GPU only
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -359,15 +359,19 @@ class ModelRunnerV2:
                           if self._logprob_reqs else {})  # (most batches: nobody asked)
         return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs, prompt_spans)
 
-    def replay(self, dispatch, repeats: int) -> float:
+    def replay(self, dispatch, repeats: int, head_start=None) -> float:
         """Benchmarks only: run a captured step `repeats` times back to back on the current
-        state and return the device time per step (it advances that state: run it last).
+        state and return the time per step (it advances that state: run it last).
         `last_replay_enqueue_s` is the host's time per step to enqueue them: near the returned
-        time, the host (or a sync inside the step) is what limits the replay, not the GPU."""
+        time, the host (or a sync inside the step) is what limits the replay, not the GPU.
+        head_start: a callable that enqueues GPU work first (its time is in the result), so
+        that the host has enqueued the steps before the GPU reaches them."""
         compiled, packed = dispatch
         packed = jax.device_put(packed)
         jax.block_until_ready(self.state)
         start = time.perf_counter()
+        if head_start is not None:
+            head_start()
         for _ in range(repeats):
             self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
                 self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
