@@ -11,7 +11,8 @@
 # speculative-decoding benchmark (spec: ~5 min), the sampler's cost inside an S1 step
 # (ab-s1-sampling), the cost of one lax.cond (conditionals), the sampler's kernels and idle gaps
 # per call (sampler-probe), one replayed sampling step's events (ab-s1-sampling-timeline), the
-# sampler's logit pass by tile size (logit-stats) and the batch-1 kernel split (timeline-b1).
+# sampler's logit pass by tile size (logit-stats), what each of its conditionals costs a step
+# (ab-s1-conditionals) and the batch-1 kernel split (timeline-b1).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -78,6 +79,18 @@ for s in $sections; do case $s in
         --max-model-len 1024 --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
     done ;;
   logit-stats) run_section logit-stats python3 -m mrv2_jax.bench.logit_stats --output-json "$OUT/logit_stats.json" ;;
+  # Issue 5: what each conditional costs the every-feature S1 step (greedy, every feature, then
+  # every feature with conditionals compiled out: MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only).
+  # Session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. ~7 min.
+  ab-s1-conditionals)
+    for kind in greedy all all:prompt all:noise all:search all:slow all:noise,slow,prompt; do
+      skip=; [[ $kind == *:* ]] && skip=${kind#*:}
+      name=${kind//[:,]/-}
+      MRV2_BENCH_SKIP_CONDITIONALS=$skip run_section ab-s1-$name python3 -m mrv2_jax.bench.ab \
+        --model qwen3-0.6b --load-format dummy --arms v2-async --sampling ${kind%%:*} --input-len 128 \
+        --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+        --output-json "$OUT/ab_s1_256_${name//-/_}.json"
+    done ;;
   # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
   # fused variants compiled up to 32 rows (never used there) vs up to every row.
   fused-rows|fused-rows-1024)

@@ -390,3 +390,21 @@ def test_runtime_skips_guard_only_the_whole_row_passes(monkeypatch):
     plain = jax.jit(lambda x, t, p: sample(x, t, p, SamplerFeatures.plain_sampling())).lower(
         jnp.zeros((r, v), jnp.float32), t, jnp.zeros((r,), jnp.int32)).as_text()
     assert "stablehlo.case" not in plain
+
+
+@pytest.mark.parametrize("skipped,cases", [("noise", 3), ("search", 2), ("slow", 1), ("noise,slow", 0)])
+def test_benchmarks_can_compile_conditionals_out(skipped, cases, monkeypatch):
+    """MRV2_BENCH_SKIP_CONDITIONALS (benchmarks only) compiles the named conditionals as their
+    skip branch: `slow` holds the two `search` ones, so it takes three."""
+    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
+    monkeypatch.setenv("MRV2_BENCH_SKIP_CONDITIONALS", skipped)
+    r, v = 4, 9000
+    pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)
+    with pytest.warns(UserWarning, match="benchmarks only"):
+        text = jax.jit(lambda x, t, p, pen: sample(x, t, p, ALL, pen)).lower(
+            jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32), pen).as_text()
+    assert text.count("stablehlo.case") == cases
+    monkeypatch.setenv("MRV2_BENCH_SKIP_CONDITIONALS", "noise,typo")
+    with pytest.raises(ValueError, match="typo"):
+        jax.jit(lambda x, t, p, pen: sample(x, t, p, ALL, pen)).lower(
+            jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32), pen)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mrv2_jax.models.attention import PagedAttention
-from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.features import SamplerFeatures, skipped_conditionals
 from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
 from mrv2_jax.sample.penalties import PenaltyData
 from mrv2_jax.sample.sampler import SamplerOutput, sample, sample_tokens
@@ -61,6 +61,8 @@ def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True):
 
     if not runtime_skip:
         return compute()
+    if "prompt" in skipped_conditionals():  # benchmarks only (features.py)
+        return empty_logprobs(t, n)
     return jax.lax.cond(jnp.any(targets > 0), compute, lambda: empty_logprobs(t, n))
 
 

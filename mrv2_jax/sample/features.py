@@ -127,6 +127,28 @@ class SamplerFeatures:
 VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling, "all": SamplerFeatures.all}
 
 
+# Benchmarks only: conditionals compiled as their skip branch, named in this variable
+# (comma-separated). A step then costs what it would without them, and rows that need a
+# skipped path get the fast path's answer instead: results can be wrong. It is how the cost of
+# each conditional inside a real step is measured (gpu_check.sh ab-s1-conditionals).
+SKIP_CONDITIONALS_ENV = "MRV2_BENCH_SKIP_CONDITIONALS"
+CONDITIONALS = ("noise", "slow", "search", "prompt")  # whole-row noise pass, slow path, its searches, prompt logprobs
+
+
+def skipped_conditionals() -> frozenset[str]:
+    """The names in MRV2_BENCH_SKIP_CONDITIONALS (read at trace time)."""
+    import os
+    import warnings
+
+    names = frozenset(n.strip() for n in os.environ.get(SKIP_CONDITIONALS_ENV, "").split(",") if n.strip())
+    if names - set(CONDITIONALS):
+        raise ValueError(f"{SKIP_CONDITIONALS_ENV} names conditionals from {CONDITIONALS}, got {sorted(names)}")
+    if names:
+        warnings.warn(f"{SKIP_CONDITIONALS_ENV}={','.join(sorted(names))}: those paths are compiled out; "
+                      "sampling results can be wrong (benchmarks only)", stacklevel=2)
+    return names
+
+
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
     """greedy, plain, all on GPUs; greedy, all elsewhere (default: JAX's default backend). The
     plain variant exists because CUDA-graph command buffers do not record conditionals; a CPU

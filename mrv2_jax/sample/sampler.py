@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.block_top import top_n_by_blocks
-from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.features import SamplerFeatures, skipped_conditionals
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
 from mrv2_jax.sample.logit_stats import block_max_and_sumexp, logit_stats, mass_from_blocks, refresh_blocks
@@ -109,10 +109,13 @@ def adjust_logits(x: jax.Array, t: SamplingTensors, f: SamplerFeatures,
     return apply_edits(processed, x, t, f, penalties) if (f.logit_bias or f.min_tokens) else processed
 
 
-def _maybe(runtime_skip: bool, used: jax.Array, compute, skip):
-    """compute() if any row uses the feature; with runtime skips off, always compute()."""
+def _maybe(runtime_skip: bool, used: jax.Array, compute, skip, name: str):
+    """compute() if any row uses the feature; with runtime skips off, always compute(). `name`:
+    which conditional this is (features.CONDITIONALS), for MRV2_BENCH_SKIP_CONDITIONALS."""
     if not runtime_skip:
         return compute()
+    if name in skipped_conditionals():
+        return skip()
     return jax.lax.cond(used, compute, skip)
 
 
@@ -140,7 +143,7 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
     if not (f.min_p or f.top_k or f.top_p):
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
         return _maybe(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
-                      lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
+                      lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), "noise")
     keep_from, top = threshold_and_top(x, divisor, t, f, blocks)
     if top is None:  # the sort reference
         return whole_row(keep_from)
@@ -151,7 +154,7 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
     values, ids = top
     on_top = jnp.where(is_sampled, keep_from > values[:, -1], values[:, 0] > NEG_INF)
     from_top = jnp.where(is_sampled, _sample_among(top, keep_from, t.seeds, positions), ids[:, 0])
-    rest = _maybe(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top)
+    rest = _maybe(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top, "noise")
     return jnp.where(on_top, from_top, rest)
 
 
@@ -228,7 +231,7 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
         needs_search = ~settles & (k_on | p_on) & is_sampled
         return jnp.where(settles, thresh, _search_thresholds(x / divisor[:, None], t, f, floor, needs_search))
 
-    slow = _maybe(f.runtime_skip, jnp.any(to_slow), slow_path, lambda: fast)
+    slow = _maybe(f.runtime_skip, jnp.any(to_slow), slow_path, lambda: fast, "slow")
     return jnp.where(settled, fast, slow), top
 
 
@@ -242,7 +245,7 @@ def _sort_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, is_sampled)
     p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
     cuts = (topk_topp.top_k_enabled(k, v) | topk_topp.top_p_enabled(p)) & is_sampled
     return _maybe(f.runtime_skip, jnp.any(cuts), lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p),
-                  lambda: floor)
+                  lambda: floor, "slow")
 
 
 def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, floor, needs_search) -> jax.Array:
@@ -255,14 +258,14 @@ def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, floor, ne
     if f.top_k:
         kth = _maybe(f.runtime_skip, jnp.any(needs_search & k_on),
                      lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity),
-                     lambda: jnp.full(floor.shape, NEG_INF, jnp.float32))
+                     lambda: jnp.full(floor.shape, NEG_INF, jnp.float32), "search")
         thresh = jnp.maximum(thresh, kth)
     if f.top_p:
         floor = thresh
         thresh = _maybe(f.runtime_skip, jnp.any(needs_search & p_on),
                         lambda: topk_topp.top_p_threshold_search(scaled, jnp.max(scaled, axis=-1), floor,
                                                                  t.top_p, f.search_arity),
-                        lambda: floor)
+                        lambda: floor, "search")
     return thresh
 
 
