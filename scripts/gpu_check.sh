@@ -81,7 +81,8 @@ for s in $sections; do case $s in
   logit-stats) run_section logit-stats python3 -m mrv2_jax.bench.logit_stats --output-json "$OUT/logit_stats.json" ;;
   # Issue 5: what each conditional costs the every-feature S1 step (greedy, every feature, then
   # every feature with conditionals compiled out: MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only).
-  # Session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. ~7 min.
+  # Session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. Last arm:
+  # the conditionals run by the host (not graph conditional nodes). ~8 device minutes.
   ab-s1-conditionals)
     for kind in greedy all all:prompt all:noise all:search all:slow all:noise,slow,prompt; do
       skip=; [[ $kind == *:* ]] && skip=${kind#*:}
@@ -90,7 +91,12 @@ for s in $sections; do case $s in
         --model qwen3-0.6b --load-format dummy --arms v2-async --sampling ${kind%%:*} --input-len 128 \
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
         --output-json "$OUT/ab_s1_256_${name//-/_}.json"
-    done ;;
+    done
+    # The same conditionals run by the host instead of as CUDA graph conditional nodes.
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL" run_section ab-s1-all-host-conds \
+      python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all \
+      --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+      --max-model-len 1024 --output-json "$OUT/ab_s1_256_all_host_conds.json" ;;
   # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
   # fused variants compiled up to 32 rows (never used there) vs up to every row.
   fused-rows|fused-rows-1024)

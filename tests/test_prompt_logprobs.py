@@ -95,7 +95,7 @@ def test_chunked_prompt_logprobs_equal_one_pass():
     class Head:
         w = jax.random.normal(jax.random.PRNGKey(0), (16, 300), jnp.float32)
 
-        def compute_logits(self, h):
+        def compute_logits(self, h, dtype=jnp.float32):
             return h @ self.w
 
     t = 2 * model_step.PROMPT_LOGPROBS_CHUNK
@@ -133,7 +133,7 @@ def test_benchmarks_can_compile_the_prompt_conditional_out(monkeypatch):
     class Head:
         w = jnp.ones((16, 300), jnp.float32)
 
-        def compute_logits(self, h):
+        def compute_logits(self, h, dtype=jnp.float32):
             return h @ self.w
 
     hidden, targets = jnp.ones((8, 16), jnp.float32), jnp.arange(8, dtype=jnp.int32)

@@ -53,9 +53,10 @@ def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True):
 
     def compute():
         chunk = PROMPT_LOGPROBS_CHUNK
+        # Logits in the model's dtype: compute_logprobs reads them as f32 where it reads them.
         if t <= chunk or t % chunk:
-            return compute_logprobs(lm.compute_logits(hidden), ids, n)
-        parts = jax.lax.map(lambda a: compute_logprobs(lm.compute_logits(a[0]), a[1], n),
+            return compute_logprobs(lm.compute_logits(hidden, None), ids, n)
+        parts = jax.lax.map(lambda a: compute_logprobs(lm.compute_logits(a[0], None), a[1], n),
                             (hidden.reshape(t // chunk, chunk, -1), ids.reshape(t // chunk, chunk)))
         return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), parts)
 

@@ -25,7 +25,9 @@ and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allow
       same with command buffers on or off: XLA records conditionals in its CUDA graphs by
       default, `+CONDITIONAL` changes nothing), and inside a whole decode step the three
       cheap pieces' conditionals cost more than the pieces: every feature used, step device
-      time +16.6% over greedy without them vs +19.4% with them (one machine);
+      time +16.6% over greedy without them vs +19.4% with them (one machine); the three
+      that remain cost 0.37-0.75 ms of that step (+15.1% -> +5.6% compiled out, session 8:
+      docs/benchmarks.md), which is what keeps issue 5's 15% out of reach;
     - a conditional that holds another one two levels down, or a four-way `lax.switch`, left
       the GPU idle 0.1-0.4 ms per call; the search's own two inner conditionals (one level
       down) do not;

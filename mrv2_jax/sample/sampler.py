@@ -2,7 +2,7 @@
 
 Pipeline, per row (vLLM's order):
 
-    logits (f32) -> logit_bias + min_tokens (sparse edits) -> penalties        = processed
+    logits (any float dtype, read as f32) -> logit_bias + min_tokens (sparse edits) -> penalties = processed
     greedy rows (temperature 0):  argmax(processed)
     sampled rows:  processed / T -> min_p -> top_k -> top_p -> argmax(masked + Gumbel noise)
 
