@@ -136,8 +136,7 @@ def device_time_host_ahead(runner, dispatch, repeats: int) -> float | None:
         t0 = time.perf_counter()
         jax.block_until_ready(busy(x))
         busy_s.append(time.perf_counter() - t0)
-    held = []
-    total = runner.replay(dispatch, repeats, head_start=lambda: held.append(busy(x))) * repeats
+    total = runner.replay(dispatch, repeats, head_start=lambda: busy(x)) * repeats
     return (total - statistics.median(busy_s)) / repeats
 
 
@@ -169,7 +168,6 @@ def back_to_back_timeline(runner, dispatch, steps: int = 4) -> dict:
     the kernels around them. Gaps that one replayed step does not show (a step waiting on the
     host, a sync inside it) show here."""
     from mrv2_jax.bench.sampler import call_timeline
-
     from mrv2_jax.bench.timeline import kernel_family
 
     events = call_timeline(lambda: runner.replay(dispatch, steps), ())
