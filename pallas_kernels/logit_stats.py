@@ -36,7 +36,7 @@ from mrv2_jax.sample.tensors import SamplingTensors
 NEG_INF = float("-inf")
 
 
-def _check_size(*arrays):
+def check_int32_size(*arrays):
     for a in arrays:
         if math.prod(a.shape) >= 2**31:
             raise ValueError(f"array of shape {a.shape} has >= 2**31 elements; int32 offsets would overflow")
@@ -45,7 +45,7 @@ def _check_size(*arrays):
 WORD = 32  # ids per prompt-mask word
 
 
-def _tile(vocab_size: int, tile_blocks: int, tile=None):
+def row_tile(vocab_size: int, tile_blocks: int, tile=None):
     """Tile `tile` of the row (default: this program's): block indices [TB], ids [TB, BLOCK /
     WORD, WORD] and which of them are in the row. Three axes, so that a mask word broadcasts
     over its 32 ids without a reshape."""
@@ -83,7 +83,7 @@ def _stats_tile(*refs, vocab_size, tile_blocks, penalties, r, tile):
          processed_ref, block_max_ref, block_sumexp_ref, raw_max_ref, raw_sumexp_ref) = refs
     else:
         logits_ref, divisor_ref, block_sumexp_ref, raw_max_ref, raw_sumexp_ref = refs
-    blocks, words, ids, in_row = _tile(V, tile_blocks, tile)
+    blocks, words, ids, in_row = row_tile(V, tile_blocks, tile)
     block_ok = blocks < NB
     # Offsets stay affine in the lane index (no jnp.where on them): Triton then sees runs of
     # contiguous addresses and vectorises the accesses. Masked-off lanes past a row's end point
@@ -134,11 +134,11 @@ def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: Penalty
     blocks = lambda a: a.reshape(r, nb)  # noqa: E731
     divisor = divisor.astype(jnp.float32)
     if penalties is None:
-        _check_size(logits)
+        check_int32_size(logits)
         sumexp, raw_max, raw_sumexp = call(out_shape=(f32(r * nb),) * 3)(logits.reshape(-1), divisor)
         return LogitStats(logits.astype(jnp.float32), blocks(raw_max), blocks(sumexp), blocks(raw_max),
                           blocks(raw_sumexp))
-    _check_size(logits, penalties.output_counts)
+    check_int32_size(logits, penalties.output_counts)
     processed, *stats = call(out_shape=(f32(r * v),) + (f32(r * nb),) * 4)(
         logits.reshape(-1), divisor, penalties.output_counts.reshape(-1), penalties.prompt_mask.reshape(-1),
         penalties.rows.astype(jnp.int32), t.repetition_penalty.astype(jnp.float32),
@@ -149,7 +149,7 @@ def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: Penalty
 def _count_kernel(logits_ref, block_max_ref, threshold_ref, out_ref, *, vocab_size, tile_blocks):
     V, NB = vocab_size, num_blocks(vocab_size)
     r, c = pl.program_id(0), pl.program_id(1)
-    blocks, _, ids, in_row = _tile(V, tile_blocks)
+    blocks, _, ids, in_row = row_tile(V, tile_blocks)
     block_ok = blocks < NB
     maxima = pltriton.load(block_max_ref.at[r * NB + blocks], mask=block_ok, other=NEG_INF)
     threshold = threshold_ref[r]
@@ -168,7 +168,7 @@ def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array, *
                 tile_blocks: int = 32, num_warps: int = 4) -> jax.Array:
     """Same result as mrv2_jax.sample.logit_stats.count_above's jnp path -> i32[R]."""
     r, v = logits.shape
-    _check_size(logits)
+    check_int32_size(logits)
     programs = pl.cdiv(num_blocks(v), tile_blocks)
     partial = pl.pallas_call(
         functools.partial(_count_kernel, vocab_size=v, tile_blocks=tile_blocks),

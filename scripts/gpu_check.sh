@@ -46,7 +46,7 @@ for s in $sections; do case $s in
   env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
   tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
   sampler-tests) run_section sampler-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_logit_stats.py \
-      tests/test_sampler.py ;;
+      tests/test_sampler.py tests/test_noise_pass.py ;;
   oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/test_model_parity.py ;;
   load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
   attention) run_section attention python3 -m mrv2_jax.bench.attention_kernel --output-json "$OUT/attention.json" ;;
@@ -82,7 +82,8 @@ for s in $sections; do case $s in
   # Issue 5: what each conditional costs the every-feature S1 step (greedy, every feature, then
   # every feature with conditionals compiled out: MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only).
   # Session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. Last arm:
-  # the conditionals run by the host (not graph conditional nodes). ~8 device minutes.
+  # the conditionals run by the host (not graph conditional nodes); before it, the noise pass as a
+  # kernel without its conditional (MRV2_SAMPLER_NOISE_PASS=kernel). ~9 device minutes.
   ab-s1-conditionals)
     for kind in greedy all all:prompt all:noise all:search all:slow all:noise,slow,prompt; do
       skip=; [[ $kind == *:* ]] && skip=${kind#*:}
@@ -92,6 +93,11 @@ for s in $sections; do case $s in
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
         --output-json "$OUT/ab_s1_256_${name//-/_}.json"
     done
+    # The whole-row noise pass as a Pallas kernel that skips rows, instead of its conditional.
+    MRV2_SAMPLER_NOISE_PASS=kernel run_section ab-s1-all-noise-kernel python3 -m mrv2_jax.bench.ab \
+      --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all --input-len 128 --output-len 512 \
+      --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+      --output-json "$OUT/ab_s1_256_all_noise_kernel.json"
     # The same conditionals run by the host instead of as CUDA graph conditional nodes.
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL" run_section ab-s1-all-host-conds \
       python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all \

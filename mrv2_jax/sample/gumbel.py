@@ -41,10 +41,22 @@ def gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax
 def gumbel_noise_at(seeds: jax.Array, positions: jax.Array, token_ids: jax.Array) -> jax.Array:
     """The same noise at chosen token ids only: token_ids [R, C] (or [1, C]) -> f32 [R, C];
     column j of row r equals gumbel_noise(...)[r, token_ids[r, j]] bit for bit."""
+    return noise_from_key(row_key(seeds, positions)[:, None], token_ids)
+
+
+def row_key(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """uint32 key of each (seed, position), any matching shapes (scalars too: a Pallas kernel
+    computes its row's key)."""
     u32 = jnp.uint32
-    row_key = fmix32(seeds.astype(u32) ^ fmix32(positions.astype(u32) * u32(_GOLDEN) + u32(1)))
+    return fmix32(seeds.astype(u32) ^ fmix32(positions.astype(u32) * u32(_GOLDEN) + u32(1)))
+
+
+def noise_from_key(key: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """f32 Gumbel noise of token ids under `key` (broadcastable): the elementwise body of every
+    noise function here, also traced inside a Pallas kernel."""
+    u32 = jnp.uint32
     ids = token_ids.astype(u32)
-    bits = fmix32(fmix32(ids * u32(_GOLDEN) ^ row_key[:, None]) + row_key[:, None])
+    bits = fmix32(fmix32(ids * u32(_GOLDEN) ^ key) + key)
     # u = (m + 0.5) / 2**23 from 23 bits, and 1 - u, are both exact in f32; -log(u) is taken as
     # -log1p(-(1 - u)) for u >= 1/2, where log(u) would lose the digits of the large-noise tail
     # (the tokens the argmax picks).

@@ -35,6 +35,7 @@ from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
 from mrv2_jax.sample.logit_stats import block_max_and_sumexp, logit_stats, mass_from_blocks, refresh_blocks
 from mrv2_jax.sample.logprobs import compute_logprobs
+from mrv2_jax.sample.noise_pass import noise_pass_mode, noise_pass_reference, noise_pass_rows
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
 from mrv2_jax.sample.tensors import SamplingTensors
 
@@ -133,12 +134,9 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
 
     def whole_row(keep_from):
         # x / divisor is recomputed inside each conditional branch that reads it: a value
-        # handed to a conditional is written out first (one more [R, V] pass).
-        scaled = x / divisor[:, None]
-        noisy = jnp.where(scaled >= keep_from[:, None], scaled, NEG_INF)
-        noisy = noisy + gumbel_noise(t.seeds, positions, x.shape[-1])
-        # Greedy rows of a mixed batch take the argmax of their processed logits.
-        return jnp.argmax(jnp.where(is_sampled[:, None], noisy, x), axis=-1).astype(jnp.int32)
+        # handed to a conditional is written out first (one more [R, V] pass). Greedy rows of a
+        # mixed batch take the argmax of their processed logits.
+        return noise_pass_reference(x, divisor, keep_from, t.seeds, positions, is_sampled)
 
     if not (f.min_p or f.top_k or f.top_p):
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
@@ -154,7 +152,11 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
     values, ids = top
     on_top = jnp.where(is_sampled, keep_from > values[:, -1], values[:, 0] > NEG_INF)
     from_top = jnp.where(is_sampled, _sample_among(top, keep_from, t.seeds, positions), ids[:, 0])
-    rest = _maybe(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top, "noise")
+    if f.runtime_skip and noise_pass_mode() != "cond" and "noise" not in skipped_conditionals():
+        # No conditional: a kernel whose programs skip the rows on top (noise_pass.py).
+        rest = noise_pass_rows(x, divisor, keep_from, t.seeds, positions, is_sampled, ~on_top)
+    else:
+        rest = _maybe(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top, "noise")
     return jnp.where(on_top, from_top, rest)
 
 
