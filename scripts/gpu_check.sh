@@ -82,10 +82,11 @@ for s in $sections; do case $s in
   # Issue 5: what each conditional costs the every-feature S1 step (greedy, every feature, then
   # every feature with conditionals compiled out: MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only).
   # Session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. Last arm:
-  # the conditionals run by the host (not graph conditional nodes); before it, the noise pass as a
-  # kernel without its conditional (MRV2_SAMPLER_NOISE_PASS=kernel). ~9 device minutes.
+  # the conditionals run by the host (not graph conditional nodes); before it, two candidates
+  # without a conditional: decode steps on the `full` variant (no prompt logprobs) and the noise
+  # pass as a kernel (MRV2_SAMPLER_NOISE_PASS=kernel), then both. ~11 device minutes.
   ab-s1-conditionals)
-    for kind in greedy all all:prompt all:noise all:search all:slow all:noise,slow,prompt; do
+    for kind in greedy all all:noise all:search all:slow all:noise,slow,prompt; do
       skip=; [[ $kind == *:* ]] && skip=${kind#*:}
       name=${kind//[:,]/-}
       MRV2_BENCH_SKIP_CONDITIONALS=$skip run_section ab-s1-$name python3 -m mrv2_jax.bench.ab \
@@ -93,11 +94,22 @@ for s in $sections; do case $s in
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
         --output-json "$OUT/ab_s1_256_${name//-/_}.json"
     done
+    # Decode steps on the `full` variant: every feature but prompt logprobs, so no prompt-logprobs
+    # conditional (steps with prompt-logprob spans run `all`).
+    run_section ab-s1-all-full-variant python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+      --arms v2-async --sampling all --sampler-variants greedy,plain,full,all --input-len 128 --output-len 512 \
+      --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+      --output-json "$OUT/ab_s1_256_all_full_variant.json"
     # The whole-row noise pass as a Pallas kernel that skips rows, instead of its conditional.
     MRV2_SAMPLER_NOISE_PASS=kernel run_section ab-s1-all-noise-kernel python3 -m mrv2_jax.bench.ab \
       --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all --input-len 128 --output-len 512 \
       --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
       --output-json "$OUT/ab_s1_256_all_noise_kernel.json"
+    # Both: only the slow path's conditional left.
+    MRV2_SAMPLER_NOISE_PASS=kernel run_section ab-s1-all-full-noise-kernel python3 -m mrv2_jax.bench.ab \
+      --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all --sampler-variants greedy,plain,full,all \
+      --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+      --max-model-len 1024 --output-json "$OUT/ab_s1_256_all_full_noise_kernel.json"
     # The same conditionals run by the host instead of as CUDA graph conditional nodes.
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL" run_section ab-s1-all-host-conds \
       python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all \

@@ -144,3 +144,29 @@ def test_benchmarks_can_compile_the_prompt_conditional_out(monkeypatch):
         lowered = jax.jit(lambda h, t: model_step.prompt_logprobs(Head(), h, t)).lower(hidden, targets)
     assert "stablehlo.case" not in lowered.as_text()
     assert not np.asarray(lowered.compile()(hidden, targets).logprobs).any()
+
+
+@pytest.mark.parametrize("arm", ["v1", "v2-async"])
+def test_full_variant_runs_the_steps_without_prompt_logprobs(arm):
+    """With `full` (every feature but prompt logprobs) before `all`, a request that uses sampler
+    features decodes on `full`, prompt-logprob steps still run `all`, and every output equals
+    the one with the default variants."""
+    from mrv2_jax.sample.tensors import sampling_row
+
+    prompts = random_prompts(3, seed=31, lo=12, hi=24)
+    params = [SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=7, logprobs=2, presence_penalty=0.5,
+                             ignore_eos=True, prompt_logprobs=p) for p in (2, None, 1)]
+    outs = {}
+    for variants in ("greedy,all", "greedy,full,all"):
+        llm = make_llm(max_num_batched_tokens=8, sampler_variants=variants, **ARMS[arm])
+        outs[variants] = llm.generate(prompts, params, use_tqdm=False)
+        if arm == "v2-async":
+            assert llm.engine.runner._smallest_variant(sampling_row(params[1])) == variants.split(",").index(
+                "full" if "full" in variants else "all")
+    for want, got in zip(outs["greedy,all"], outs["greedy,full,all"]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+        assert got.prompt_logprobs == want.prompt_logprobs
+    for prompt, out, p in zip(prompts, outs["greedy,full,all"], params):
+        if p.prompt_logprobs:
+            check_prompt_logprobs(prompt, p.prompt_logprobs, out.prompt_logprobs)

@@ -182,6 +182,8 @@ def test_sampler_variant_names_are_checked():
     assert default_variant_names("cpu") == ("greedy", "all")
 
     assert variants_by_name("plain, all") == (SamplerFeatures.plain_sampling(), SamplerFeatures.all())
+    full = variants_by_name("greedy,full,all")[1]
+    assert full == SamplerFeatures.all(prompt_logprobs=False) and SamplerFeatures.all().covers(full)
     for bad in ("greedy", "greedy,fast,all", "all,greedy", "all,all", ""):
         with pytest.raises(ValueError, match="sampler variants"):
             variants_by_name(bad)

@@ -96,6 +96,14 @@ class SamplerFeatures:
         return cls(**(on | overrides))
 
     @classmethod
+    def full(cls) -> SamplerFeatures:
+        """Every feature but prompt logprobs. Placed before "all" (`--sampler-variants
+        greedy,plain,full,all`), it runs the steps that compute no prompt logprobs, which then
+        carry no prompt-logprobs conditional; steps with prompt-logprob spans run "all". One more
+        compile per bucket; not a default until measured (docs/benchmarks.md)."""
+        return cls.all(prompt_logprobs=False)
+
+    @classmethod
     def greedy(cls) -> SamplerFeatures:
         return cls(sampling=False)
 
@@ -126,7 +134,8 @@ class SamplerFeatures:
 
 
 # Named variants, for `EngineConfig.sampler_variants` / `--sampler-variants`.
-VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling, "all": SamplerFeatures.all}
+VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling, "full": SamplerFeatures.full,
+            "all": SamplerFeatures.all}
 
 
 # Benchmarks only: conditionals compiled as their skip branch, named in this variable
