@@ -44,7 +44,8 @@ def noise_pass_reference(x, divisor, keep_from, seeds, positions, is_sampled) ->
 def noise_pass_rows(x, divisor, keep_from, seeds, positions, is_sampled, needed) -> jax.Array:
     """The pass at the `needed` rows (bool[R]; others: any value), with no conditional."""
     mode = noise_pass_mode()
-    if mode == "interpret" or (mode == "kernel" and jax.default_backend() == "gpu"):
+    fits = x.size < 2**31  # the kernel's int32 offsets
+    if fits and (mode == "interpret" or (mode == "kernel" and jax.default_backend() == "gpu")):
         from pallas_kernels.noise_pass import noise_pass as kernel
 
         return kernel(x, divisor, keep_from, seeds, positions, is_sampled, needed, interpret=mode == "interpret")
