@@ -26,8 +26,8 @@ def _noise_kernel(x_ref, divisor_ref, keep_ref, seeds_ref, positions_ref, sample
                   best_ref, best_id_ref, *, vocab_size, tile_blocks):
     r, c = pl.program_id(0), pl.program_id(1)
     at = r * pl.num_programs(1) + c
-    # The empty partial. -inf made from a loaded value: storing a bare -inf literal fails to
-    # lower (jax 0.11.2 types the constant as the index's integer).
+    # The empty partial, -inf made from a loaded value: storing a bare -inf literal failed to
+    # lower to Triton (jax 0.11.2: an OverflowError, the constant built as an integer).
     best_ref[at] = jnp.minimum(divisor_ref[r], NEG_INF)
     best_id_ref[at] = jnp.int32(NO_ID)
 
