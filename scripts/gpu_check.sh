@@ -79,42 +79,29 @@ for s in $sections; do case $s in
         --max-model-len 1024 --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
     done ;;
   logit-stats) run_section logit-stats python3 -m mrv2_jax.bench.logit_stats --output-json "$OUT/logit_stats.json" ;;
-  # Issue 5: what each conditional costs the every-feature S1 step (greedy, every feature, then
-  # every feature with conditionals compiled out: MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only).
-  # Session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. Last arm:
-  # the conditionals run by the host (not graph conditional nodes); before it, two candidates
-  # without a conditional: decode steps on the `full` variant (no prompt logprobs) and the noise
-  # pass as a kernel (MRV2_SAMPLER_NOISE_PASS=kernel), then both. ~11 device minutes.
+  # Issue 5: what each conditional costs the every-feature S1 step, and the candidates without
+  # them. Arms: name, environment, sampler variants. `skip-*` compile conditionals out
+  # (MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only: wrong tokens for rows that need them);
+  # session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. The
+  # shippable candidates: `full` (decode steps on a variant without prompt logprobs),
+  # `noise-kernel` (MRV2_SAMPLER_NOISE_PASS=kernel), `flat-slow` (MRV2_SAMPLER_FLAT_SLOW_PATH=1),
+  # and all three. `host-conds`: conditionals run by the host, not as graph conditional nodes.
+  # 11 arms, ~12 device minutes; 11 JSON files: tar $OUT in the same command.
   ab-s1-conditionals)
-    for kind in greedy all all:noise all:search all:slow all:noise,slow,prompt; do
-      skip=; [[ $kind == *:* ]] && skip=${kind#*:}
-      name=${kind//[:,]/-}
-      MRV2_BENCH_SKIP_CONDITIONALS=$skip run_section ab-s1-$name python3 -m mrv2_jax.bench.ab \
-        --model qwen3-0.6b --load-format dummy --arms v2-async --sampling ${kind%%:*} --input-len 128 \
+    V4=greedy,plain,full,all
+    for arm in "greedy||" "all||" "skip-noise|MRV2_BENCH_SKIP_CONDITIONALS=noise|" \
+        "skip-search|MRV2_BENCH_SKIP_CONDITIONALS=search|" "skip-slow|MRV2_BENCH_SKIP_CONDITIONALS=slow|" \
+        "skip-all|MRV2_BENCH_SKIP_CONDITIONALS=noise,slow,prompt|" "full||$V4" \
+        "noise-kernel|MRV2_SAMPLER_NOISE_PASS=kernel|" "flat-slow|MRV2_SAMPLER_FLAT_SLOW_PATH=1|" \
+        "full-noise-kernel-flat-slow|MRV2_SAMPLER_NOISE_PASS=kernel MRV2_SAMPLER_FLAT_SLOW_PATH=1|$V4" \
+        "host-conds|XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL|"; do
+      IFS='|' read -r name envs variants <<< "$arm"
+      sampling=all; [ $name = greedy ] && sampling=greedy
+      run_section ab-s1-$name env $envs python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+        --arms v2-async --sampling $sampling ${variants:+--sampler-variants $variants} --input-len 128 \
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
-        --output-json "$OUT/ab_s1_256_${name//-/_}.json"
-    done
-    # Decode steps on the `full` variant: every feature but prompt logprobs, so no prompt-logprobs
-    # conditional (steps with prompt-logprob spans run `all`).
-    run_section ab-s1-all-full-variant python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-      --arms v2-async --sampling all --sampler-variants greedy,plain,full,all --input-len 128 --output-len 512 \
-      --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
-      --output-json "$OUT/ab_s1_256_all_full_variant.json"
-    # The whole-row noise pass as a Pallas kernel that skips rows, instead of its conditional.
-    MRV2_SAMPLER_NOISE_PASS=kernel run_section ab-s1-all-noise-kernel python3 -m mrv2_jax.bench.ab \
-      --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all --input-len 128 --output-len 512 \
-      --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
-      --output-json "$OUT/ab_s1_256_all_noise_kernel.json"
-    # Both: only the slow path's conditional left.
-    MRV2_SAMPLER_NOISE_PASS=kernel run_section ab-s1-all-full-noise-kernel python3 -m mrv2_jax.bench.ab \
-      --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all --sampler-variants greedy,plain,full,all \
-      --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 1024 --output-json "$OUT/ab_s1_256_all_full_noise_kernel.json"
-    # The same conditionals run by the host instead of as CUDA graph conditional nodes.
-    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL" run_section ab-s1-all-host-conds \
-      python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async --sampling all \
-      --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 1024 --output-json "$OUT/ab_s1_256_all_host_conds.json" ;;
+        --output-json "$OUT/ab_s1_256_conditionals_${name//-/_}.json"
+    done ;;
   # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
   # fused variants compiled up to 32 rows (never used there) vs up to every row.
   fused-rows|fused-rows-1024)

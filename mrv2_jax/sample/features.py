@@ -160,6 +160,17 @@ def skipped_conditionals() -> frozenset[str]:
     return names
 
 
+def flat_slow_path() -> bool:
+    """MRV2_SAMPLER_FLAT_SLOW_PATH=1 (experimental, read at trace time): the threshold slow path
+    holds no conditional or loop of its own. Its top_k and top_p searches run whenever it runs
+    (each is ~2 ms at 256 x 152K on an H200, so a taken slow path costs up to twice as much),
+    with their passes unrolled. Nesting is what session 6 saw leave the GPU idle; this measures
+    whether the slow path's nesting is what it costs a step that never takes it."""
+    import os
+
+    return os.environ.get("MRV2_SAMPLER_FLAT_SLOW_PATH", "0") == "1"
+
+
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
     """greedy, plain, all on GPUs; greedy, all elsewhere (default: JAX's default backend). The
     plain variant exists because CUDA-graph command buffers do not record conditionals; a CPU

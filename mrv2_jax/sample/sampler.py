@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.block_top import top_n_by_blocks
-from mrv2_jax.sample.features import SamplerFeatures, skipped_conditionals
+from mrv2_jax.sample.features import SamplerFeatures, flat_slow_path, skipped_conditionals
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
 from mrv2_jax.sample.logit_stats import block_max_and_sumexp, logit_stats, mass_from_blocks, refresh_blocks
@@ -256,17 +256,19 @@ def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, floor, ne
     H200 that depth cost ~15 us per step, where a third level, or one four-way switch in their
     place, left the GPU idle 0.1-0.2 ms (docs/sampler.md)."""
     k_on, p_on = topk_topp.top_k_enabled(t.top_k, scaled.shape[-1]), topk_topp.top_p_enabled(t.top_p)
+    flat = flat_slow_path()
+    skip = f.runtime_skip and not flat
     thresh = floor
     if f.top_k:
-        kth = _maybe(f.runtime_skip, jnp.any(needs_search & k_on),
-                     lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity),
+        kth = _maybe(skip, jnp.any(needs_search & k_on),
+                     lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity, flat),
                      lambda: jnp.full(floor.shape, NEG_INF, jnp.float32), "search")
         thresh = jnp.maximum(thresh, kth)
     if f.top_p:
         floor = thresh
-        thresh = _maybe(f.runtime_skip, jnp.any(needs_search & p_on),
+        thresh = _maybe(skip, jnp.any(needs_search & p_on),
                         lambda: topk_topp.top_p_threshold_search(scaled, jnp.max(scaled, axis=-1), floor,
-                                                                 t.top_p, f.search_arity),
+                                                                 t.top_p, f.search_arity, flat),
                         lambda: floor, "search")
     return thresh
 
