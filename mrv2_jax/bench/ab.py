@@ -14,6 +14,7 @@ ratio, an estimate of the GPU busy fraction; `wall_profile` follows the period t
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import time
@@ -176,7 +177,7 @@ def back_to_back_timeline(runner, dispatch, steps: int = 4) -> dict:
     gaps = sorted(range(1, len(events)), key=lambda i: -events[i]["gap_us"])[:8]
     # Idle per step by the kernel families on either side: where a step's idle time sits.
     by_pair: dict[str, float] = {}
-    for prev, e in zip(events, events[1:]):
+    for prev, e in itertools.pairwise(events):
         pair = f"{kernel_family(prev['kernel'])} -> {kernel_family(e['kernel'])}"
         by_pair[pair] = by_pair.get(pair, 0.0) + e["gap_us"] / steps
     return {"steps": steps, "period_us": round((events[-1]["at_us"] + events[-1]["us"]) / steps, 1),
