@@ -50,6 +50,8 @@ default is greedy and all (one compile fewer per bucket). `vllm bench throughput
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from dataclasses import dataclass
 
 TOP_K_TOP_P_METHODS = ("threshold", "sort")
@@ -148,9 +150,6 @@ CONDITIONALS = ("noise", "slow", "search", "prompt")  # whole-row noise pass, sl
 
 def skipped_conditionals() -> frozenset[str]:
     """The names in MRV2_BENCH_SKIP_CONDITIONALS (read at trace time)."""
-    import os
-    import warnings
-
     names = frozenset(n.strip() for n in os.environ.get(SKIP_CONDITIONALS_ENV, "").split(",") if n.strip())
     if names - set(CONDITIONALS):
         raise ValueError(f"{SKIP_CONDITIONALS_ENV} names conditionals from {CONDITIONALS}, got {sorted(names)}")
@@ -166,8 +165,6 @@ def flat_slow_path() -> bool:
     (each is ~2 ms at 256 x 152K on an H200, so a taken slow path costs up to twice as much),
     with their passes unrolled. Nesting is what session 6 saw leave the GPU idle; this measures
     whether the slow path's nesting is what it costs a step that never takes it."""
-    import os
-
     return os.environ.get("MRV2_SAMPLER_FLAT_SLOW_PATH", "0") == "1"
 
 

@@ -69,14 +69,14 @@ def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: Penalty
         divisor = jnp.ones(logits.shape[:1], jnp.float32)
     mode = kernel_mode()
     tables = (logits,) if penalties is None else (logits, penalties.output_counts)
-    if mode is None or not _fits_int32_offsets(*tables):
+    if mode is None or not fits_int32_offsets(*tables):
         return logit_stats_reference(logits, t, penalties, divisor)
     from pallas_kernels.logit_stats import logit_stats as kernel
 
     return kernel(logits, t, penalties, divisor, interpret=mode == "interpret")
 
 
-def _fits_int32_offsets(*arrays) -> bool:
+def fits_int32_offsets(*arrays) -> bool:
     """The kernels address flattened arrays with int32 offsets; larger tables take the jnp path."""
     return all(math.prod(a.shape) < 2**31 for a in arrays)
 
@@ -134,7 +134,7 @@ def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array) -
     """i32[R]: the number of entries of each row of logits [R, V] greater than threshold f32[R];
     block_max f32[R, NB] are the rows' block maxima (what lets the kernel skip blocks)."""
     mode = kernel_mode()
-    if mode is None or not _fits_int32_offsets(logits):
+    if mode is None or not fits_int32_offsets(logits):
         return jnp.sum(logits.astype(jnp.float32) > threshold[:, None], axis=-1, dtype=jnp.int32)
     from pallas_kernels.logit_stats import count_above as kernel
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.sample.gumbel import gumbel_noise
+from mrv2_jax.sample.logit_stats import fits_int32_offsets
 
 MODES = ("cond", "kernel", "interpret")
 NEG_INF = -jnp.inf
@@ -44,8 +45,7 @@ def noise_pass_reference(x, divisor, keep_from, seeds, positions, is_sampled) ->
 def noise_pass_rows(x, divisor, keep_from, seeds, positions, is_sampled, needed) -> jax.Array:
     """The pass at the `needed` rows (bool[R]; others: any value), with no conditional."""
     mode = noise_pass_mode()
-    fits = x.size < 2**31  # the kernel's int32 offsets
-    if fits and (mode == "interpret" or (mode == "kernel" and jax.default_backend() == "gpu")):
+    if fits_int32_offsets(x) and (mode == "interpret" or (mode == "kernel" and jax.default_backend() == "gpu")):
         from pallas_kernels.noise_pass import noise_pass as kernel
 
         return kernel(x, divisor, keep_from, seeds, positions, is_sampled, needed, interpret=mode == "interpret")
