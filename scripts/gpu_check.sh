@@ -86,7 +86,8 @@ for s in $sections; do case $s in
   # shippable candidates: `full` (decode steps on a variant without prompt logprobs),
   # `noise-kernel` (MRV2_SAMPLER_NOISE_PASS=kernel), `flat-slow` (MRV2_SAMPLER_FLAT_SLOW_PATH=1),
   # and all three. `host-conds`: conditionals run by the host, not as graph conditional nodes.
-  # 11 arms, ~12 device minutes; 11 JSON files: tar $OUT in the same command.
+  # 11 arms, ~1 device minute each (more than one call allows): CONDITIONAL_ARMS="greedy all ..."
+  # runs only the arms named. Compare arms only within one call. Tar $OUT in the same command.
   ab-s1-conditionals)
     V4=greedy,plain,full,all
     for arm in "greedy||" "all||" "skip-noise|MRV2_BENCH_SKIP_CONDITIONALS=noise|" \
@@ -96,6 +97,7 @@ for s in $sections; do case $s in
         "full-noise-kernel-flat-slow|MRV2_SAMPLER_NOISE_PASS=kernel MRV2_SAMPLER_FLAT_SLOW_PATH=1|$V4" \
         "host-conds|XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL|"; do
       IFS='|' read -r name envs variants <<< "$arm"
+      [ -n "${CONDITIONAL_ARMS:-}" ] && [[ " $CONDITIONAL_ARMS " != *" $name "* ]] && continue
       sampling=all; [ $name = greedy ] && sampling=greedy
       run_section ab-s1-$name env $envs python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
         --arms v2-async --sampling $sampling ${variants:+--sampler-variants $variants} --input-len 128 \
