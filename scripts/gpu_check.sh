@@ -85,8 +85,8 @@ for s in $sections; do case $s in
   # session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. The
   # shippable candidates: `full` (decode steps on a variant without prompt logprobs),
   # `noise-kernel` (MRV2_SAMPLER_NOISE_PASS=kernel), `flat-slow` (MRV2_SAMPLER_FLAT_SLOW_PATH=1),
-  # and all three. `host-conds`: conditionals run by the host, not as graph conditional nodes.
-  # 11 arms, ~1 device minute each (more than one call allows): CONDITIONAL_ARMS="greedy all ..."
+  # and all three; those without the slow path's conditional (none left). `host-conds`: conditionals run by the host, not as graph conditional nodes.
+  # 12 arms, ~1 device minute each (more than one call allows): CONDITIONAL_ARMS="greedy all ..."
   # runs only the arms named. Compare arms only within one call. Tar $OUT in the same command.
   ab-s1-conditionals)
     V4=greedy,plain,full,all
@@ -95,6 +95,7 @@ for s in $sections; do case $s in
         "skip-all|MRV2_BENCH_SKIP_CONDITIONALS=noise,slow,prompt|" "full||$V4" \
         "noise-kernel|MRV2_SAMPLER_NOISE_PASS=kernel|" "flat-slow|MRV2_SAMPLER_FLAT_SLOW_PATH=1|" \
         "full-noise-kernel-flat-slow|MRV2_SAMPLER_NOISE_PASS=kernel MRV2_SAMPLER_FLAT_SLOW_PATH=1|$V4" \
+        "full-noise-kernel-skip-slow|MRV2_SAMPLER_NOISE_PASS=kernel MRV2_BENCH_SKIP_CONDITIONALS=slow|$V4" \
         "host-conds|XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL|"; do
       IFS='|' read -r name envs variants <<< "$arm"
       [ -n "${CONDITIONAL_ARMS:-}" ] && [[ " $CONDITIONAL_ARMS " != *" $name "* ]] && continue
