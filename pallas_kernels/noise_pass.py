@@ -17,25 +17,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from mrv2_jax.sample.gumbel import noise_from_key, row_key
+from mrv2_jax.sample.logit_stats import reciprocal
 from pallas_kernels.logit_stats import NEG_INF, check_int32_size, row_tile
 
 NO_ID = jnp.iinfo(jnp.int32).max
 
 
-def _noise_kernel(x_ref, divisor_ref, keep_ref, seeds_ref, positions_ref, sampled_ref, needed_ref,
+def _noise_kernel(x_ref, inverse_ref, keep_ref, seeds_ref, positions_ref, sampled_ref, needed_ref,
                   best_ref, best_id_ref, *, vocab_size, tile_blocks):
     r, c = pl.program_id(0), pl.program_id(1)
     at = r * pl.num_programs(1) + c
     # The empty partial, -inf made from a loaded value: storing a bare -inf literal failed to
     # lower to Triton (jax 0.11.2: an OverflowError, the constant built as an integer).
-    best_ref[at] = jnp.minimum(divisor_ref[r], NEG_INF)
+    best_ref[at] = jnp.minimum(inverse_ref[r], NEG_INF)
     best_id_ref[at] = jnp.int32(NO_ID)
 
     @pl.when(needed_ref[r] != 0)
     def _pass():  # (program ids are read outside: the Pallas interpreter wants them there)
         _, _, ids, in_row = row_tile(vocab_size, tile_blocks, c)
         x = pltriton.load(x_ref.at[r * vocab_size + ids], mask=in_row, other=0)
-        scaled = x / divisor_ref[r]
+        scaled = x * inverse_ref[r]  # as the sampler scales (logit_stats.reciprocal)
         noisy = jnp.where(scaled >= keep_ref[r], scaled, NEG_INF)
         noisy = noisy + noise_from_key(row_key(seeds_ref[r], positions_ref[r]), ids)
         values = jnp.where(in_row, jnp.where(sampled_ref[r] != 0, noisy, x), NEG_INF)
@@ -59,7 +60,7 @@ def noise_pass(x: jax.Array, divisor: jax.Array, keep_from: jax.Array, seeds: ja
         out_shape=(jax.ShapeDtypeStruct((r * programs,), f32), jax.ShapeDtypeStruct((r * programs,), i32)),
         interpret=interpret, compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="noise_pass",
-    )(x.astype(f32).reshape(-1), divisor.astype(f32), keep_from.astype(f32), seeds.astype(i32), positions.astype(i32),
+    )(x.astype(f32).reshape(-1), reciprocal(divisor), keep_from.astype(f32), seeds.astype(i32), positions.astype(i32),
       is_sampled.astype(i32), needed.astype(i32))
     best, best_id = best.reshape(r, programs), best_id.reshape(r, programs)
     top = jnp.max(best, axis=1, keepdims=True)

@@ -12,7 +12,8 @@
 # (ab-s1-sampling), the cost of one lax.cond (conditionals), the sampler's kernels and idle gaps
 # per call (sampler-probe), one replayed sampling step's events (ab-s1-sampling-timeline), the
 # sampler's logit pass by tile size (logit-stats), what each of its conditionals costs a step
-# (ab-s1-conditionals) and the batch-1 kernel split (timeline-b1).
+# (ab-s1-conditionals), the passes as kernels without them (ab-s1-kernels), the slow path's
+# search kernel (threshold-search) and the batch-1 kernel split (timeline-b1).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -46,7 +47,7 @@ for s in $sections; do case $s in
   env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
   tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
   sampler-tests) run_section sampler-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_logit_stats.py \
-      tests/test_sampler.py tests/test_noise_pass.py ;;
+      tests/test_sampler.py tests/test_noise_pass.py tests/test_threshold_search.py ;;
   oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/test_model_parity.py ;;
   load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
   attention) run_section attention python3 -m mrv2_jax.bench.attention_kernel --output-json "$OUT/attention.json" ;;
@@ -79,32 +80,47 @@ for s in $sections; do case $s in
         --max-model-len 1024 --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
     done ;;
   logit-stats) run_section logit-stats python3 -m mrv2_jax.bench.logit_stats --output-json "$OUT/logit_stats.json" ;;
-  # Issue 5: what each conditional costs the every-feature S1 step, and the candidates without
-  # them. Arms: name, environment, sampler variants. `skip-*` compile conditionals out
-  # (MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only: wrong tokens for rows that need them);
-  # session 8 measured all of them out at +5.6% over greedy, against +15-21% with them. The
-  # shippable candidates: `full` (decode steps on a variant without prompt logprobs),
-  # `noise-kernel` (MRV2_SAMPLER_NOISE_PASS=kernel), `flat-slow` (MRV2_SAMPLER_FLAT_SLOW_PATH=1),
-  # and all three; those without the slow path's conditional (none left). `host-conds`: conditionals run by the host, not as graph conditional nodes.
-  # 12 arms, ~1 device minute each (more than one call allows): CONDITIONAL_ARMS="greedy all ..."
-  # runs only the arms named. Compare arms only within one call. Tar $OUT in the same command.
+  # Issue 5: what each conditional costs the every-feature S1 step (session 9), every arm with
+  # the whole-row passes under conditionals (as before the kernels became the GPU default).
+  # Arms: name, environment, sampler variants. `skip-*` compile conditionals out
+  # (MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only: wrong tokens for rows that need them).
+  # `full`: decode steps on a variant without prompt logprobs; `noise-kernel`: the noise pass
+  # as a kernel; `full-noise-kernel-skip-slow`: no conditional left. `host-conds`: conditionals
+  # run by the host, not as graph conditional nodes. ~1 device minute per arm (more than one
+  # call allows): CONDITIONAL_ARMS="greedy all ..." runs only the arms named. Compare arms only
+  # within one call. Tar $OUT in the same command.
   ab-s1-conditionals)
     V4=greedy,plain,full,all
     for arm in "greedy||" "all||" "skip-noise|MRV2_BENCH_SKIP_CONDITIONALS=noise|" \
         "skip-search|MRV2_BENCH_SKIP_CONDITIONALS=search|" "skip-slow|MRV2_BENCH_SKIP_CONDITIONALS=slow|" \
         "skip-all|MRV2_BENCH_SKIP_CONDITIONALS=noise,slow,prompt|" "full||$V4" \
-        "noise-kernel|MRV2_SAMPLER_NOISE_PASS=kernel|" "flat-slow|MRV2_SAMPLER_FLAT_SLOW_PATH=1|" \
-        "full-noise-kernel-flat-slow|MRV2_SAMPLER_NOISE_PASS=kernel MRV2_SAMPLER_FLAT_SLOW_PATH=1|$V4" \
+        "noise-kernel|MRV2_SAMPLER_NOISE_PASS=kernel|" \
         "full-noise-kernel-skip-slow|MRV2_SAMPLER_NOISE_PASS=kernel MRV2_BENCH_SKIP_CONDITIONALS=slow|$V4" \
         "host-conds|XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL|"; do
       IFS='|' read -r name envs variants <<< "$arm"
       [ -n "${CONDITIONAL_ARMS:-}" ] && [[ " $CONDITIONAL_ARMS " != *" $name "* ]] && continue
       sampling=all; [ $name = greedy ] && sampling=greedy
-      run_section ab-s1-$name env $envs python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+      run_section ab-s1-$name env MRV2_SAMPLER_NOISE_PASS=cond MRV2_SAMPLER_SLOW_PATH=cond $envs \
+        python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
         --arms v2-async --sampling $sampling ${variants:+--sampler-variants $variants} --input-len 128 \
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
         --output-json "$OUT/ab_s1_256_conditionals_${name//-/_}.json"
     done ;;
+  # Issue 5: the sampler's whole-row passes as kernels with no conditional (features.py
+  # whole_row_pass_mode, the GPU default) against the conditionals, and with / without the
+  # `full` variant (no prompt-logprobs conditional). 4 arms, ~5 device minutes.
+  ab-s1-kernels)
+    for arm in "greedy||greedy,plain,all" "kernels-full||greedy,plain,full,all" "kernels||greedy,plain,all" \
+        "conds|MRV2_SAMPLER_NOISE_PASS=cond MRV2_SAMPLER_SLOW_PATH=cond|greedy,plain,all"; do
+      IFS='|' read -r name envs variants <<< "$arm"
+      sampling=all; [ $name = greedy ] && sampling=greedy
+      run_section ab-s1-$name env $envs python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+        --arms v2-async --sampling $sampling --sampler-variants $variants --input-len 128 \
+        --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+        --output-json "$OUT/ab_s1_256_kernels_${name//-/_}.json"
+    done ;;
+  threshold-search) run_section threshold-search python3 -m mrv2_jax.bench.threshold_search \
+      --output-json "$OUT/threshold_search.json" ;;
   # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
   # fused variants compiled up to 32 rows (never used there) vs up to every row.
   fused-rows|fused-rows-1024)

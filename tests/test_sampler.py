@@ -409,27 +409,3 @@ def test_benchmarks_can_compile_conditionals_out(skipped, cases, monkeypatch):
     with pytest.raises(ValueError, match="typo"):
         jax.jit(lambda x, t, p, pen: sample(x, t, p, ALL, pen)).lower(
             jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32), pen)
-
-
-def test_flat_slow_path_has_no_nested_conditional_or_loop(monkeypatch):
-    """MRV2_SAMPLER_FLAT_SLOW_PATH=1: the slow path holds no conditional or loop (its searches
-    run whenever it runs, passes unrolled), and the sampler's outputs are unchanged on rows that
-    take it (top_k 200, flat top_p)."""
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
-    r, v = 4, 9000
-    pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)
-
-    def program():
-        return jax.jit(lambda x, t, p, pen: sample(x, t, p, SamplerFeatures.all(), pen)).lower(
-            jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32), pen).as_text()
-
-    nested = program()
-    logits, t, data, step = every_feature_case()
-    want = step.lower(logits, t, data).compile()(logits, t, data)
-    monkeypatch.setenv("MRV2_SAMPLER_FLAT_SLOW_PATH", "1")
-    flat = program()
-    assert flat.count("stablehlo.case") == nested.count("stablehlo.case") - 2
-    assert "stablehlo.while" in nested and "stablehlo.while" not in flat
-    got = step.lower(logits, t, data).compile()(logits, t, data)
-    for name in ("tokens", "logprob_token_ids", "sampled_rank"):
-        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)

@@ -159,13 +159,38 @@ def skipped_conditionals() -> frozenset[str]:
     return names
 
 
-def flat_slow_path() -> bool:
-    """MRV2_SAMPLER_FLAT_SLOW_PATH=1 (experimental, read at trace time): the threshold slow path
-    holds no conditional or loop of its own. Its top_k and top_p searches run whenever it runs
-    (each is ~2 ms at 256 x 152K on an H200, so a taken slow path costs up to twice as much),
-    with their passes unrolled. Nesting is what session 6 saw leave the GPU idle; this measures
-    whether the slow path's nesting is what it costs a step that never takes it."""
-    return os.environ.get("MRV2_SAMPLER_FLAT_SLOW_PATH", "0") == "1"
+def run_if_used(runtime_skip: bool, used, compute, skip, name: str):
+    """compute() if any row uses the piece (`used`: a traced bool), else skip(), by one
+    `lax.cond`; with runtime skips off, always compute(). `name`: which conditional this is
+    (CONDITIONALS), for MRV2_BENCH_SKIP_CONDITIONALS."""
+    if not runtime_skip:
+        return compute()
+    if name in skipped_conditionals():
+        return skip()
+    import jax
+
+    return jax.lax.cond(used, compute, skip)
+
+
+PASS_MODES = ("auto", "cond", "kernel", "interpret")
+
+
+def whole_row_pass_mode(env: str) -> str:
+    """How a whole-row pass that few rows need skips the others, from environment variable
+    `env` (read at trace time): "cond" (one `lax.cond` around it, skipped when no row needs it),
+    "kernel" (a Pallas kernel whose programs skip the rows that need nothing, no conditional; on
+    other backends the jnp pass over every row), "interpret" (that kernel in the Pallas
+    interpreter: CPU tests) or "auto" (the default: "kernel" on GPUs, "cond" elsewhere). On an
+    H200 a conditional inside the step cost far more than its microbenchmark, and the kernels
+    took the every-feature step from +15-20% over greedy to +6-8% (docs/benchmarks.md)."""
+    mode = os.environ.get(env, "auto")
+    if mode not in PASS_MODES:
+        raise ValueError(f"{env} must be one of {PASS_MODES}, got {mode!r}")
+    if mode == "auto":
+        import jax
+
+        return "kernel" if jax.default_backend() == "gpu" else "cond"
+    return mode
 
 
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:

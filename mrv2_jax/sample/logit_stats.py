@@ -81,6 +81,19 @@ def fits_int32_offsets(*arrays) -> bool:
     return all(math.prod(a.shape) < 2**31 for a in arrays)
 
 
+def reciprocal(divisor: jax.Array) -> jax.Array:
+    """f32 1 / divisor. The sampler scales rows by multiplying with it (`scale_rows`), as XLA's
+    algebraic simplifier would turn x / divisor[:, None] into anyway, and the kernels that
+    compare their values with the sampler's (noise pass, threshold search) take it as an input:
+    Triton's own division rounds differently, and a threshold must compare exactly."""
+    return jnp.float32(1) / divisor.astype(jnp.float32)
+
+
+def scale_rows(x: jax.Array, divisor: jax.Array) -> jax.Array:
+    """x [R, V] / divisor [R], computed as x * reciprocal(divisor) (see there)."""
+    return x * reciprocal(divisor)[:, None]
+
+
 def logit_stats_reference(logits: jax.Array, t: SamplingTensors | None, penalties: PenaltyData | None,
                           divisor: jax.Array) -> LogitStats:
     raw = logits.astype(jnp.float32)

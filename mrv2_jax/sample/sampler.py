@@ -30,13 +30,15 @@ import jax.numpy as jnp
 
 from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.block_top import top_n_by_blocks
-from mrv2_jax.sample.features import SamplerFeatures, flat_slow_path, skipped_conditionals
+from mrv2_jax.sample.features import SamplerFeatures, run_if_used, skipped_conditionals
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
-from mrv2_jax.sample.logit_stats import block_max_and_sumexp, logit_stats, mass_from_blocks, refresh_blocks
+from mrv2_jax.sample.logit_stats import (block_max_and_sumexp, logit_stats, mass_from_blocks, reciprocal, refresh_blocks,
+                                         scale_rows)
 from mrv2_jax.sample.logprobs import compute_logprobs
 from mrv2_jax.sample.noise_pass import noise_pass_mode, noise_pass_reference, noise_pass_rows
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
+from mrv2_jax.sample.slow_path import slow_thresholds
 from mrv2_jax.sample.tensors import SamplingTensors
 
 __all__ = ["SamplerOutput", "sample", "sample_tokens", "gumbel_noise"]
@@ -110,16 +112,6 @@ def adjust_logits(x: jax.Array, t: SamplingTensors, f: SamplerFeatures,
     return apply_edits(processed, x, t, f, penalties) if (f.logit_bias or f.min_tokens) else processed
 
 
-def _maybe(runtime_skip: bool, used: jax.Array, compute, skip, name: str):
-    """compute() if any row uses the feature; with runtime skips off, always compute(). `name`:
-    which conditional this is (features.CONDITIONALS), for MRV2_BENCH_SKIP_CONDITIONALS."""
-    if not runtime_skip:
-        return compute()
-    if name in skipped_conditionals():
-        return skip()
-    return jax.lax.cond(used, compute, skip)
-
-
 def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures) -> jax.Array:
     """x: processed logits (after bias / penalties); blocks: their LogitStats (block_max,
     block_sumexp) or None. -> i32[R].
@@ -133,14 +125,14 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
     divisor = jnp.where(is_sampled, t.temperature, 1.0)
 
     def whole_row(keep_from):
-        # x / divisor is recomputed inside each conditional branch that reads it: a value
+        # scale_rows(x, divisor) is recomputed inside each conditional branch that reads it: a value
         # handed to a conditional is written out first (one more [R, V] pass). Greedy rows of a
         # mixed batch take the argmax of their processed logits.
         return noise_pass_reference(x, divisor, keep_from, t.seeds, positions, is_sampled)
 
     if not (f.min_p or f.top_k or f.top_p):
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
-        return _maybe(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
+        return run_if_used(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
                       lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), "noise")
     keep_from, top = threshold_and_top(x, divisor, t, f, blocks)
     if top is None:  # the sort reference
@@ -156,7 +148,7 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
         # No conditional: a kernel whose programs skip the rows on top (noise_pass.py).
         rest = noise_pass_rows(x, divisor, keep_from, t.seeds, positions, is_sampled, ~on_top)
     else:
-        rest = _maybe(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top, "noise")
+        rest = run_if_used(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top, "noise")
     return jnp.where(on_top, from_top, rest)
 
 
@@ -193,12 +185,12 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
         return none(), None
     is_sampled = t.temperature > 0
     if f.top_k_top_p == "sort":
-        return _sort_thresholds(x / divisor[:, None], t, f, is_sampled), None
+        return _sort_thresholds(scale_rows(x, divisor), t, f, is_sampled), None
     if blocks is None:
         blocks = block_max_and_sumexp(x, divisor)
     block_max, block_sumexp = blocks
-    scaled_block_max = block_max / divisor[:, None]
-    top = top_n_by_blocks(x / divisor[:, None], min(topk_topp.TOP_CANDIDATES, v), block_max=scaled_block_max)
+    scaled_block_max = block_max * reciprocal(divisor)[:, None]
+    top = top_n_by_blocks(scale_rows(x, divisor), min(topk_topp.TOP_CANDIDATES, v), block_max=scaled_block_max)
     desc = top[0]
     floor = topk_topp.min_p_threshold(desc[:, 0], t.min_p) if f.min_p else none()
     if not (f.top_k or f.top_p):
@@ -222,19 +214,9 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     fast = topk_topp.threshold_from_sorted(desc, floor, k, p, v, total)
     to_slow = ~settled & (k_on | p_on) & is_sampled
 
-    def slow_path():
-        # One conditional for both whole-row pieces (each costs ~20 us, executed or skipped):
-        # the floored rows' mass, then the search for the rows it does not settle either.
-        mass, settles, thresh = total, settled, fast
-        if f.top_p and f.min_p:
-            mass = jnp.where(floored, topk_topp.row_mass(x / divisor[:, None], desc[:, 0], floor), total)
-            settles = settled | (floored & topk_topp.top_holds_top_p(desc, floor, p, mass))
-            thresh = topk_topp.threshold_from_sorted(desc, floor, k, p, v, mass)
-        needs_search = ~settles & (k_on | p_on) & is_sampled
-        return jnp.where(settles, thresh, _search_thresholds(x / divisor[:, None], t, f, floor, needs_search))
-
-    slow = _maybe(f.runtime_skip, jnp.any(to_slow), slow_path, lambda: fast, "slow")
-    return jnp.where(settled, fast, slow), top
+    # The whole-row pieces (slow_path.py), for the rows their top C do not settle.
+    slow = slow_thresholds(x, divisor, desc, floor, k, p, total, floored, to_slow, fast, f)
+    return jnp.where(to_slow, slow, fast), top
 
 
 def _sort_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, is_sampled) -> jax.Array:
@@ -246,31 +228,8 @@ def _sort_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, is_sampled)
     k = t.top_k if f.top_k else jnp.zeros_like(t.top_k)
     p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
     cuts = (topk_topp.top_k_enabled(k, v) | topk_topp.top_p_enabled(p)) & is_sampled
-    return _maybe(f.runtime_skip, jnp.any(cuts), lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p),
-                  lambda: floor, "slow")
-
-
-def _search_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, floor, needs_search) -> jax.Array:
-    """top_k then top_p by k-ary search over the whole row (topk_topp.py), each skipped when no
-    row needing a search uses it. These two conditionals sit inside the search's own: on an
-    H200 that depth cost ~15 us per step, where a third level, or one four-way switch in their
-    place, left the GPU idle 0.1-0.2 ms (docs/sampler.md)."""
-    k_on, p_on = topk_topp.top_k_enabled(t.top_k, scaled.shape[-1]), topk_topp.top_p_enabled(t.top_p)
-    flat = flat_slow_path()
-    skip = f.runtime_skip and not flat
-    thresh = floor
-    if f.top_k:
-        kth = _maybe(skip, jnp.any(needs_search & k_on),
-                     lambda: topk_topp.top_k_threshold_search(scaled, t.top_k, f.search_arity, flat),
-                     lambda: jnp.full(floor.shape, NEG_INF, jnp.float32), "search")
-        thresh = jnp.maximum(thresh, kth)
-    if f.top_p:
-        floor = thresh
-        thresh = _maybe(skip, jnp.any(needs_search & p_on),
-                        lambda: topk_topp.top_p_threshold_search(scaled, jnp.max(scaled, axis=-1), floor,
-                                                                 t.top_p, f.search_arity, flat),
-                        lambda: floor, "search")
-    return thresh
+    return run_if_used(f.runtime_skip, jnp.any(cuts), lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p),
+                       lambda: floor, "slow")
 
 
 def sample_tokens(logits, temperature, seeds, positions) -> jax.Array:

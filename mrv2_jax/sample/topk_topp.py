@@ -72,7 +72,7 @@ def num_search_passes(arity: int) -> int:
     return math.ceil(32 / math.log2(arity))
 
 
-def _search_largest(value_at, target, lo, hi, arity: int, unroll: bool = UNROLL):
+def _search_largest(value_at, target, lo, hi, arity: int):
     """Largest u32 t in [lo, hi] with value_at(t) >= target, per row, where value_at is
     non-increasing in t and value_at(lo) >= target. value_at: u32[R, C] -> [R, C]."""
     j = jnp.arange(1, arity, dtype=jnp.uint32)
@@ -89,7 +89,7 @@ def _search_largest(value_at, target, lo, hi, arity: int, unroll: bool = UNROLL)
         return (jnp.where(n_ok > 0, take(n_ok - 1), lo),
                 jnp.where(n_ok < arity - 1, take(n_ok) - 1, hi))
 
-    return jax.lax.fori_loop(0, num_search_passes(arity), one_pass, (lo, hi), unroll=unroll)[0]
+    return jax.lax.fori_loop(0, num_search_passes(arity), one_pass, (lo, hi), unroll=UNROLL)[0]
 
 
 def _sum_per_candidate(term, cands: jax.Array, dtype) -> jax.Array:
@@ -107,9 +107,8 @@ def _sum_per_candidate(term, cands: jax.Array, dtype) -> jax.Array:
     return jnp.stack(sums, axis=1)
 
 
-def top_k_threshold_search(x: jax.Array, k: jax.Array, arity: int = 4, unroll: bool = UNROLL) -> jax.Array:
-    """f32[R] threshold keeping the top k of each row of x (-inf where top-k is off); unroll:
-    the passes as straight-line code instead of a loop."""
+def top_k_threshold_search(x: jax.Array, k: jax.Array, arity: int = 4) -> jax.Array:
+    """f32[R] threshold keeping the top k of each row of x (-inf where top-k is off)."""
     r, v = x.shape
     keys = _ordered_key(x)
 
@@ -118,12 +117,12 @@ def top_k_threshold_search(x: jax.Array, k: jax.Array, arity: int = 4, unroll: b
 
     lo = jnp.zeros((r,), jnp.uint32)
     hi = jnp.full((r,), 0xFFFFFFFF, jnp.uint32)
-    kth = _key_to_float(_search_largest(count_at, jnp.clip(k, 1, v), lo, hi, arity, unroll))
+    kth = _key_to_float(_search_largest(count_at, jnp.clip(k, 1, v), lo, hi, arity))
     return jnp.where(top_k_enabled(k, v), kth, NEG_INF)
 
 
 def top_p_threshold_search(x: jax.Array, row_max: jax.Array, floor: jax.Array, p: jax.Array,
-                           arity: int = 4, unroll: bool = UNROLL) -> jax.Array:
+                           arity: int = 4) -> jax.Array:
     """f32[R] threshold for top_p over the tokens with x >= floor; `floor` where top-p is off."""
     r = x.shape[0]
     # Materialised once, so every pass reads one array and computes no exp.
@@ -136,7 +135,7 @@ def top_p_threshold_search(x: jax.Array, row_max: jax.Array, floor: jax.Array, p
     total = jnp.sum(e, axis=-1)
     lo = jnp.zeros((r,), jnp.uint32)
     hi = jnp.full((r,), 0x3F800000, jnp.uint32)  # 1.0 = exp(0), the largest e
-    cut = _search_largest(mass_at, p * total, lo, hi, arity, unroll)
+    cut = _search_largest(mass_at, p * total, lo, hi, arity)
     # Back to logit space: the smallest logit among the kept tokens (e is monotone in x).
     tau = jnp.min(jnp.where(ekeys >= cut[:, None], x, jnp.inf), axis=-1)
     return jnp.where(top_p_enabled(p), jnp.maximum(tau, floor), floor)
