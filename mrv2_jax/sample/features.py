@@ -40,9 +40,10 @@ and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allow
 
 The figures for each layout are in docs/benchmarks.md ("Sampler: fewer conditionals").
 
-So on GPUs runners compile three static variants per bucket by default (`default_variants`):
-greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all) and all
-(every feature, runtime skips); each step runs the first that covers its batch. Elsewhere the
+So on GPUs runners compile four static variants per bucket by default (`default_variants`):
+greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all), full
+(every feature but prompt logprobs: with the whole-row passes as kernels, no conditional either)
+and all (every feature, runtime skips); each step runs the first that covers its batch. Elsewhere the
 default is greedy and all (one compile fewer per bucket). `vllm bench throughput`-style runs
 (temperature 1, nothing else) take the plain one.
 """
@@ -194,14 +195,15 @@ def whole_row_pass_mode(env: str) -> str:
 
 
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
-    """greedy, plain, all on GPUs; greedy, all elsewhere (default: JAX's default backend). The
-    plain variant exists because CUDA-graph command buffers do not record conditionals; a CPU
-    runs them cheaply, and each extra variant is one more compile per bucket."""
+    """greedy, plain, full, all on GPUs; greedy, all elsewhere (default: JAX's default backend).
+    On GPUs a conditional inside the step costs ~0.3 ms, one as much as several (docs/benchmarks.md):
+    plain has none, and full has none once the whole-row passes run as kernels (prompt
+    logprobs' is the last). A CPU runs them cheaply, and each variant is one compile per bucket."""
     if backend is None:
         import jax
 
         backend = jax.default_backend()
-    return ("greedy", "plain", "all") if backend == "gpu" else ("greedy", "all")
+    return ("greedy", "plain", "full", "all") if backend == "gpu" else ("greedy", "all")
 
 
 def variants_by_name(names) -> tuple[SamplerFeatures, ...]:
