@@ -7,10 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
 from mrv2_jax.sample import noise_pass as npass
 from mrv2_jax.sample.gumbel import gumbel_noise
-from mrv2_jax.sample.penalties import penalty_data_from_tokens
 from pallas_kernels import noise_pass as kernel
 from tests.test_logit_stats import every_feature_case
 from tests.triton_lowering import verify_triton_lowering
@@ -63,24 +61,6 @@ def test_sampler_without_the_noise_conditional_matches(mode, monkeypatch):
     for name in ("tokens", "logprob_token_ids", "sampled_rank"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
-
-
-def test_no_conditional_is_left_for_the_noise_pass(monkeypatch):
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
-    r, v = 4, 9000
-    pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)
-
-    def cases():
-        return jax.jit(lambda x, t, p, pen: sample(x, t, p, SamplerFeatures.all(), pen)).lower(
-            jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32),
-            pen).as_text().count("stablehlo.case")
-
-    with_cond = cases()
-    monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", "kernel")
-    assert cases() == with_cond - 1
-    monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", "fast")
-    with pytest.raises(ValueError, match="MRV2_SAMPLER_NOISE_PASS"):
-        cases()
 
 
 def test_kernel_lowers_to_triton(monkeypatch):

@@ -90,7 +90,9 @@ def test_sampler_without_the_slow_conditional_matches(mode, monkeypatch):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"{name}, noise {noise}")
 
 
-def test_kernels_leave_only_the_prompt_logprobs_conditional(monkeypatch):
+def test_kernel_modes_leave_no_conditional_in_the_sampler(monkeypatch):
+    """Counted in the lowered every-feature sampler, so it holds on any backend. (Prompt
+    logprobs' conditional lives in the model step, not here.)"""
     monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
     r, v = 4, 9000
     pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)
@@ -100,14 +102,16 @@ def test_kernels_leave_only_the_prompt_logprobs_conditional(monkeypatch):
             jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32),
             pen).as_text().count("stablehlo.case")
 
-    assert cases() == 4  # cond: the noise pass, the slow path and its two searches (CPU default)
-    monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", "kernel")
-    assert cases() == 1
+    assert cases() == 4  # "cond" (the CPU default): the noise pass, the slow path and its two searches
     monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", "kernel")
+    assert cases() == 3
+    monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", "kernel")
     assert cases() == 0
-    monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", "fast")
-    with pytest.raises(ValueError, match="MRV2_SAMPLER_SLOW_PATH"):
-        cases()
+    for env in ("MRV2_SAMPLER_NOISE_PASS", "MRV2_SAMPLER_SLOW_PATH"):
+        monkeypatch.setenv(env, "fast")
+        with pytest.raises(ValueError, match=env):
+            cases()
+        monkeypatch.setenv(env, "kernel")
 
 
 def test_kernels_lower_to_triton(monkeypatch):
