@@ -43,8 +43,8 @@ The figures for each layout are in docs/benchmarks.md ("Sampler: fewer condition
 So on GPUs runners compile four static variants per bucket by default (`default_variants`):
 greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all), full
 (every feature but prompt logprobs: with the whole-row passes as kernels, no conditional either)
-and all (every feature, runtime skips); each step runs the first that covers its batch. Elsewhere the
-default is greedy and all (one compile fewer per bucket). `vllm bench throughput`-style runs
+and all (every feature, runtime skips); each step runs the first that covers its batch.
+Elsewhere the default is greedy and all (one compile fewer per bucket). `vllm bench throughput`-style runs
 (temperature 1, nothing else) take the plain one.
 """
 
@@ -182,8 +182,9 @@ def whole_row_pass_mode(env: str) -> str:
     "kernel" (a Pallas kernel whose programs skip the rows that need nothing, no conditional; on
     other backends the jnp pass over every row), "interpret" (that kernel in the Pallas
     interpreter: CPU tests) or "auto" (the default: "kernel" on GPUs, "cond" elsewhere). On an
-    H200 a conditional inside the step cost far more than its microbenchmark, and the kernels
-    took the every-feature step from +15-20% over greedy to +6-8% (docs/benchmarks.md)."""
+    H200 a conditional inside the step cost far more than its microbenchmark; with the kernels
+    and the `full` variant the every-feature step went from +15-21% over greedy to +9.1%
+    (docs/benchmarks.md, "Sampler: no conditional in the decode step")."""
     mode = os.environ.get(env, "auto")
     if mode not in PASS_MODES:
         raise ValueError(f"{env} must be one of {PASS_MODES}, got {mode!r}")

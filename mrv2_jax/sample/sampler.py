@@ -33,8 +33,8 @@ from mrv2_jax.sample.block_top import top_n_by_blocks
 from mrv2_jax.sample.features import SamplerFeatures, run_if_used, skipped_conditionals
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
-from mrv2_jax.sample.logit_stats import (block_max_and_sumexp, logit_stats, mass_from_blocks, reciprocal, refresh_blocks,
-                                         scale_rows)
+from mrv2_jax.sample.logit_stats import block_max_and_sumexp, logit_stats, mass_from_blocks, refresh_blocks
+from mrv2_jax.sample.logit_stats import reciprocal, scale_rows
 from mrv2_jax.sample.logprobs import compute_logprobs
 from mrv2_jax.sample.noise_pass import noise_pass_mode, noise_pass_reference, noise_pass_rows
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
@@ -125,15 +125,15 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
     divisor = jnp.where(is_sampled, t.temperature, 1.0)
 
     def whole_row(keep_from):
-        # scale_rows(x, divisor) is recomputed inside each conditional branch that reads it: a value
-        # handed to a conditional is written out first (one more [R, V] pass). Greedy rows of a
-        # mixed batch take the argmax of their processed logits.
+        # The scaled logits are recomputed inside each conditional branch that reads them: a
+        # value handed to a conditional is written out first (one more [R, V] pass). Greedy rows
+        # of a mixed batch take the argmax of their processed logits.
         return noise_pass_reference(x, divisor, keep_from, t.seeds, positions, is_sampled)
 
     if not (f.min_p or f.top_k or f.top_p):
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
         return run_if_used(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
-                      lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), "noise")
+                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), "noise")
     keep_from, top = threshold_and_top(x, divisor, t, f, blocks)
     if top is None:  # the sort reference
         return whole_row(keep_from)
