@@ -168,10 +168,10 @@ def test_top_n_from_given_block_maxima():
         np.testing.assert_array_equal(got[1], want[1])
 
 
-def every_feature_case(logits_dtype=jnp.float32):
+def every_feature_case(logits_dtype=jnp.float32, v=64 * 128 + 300):
     """Every feature on, rows wide enough for both block levels."""
     rng = np.random.default_rng(6)
-    r, v = 6, 64 * 128 + 300
+    r = 6
     logits, t, data, _ = random_case(rng, r, v, 8, jnp.float32, np.int32)
     logits = logits.at[1].set(jnp.asarray(rng.normal(0, 3, v), jnp.float32))  # no row of -inf here
     t = dataclasses.replace(

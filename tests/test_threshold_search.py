@@ -145,3 +145,18 @@ def test_gpu_kernels_match_the_jnp_search_at_serving_width():
     mass = kernel.row_mass(x, divisor, scaled.max(1), floor, needed)
     want = topk_topp.row_mass(jnp.asarray(scaled), jnp.asarray(scaled.max(1)), jnp.asarray(floor))
     np.testing.assert_allclose(mass, want, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_with_kernels_matches_conditionals_at_serving_width(monkeypatch):
+    """The sampler compiled for the GPU with both whole-row passes as kernels (the default
+    there) gives the same tokens and logprobs as with them under conditionals, at V 151,936 on
+    rows that take the slow path and the whole-row noise pass."""
+    logits, t, data, step = every_feature_case(v=151936)
+    outs = {}
+    for mode in ("cond", "kernel"):
+        monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", mode)
+        monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", mode)
+        outs[mode] = step.lower(logits, t, data).compile()(logits, t, data)
+    for name in ("tokens", "logprob_token_ids", "sampled_rank", "logprobs"):
+        np.testing.assert_array_equal(getattr(outs["kernel"], name), getattr(outs["cond"], name), err_msg=name)
