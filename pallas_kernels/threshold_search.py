@@ -7,9 +7,6 @@ when its row is not `needed`, and otherwise loops over the row in tiles of `tile
 ``row_mass``: sum of exp(scaled - row_max) over the tokens with scaled >= floor, where scaled =
 x / divisor (top_p's total above a min_p floor).
 
-Both scale by multiplying with the reciprocal the sampler uses (logit_stats.reciprocal), so that
-their thresholds compare exactly with the sampler's scaled values.
-
 ``threshold_search``: the row's top_k threshold (its k-th largest scaled value), then top_p's
 on the tokens at or above max(floor, that). Each is a radix select over the 2**32 float bit
 patterns, mapped to keys with the floats' order: 16 passes, each fixing the next two bits of
@@ -19,9 +16,13 @@ share one read of the row. Counts are exact; masses are f32 sums in one fixed or
 sequence, each tile reduced the same way), so they grow with the set summed and the search is
 exact for them too. The answer is a token's key, so the threshold is that token's value.
 
-Keys are int32 with the floats' order (negative bit patterns have their other 31 bits
-flipped); the search runs over unsigned positions (the key with its sign bit flipped), built
-two bits at a time with shifts and ors only, so nothing overflows.
+Both scale by multiplying with the reciprocal the sampler uses (logit_stats.reciprocal), so that
+their thresholds compare exactly with the sampler's scaled values.
+
+Keys are int32 with the floats' order (negative bit patterns have their other 31 bits flipped;
+topk_topp's jnp search uses the same order as uint32). The search runs over unsigned positions
+(the key with its sign bit flipped), built two bits at a time with shifts and ors only, so
+nothing overflows.
 """
 
 from __future__ import annotations

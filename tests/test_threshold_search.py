@@ -58,7 +58,8 @@ def test_kernel_matches_the_jnp_search():
     for top_p on these rows (the sums' orders differ, the cut-offs are away from rounding)."""
     rng = np.random.default_rng(5)
     x, divisor, scaled, floor, _, k, p = search_case(rng, 3000, CASES)
-    want = jnp_search(scaled, floor, k, p)
+    want = topk_topp.top_k_top_p_threshold_search(jnp.asarray(scaled), jnp.asarray(floor), jnp.asarray(k),
+                                                  jnp.asarray(p))
     needed = np.ones(len(CASES), bool)
     got = kernel.threshold_search(x, divisor, scaled.max(1), floor, k, p, needed, interpret=True)
     np.testing.assert_array_equal(got, want)
@@ -128,12 +129,6 @@ def test_kernels_lower_to_triton(monkeypatch):
     assert verified == [True, True]
 
 
-def jnp_search(scaled, floor, k, p):
-    s = jnp.asarray(scaled)
-    below = jnp.maximum(jnp.asarray(floor), topk_topp.top_k_threshold_search(s, jnp.asarray(k)))
-    return topk_topp.top_p_threshold_search(s, s.max(1), below, jnp.asarray(p))
-
-
 @pytest.mark.gpu
 def test_gpu_kernels_match_the_jnp_search_at_serving_width():
     """(The numpy reference's top_p is quadratic in V: too slow at 151,936.)"""
@@ -141,7 +136,7 @@ def test_gpu_kernels_match_the_jnp_search_at_serving_width():
     x, divisor, scaled, floor, _, k, p = search_case(rng, 151936, CASES)
     needed = np.ones(len(CASES), bool)
     got = kernel.threshold_search(x, divisor, scaled.max(1), floor, k, p, needed)
-    np.testing.assert_array_equal(got, jax.jit(jnp_search)(scaled, floor, k, p))
+    np.testing.assert_array_equal(got, jax.jit(topk_topp.top_k_top_p_threshold_search)(scaled, floor, k, p))
     mass = kernel.row_mass(x, divisor, scaled.max(1), floor, needed)
     want = topk_topp.row_mass(jnp.asarray(scaled), jnp.asarray(scaled.max(1)), jnp.asarray(floor))
     np.testing.assert_allclose(mass, want, rtol=1e-5)

@@ -18,6 +18,8 @@ skip them (`MRV2_SAMPLER_SLOW_PATH`, features.whole_row_pass_mode):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -56,8 +58,8 @@ class _Kernels:
     """pallas_kernels/threshold_search.py's kernels, interpreted or not."""
 
     def __init__(self, module, interpret: bool):
-        self.row_mass = lambda *args: module.row_mass(*args, interpret=interpret)
-        self.threshold_search = lambda *args: module.threshold_search(*args, interpret=interpret)
+        self.row_mass = functools.partial(module.row_mass, interpret=interpret)
+        self.threshold_search = functools.partial(module.threshold_search, interpret=interpret)
 
 
 def _slow_path(x, divisor, desc, floor, k, p, total, floored, needed, f, kernels) -> jax.Array:

@@ -141,6 +141,14 @@ def top_p_threshold_search(x: jax.Array, row_max: jax.Array, floor: jax.Array, p
     return jnp.where(top_p_enabled(p), jnp.maximum(tau, floor), floor)
 
 
+def top_k_top_p_threshold_search(x: jax.Array, floor: jax.Array, k: jax.Array, p: jax.Array,
+                                 arity: int = 4) -> jax.Array:
+    """Both searches over every row: top_k's threshold raised to `floor`, then top_p's over the
+    tokens at or above it (what the slow path's kernel computes for the rows it searches)."""
+    below = jnp.maximum(floor, top_k_threshold_search(x, k, arity))
+    return top_p_threshold_search(x, jnp.max(x, axis=-1), below, p, arity)
+
+
 # ------------------------------------------------------------------------------------------
 # Sort-based reference
 # ------------------------------------------------------------------------------------------
