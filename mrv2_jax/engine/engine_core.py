@@ -26,9 +26,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[SchedulerOutput, object] | None = None
         self.compile_guard = CompileGuard()
-        # Benchmarks set this to a list to get (start, end, num_tokens, num_reqs) per step.
-        self.step_log: list | None = None
-        self._last_shape = (0, 0)
+        # Benchmarks' instrumentation (runner/step_hooks.py StepHooks); None: nothing is called.
+        self.hooks = None
         # Prompt logprobs gathered chunk by chunk until the request's first output carries them
         # (then None: a preempted request's recomputed prefill brings them again, ignored).
         self._prompt_logprobs: dict[str, list | None] = {}
@@ -67,13 +66,14 @@ class EngineCore:
         start = time.perf_counter()
         outputs = self._step()
         self.compile_guard.report(num_compiles() - compiles_before, "an engine step")
-        if self.step_log is not None:
-            self.step_log.append((start, time.perf_counter(), *self._last_shape))
+        if self.hooks is not None:
+            self.hooks.step_finished(start, time.perf_counter())
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
-        self._last_shape = (scheduled.total_num_scheduled_tokens, len(scheduled.num_scheduled_tokens))
+        if self.hooks is not None:
+            self.hooks.step_scheduled(scheduled)
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
         result = self.runner.execute(scheduled)

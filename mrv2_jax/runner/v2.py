@@ -167,6 +167,7 @@ class ModelRunnerV2:
         self.fused_buckets = tuple(by_rows.values())
         self.max_fused_rows = max(by_rows, default=0)
         self.num_fused_calls = 0
+        self.hooks = None  # benchmarks' instrumentation (runner/step_hooks.py); None: nothing is called
         self.compiled, self.fused = {}, {}
         self._compile_all(show_progress)
 
@@ -351,34 +352,11 @@ class ModelRunnerV2:
         start = time.perf_counter()
         self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
             self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
-        # Host time of the jitted call alone (argument handling, the input copy, the launch):
-        # the benchmarks' timeline splits the runner's dispatch time with it.
-        self.last_call_s = time.perf_counter() - start
-        self.last_dispatch = (compiled, packed)
+        if self.hooks is not None:  # benchmarks: the call, its input and its host time
+            self.hooks.dispatched(self, compiled, packed, time.perf_counter() - start)
         wants_logprobs = ({r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
                           if self._logprob_reqs else {})  # (most batches: nobody asked)
         return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs, prompt_spans)
-
-    def replay(self, dispatch, repeats: int, head_start=None) -> float:
-        """Benchmarks only: run a captured step `repeats` times back to back on the current
-        state and return the time per step (it advances that state: run it last).
-        `last_replay_enqueue_s` is the host's time per step to enqueue them: near the returned
-        time, the host (or a sync inside the step) is what limits the replay, not the GPU.
-        head_start: a callable that enqueues GPU work first (its time is in the result), so
-        that the host has enqueued the steps before the GPU reaches them."""
-        compiled, packed = dispatch
-        packed = jax.device_put(packed)
-        jax.block_until_ready(self.state)
-        start = time.perf_counter()
-        if head_start is not None:
-            head_start()
-        for _ in range(repeats):
-            self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
-                self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
-                self.spec_state)
-        self.last_replay_enqueue_s = (time.perf_counter() - start) / repeats
-        jax.block_until_ready(result.tokens)
-        return (time.perf_counter() - start) / repeats
 
     def _write_new_requests(self, out: SchedulerOutput, view):
         new_slot = view("new_slot")

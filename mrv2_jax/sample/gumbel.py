@@ -12,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
-# Why a counter hash and not jax.random: on an H200, argmax(logits + noise) over 256 x 151,936
-# costs 0.49 ms with threefry keys made row by row and 0.33 ms with this hash (murmur3's 32-bit
-# finalizer applied to (seed, position, token id)), a handful of integer ops per element that
-# XLA fuses into the argmax pass (`python -m mrv2_jax.bench.sampler --cases noise_threefry
-# noise_hash`, docs/benchmarks.md). The threefry noise was the sampler's before 2026-11-30;
-# it stays below as the benchmark's baseline.
+# Why a counter hash and not jax.random: argmax(logits + noise) costs less with this hash
+# (murmur3's 32-bit finalizer applied to (seed, position, token id)), a handful of integer ops per
+# element that XLA fuses into the argmax pass, than with threefry keys made row by row
+# (`python -m benchmarks.sampler --cases noise_threefry noise_hash`, which keeps the threefry
+# noise, the sampler's former one, as its baseline; figures in docs/benchmarks.md).
 
 _GOLDEN = 0x9E3779B9
 
@@ -64,13 +63,3 @@ def noise_from_key(key: jax.Array, token_ids: jax.Array) -> jax.Array:
     u, one_minus_u = (m + 0.5) * 2.0**-23, ((1 << 23) - m - 0.5) * 2.0**-23
     neg_log_u = jnp.where(u < 0.5, -jnp.log(u), -jnp.log1p(-one_minus_u))
     return -jnp.log(neg_log_u)
-
-
-def threefry_gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
-    """[R, vocab] float32 Gumbel noise from threefry keys folded from (seed, position): the
-    previous sampler noise, kept as the baseline of the sampler benchmark."""
-    def row(seed, pos):
-        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), pos)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
-
-    return jax.vmap(row)(seeds, positions)
