@@ -74,7 +74,7 @@ def run_arm(name, args, loaded, prompts):
     # V2: in the middle of steady decode, keep one full-concurrency decode step to replay it
     # alone afterwards: its device time. Both hooks log every step's interval and shape.
     capture = DecodeStepCapture(engine.runner, rows, args.capture_step) if runner == "v2" else None
-    log = capture or StepLog()
+    log = capture if capture is not None else StepLog()
     attach_hooks(engine, log)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
