@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from mrv2_jax.bench.capture import DecodeStepCapture, run_dispatch
+from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.step_log import attach_hooks
@@ -47,7 +47,7 @@ def capture_decode_dispatch(llm, rows: int, output_len: int, input_len: int):
 
 def time_calls(runner, compiled, make_packed, calls: int) -> dict:
     def call(packed):
-        return run_dispatch(runner, compiled, packed)
+        return runner.call_step(compiled, packed)
 
     jax.block_until_ready(call(make_packed()))
     host = []

@@ -49,6 +49,8 @@ class StandInRunner:
 
     is_async_capable = True
     supports_prompt_logprobs = False
+    max_fused_rows = 0
+    num_fused_calls = 0
 
     def __init__(self, vocab: int, seed: int = 0):
         self._rng = np.random.default_rng(seed)

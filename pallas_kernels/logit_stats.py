@@ -15,8 +15,7 @@ maxima, and reads the logits of the tile only when one of them is above the row'
 (a block whose maximum is not above it holds nothing to count). Per-program counts go to an
 [R, C] array summed outside.
 
-Flattened 1-D refs and int32 offsets, as pallas_kernels/prepare_inputs.py; tails (V not a
-multiple of the tile) are masked.
+Flattened 1-D refs and int32 offsets; tails (V not a multiple of the tile) are masked.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Everything the project checks on the GPU machine, in one call (device time is scarce):
 # versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
-# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare), the
+# ab-s1-1024, ab-s2), the sampler benchmark (sampler), the
 # serving benchmark (serve-256), the per-step timeline (timeline), XLA vs CUDA graphs
 # (xla-vs-cudagraph), the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
 # compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
@@ -171,7 +171,6 @@ for s in $sections; do case $s in
     tar czf "$OUT/sampler_hlo.tgz" -C /tmp hlo ;;
   attn-sweep) run_section attn-sweep python3 -m benchmarks.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
-  prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;
   wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl ;;
   vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh' ;;
   serve-256) run_section serve-256 env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve --launch-server \

@@ -230,7 +230,7 @@ def test_kernel_mode_names_bad_values(monkeypatch):
 
 def test_kernels_lower_to_triton(monkeypatch):
     """Lower both kernels for CUDA at serving shapes and verify the Triton IR, without a GPU
-    (as tests/test_prepare_kernels.py)."""
+    (tests/triton_lowering.py)."""
     verified = verify_triton_lowering(monkeypatch)
     S = jax.ShapeDtypeStruct
     r, v, n = 256, 151936, 512

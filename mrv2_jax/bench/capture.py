@@ -25,15 +25,6 @@ class Dispatch:
     packed: np.ndarray
 
 
-def run_dispatch(runner, compiled, packed):
-    """Call a compiled step on the runner's current state as the runner does, so that its outputs
-    become the runner's state (the call donates its inputs); -> the step's sampler output."""
-    runner.kv_cache, runner.state, runner.slot_state, result, runner.spec_state = compiled(
-        runner.params.leaves, runner.kv_cache, runner.state, runner.slot_state, packed, runner.spec_params,
-        runner.spec_state)
-    return result
-
-
 def replay(dispatch: Dispatch, repeats: int, head_start=None) -> tuple[float, float]:
     """Run a captured step `repeats` times back to back on the runner's current state (it
     advances that state: restore it first) -> (seconds per step, host seconds per step to
@@ -47,7 +38,7 @@ def replay(dispatch: Dispatch, repeats: int, head_start=None) -> tuple[float, fl
     if head_start is not None:
         head_start()
     for _ in range(repeats):
-        result = run_dispatch(runner, dispatch.compiled, packed)
+        result = runner.call_step(dispatch.compiled, packed)
     enqueue_s = (time.perf_counter() - start) / repeats
     jax.block_until_ready(result.tokens)
     return (time.perf_counter() - start) / repeats, enqueue_s

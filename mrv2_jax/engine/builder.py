@@ -13,21 +13,18 @@ from mrv2_jax.config import CacheConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.models.loader import load_model, resolve_dtype
+from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.sample.features import default_variant_names, variants_by_name
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
-# Up to 16 decode steps per call for small stable batches. One jitted call of the 28-layer step
-# costs the host ~2-3 ms with cuBLAS GEMMs reading the stacked weights in place (bench
-# dispatch_cost), more than the 1.6-1.7 ms batch-1 device step, so fusing steps pays again: H200,
-# sha 4dc7f18, same run, batch 1 / 8 / 32: 391 / 2,896 / 12,509 output tok/s with one step per
-# call, 521 / 4,550 / 13,520 with up to 16 (docs/benchmarks.md, "Small-batch decode").
-# `--max-fused-steps 1` turns it off.
+# Up to 16 decode steps per call for small stable batches: one jitted call of the step costs the
+# host more than a small batch's device step, so fusing steps pays (docs/benchmarks.md,
+# "Small-batch decode"). `--max-fused-steps 1` turns it off.
 DEFAULT_MAX_FUSED_STEPS = 16
-# Fused decode for batches of up to 256 rows: S1 at 256 seqs (temperature 1, H200, sha 6889369,
-# same machine) 41,865 output tok/s with fused variants up to 32 rows (never used there), 44,574
-# up to 256 (docs/benchmarks.md, "Sampler variants and fused decode at 256 rows").
+# Fused decode for batches of up to 256 rows: faster than fusing only small batches at 256
+# sequences (docs/benchmarks.md, "Sampler variants and fused decode at 256 rows").
 DEFAULT_MAX_FUSED_ROWS = 256
 
 
@@ -47,7 +44,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    prep_kernels: bool = False  # V2: input prep as Pallas kernels instead of fused jnp
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
@@ -134,7 +130,8 @@ def make_spec_decoder(config: EngineConfig, model_state, lm, num_blocks: int, ma
                               use_kernels=jax.default_backend() == "gpu", draft_model=draft_model)
 
 
-def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int, spec_decoder=None):
+def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
+                spec_decoder=None) -> Runner:
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                   sampler_variants=variants_by_name(config.sampler_variants or default_variant_names()),
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
@@ -143,9 +140,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
-        return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels,
-                             max_fused_steps=config.max_fused_steps, fused_unroll=config.fused_unroll,
-                             max_fused_rows=config.max_fused_rows, **kwargs)
+        return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps,
+                             fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)
@@ -194,7 +190,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
     spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
     runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
-    fused_rows = getattr(runner, "max_fused_rows", 0)  # the largest batch the runner can fuse
+    fused_rows = runner.max_fused_rows  # the largest batch the runner can fuse
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
