@@ -87,7 +87,7 @@ def cmd_convert(args) -> int:
 def cmd_serve(args) -> int:
     import logging
 
-    from mrv2_jax.engine.async_llm import AsyncLLM
+    from mrv2_jax.async_llm import AsyncLLM
     from mrv2_jax.entrypoints.openai_server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -23,7 +23,7 @@ from mrv2_jax.sample.tensors import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingRow, s
 from mrv2_jax.xla_flags import step_compiler_options
 
 if TYPE_CHECKING:  # named for annotations only (the engine owns the scheduler's types)
-    from mrv2_jax.engine.scheduler_output import NewRequestData
+    from mrv2_jax.runner.scheduler_output import NewRequestData
 
 
 class RunnerBase:

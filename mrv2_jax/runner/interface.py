@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from mrv2_jax.runner.token_logprobs import LogprobRow, TokenLogprobs
 
 if TYPE_CHECKING:  # the scheduler's output type, named for annotations only (the engine owns it)
-    from mrv2_jax.engine.scheduler_output import SchedulerOutput
+    from mrv2_jax.runner.scheduler_output import SchedulerOutput
 
 
 @runtime_checkable

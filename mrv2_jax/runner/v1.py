@@ -23,7 +23,7 @@ computed here on the host, as vLLM's V1 does), and the host waits for all of the
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.engine.scheduler_output import SchedulerOutput
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner.base import RunnerBase
 from mrv2_jax.runner.buckets import Bucket

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.engine.scheduler_output import SchedulerOutput
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.base import RunnerBase
