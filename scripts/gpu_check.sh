@@ -54,6 +54,21 @@ for s in $sections; do case $s in
   ab-s1) run_section ab-s1 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
+  # Same-machine before/after of a refactor: S1@256 v2-async, alternating the tree in .ab_old (an
+  # older commit's mrv2_jax/ + pallas_kernels/, `git archive`, carried) and this one, ROUNDS times
+  # for each sampling in SAMPLINGS (greedy, all).
+  ab-s1-before-after)
+    for sampling in ${SAMPLINGS:-greedy}; do
+      for round in $(seq ${ROUNDS:-2}); do
+        for tree in old new; do
+          path=.; [ $tree = old ] && path=.ab_old:.
+          PYTHONPATH=$path:$PYTHONPATH run_section ab-s1-$sampling-$tree-$round python3 -m mrv2_jax.bench.ab \
+            --model qwen3-0.6b --load-format dummy --arms v2-async --sampling $sampling --input-len 128 \
+            --output-len 512 --num-prompts 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+            --max-model-len 1024 --output-json "$OUT/ab_s1_256_${sampling}_${tree}_$round.json"
+        done
+      done
+    done ;;
   ab-s1-1024) run_section ab-s1-1024 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_1024.json" --plot "$OUT/ab_s1_1024.png" ;;
