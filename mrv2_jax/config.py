@@ -196,10 +196,12 @@ class KernelConfig:
             backend = jax.default_backend()
         gpu = backend == "gpu"
 
+        def auto(value: str, on_gpu: str, elsewhere: str) -> str:
+            return (on_gpu if gpu else elsewhere) if value == "auto" else value
+
         def sampler(value: str, reference: str) -> str:
             return ("kernel" if gpu else reference) if value in ("auto", "kernel") else value
 
-        auto = lambda value, on_gpu, elsewhere: (on_gpu if gpu else elsewhere) if value == "auto" else value  # noqa: E731
         return KernelConfig(attention=auto(self.attention, "pallas", "reference"),
                             sampler_logit_stats=sampler(self.sampler_logit_stats, "off"),
                             sampler_noise_pass=sampler(self.sampler_noise_pass, "reference"),
