@@ -85,8 +85,8 @@ def forward_and_sample_full(lm, kv_cache, *, input_ids, positions, attention: Pa
     """Every sampling parameter -> (kv_cache, SamplerOutput). With `features.prompt_logprobs`,
     `prompt_targets` (see `prompt_logprobs`) gives the output's prompt logprob fields."""
     # The sampler gets the logits in the model's dtype and converts where it reads them (exact):
-    # an f32 copy ahead of its Pallas pass was written out (a 56 us convert at 256 x 151,936 on
-    # an H200) and then read at twice the bytes.
+    # an f32 copy ahead of its Pallas pass was written out and then read at twice the bytes
+    # (docs/benchmarks.md, "Sampler: bf16 logits").
     kv_cache, logits, hidden = forward_logits(lm, kv_cache, input_ids=input_ids, positions=positions,
                                               attention=attention, logits_indices=logits_indices,
                                               return_hidden=True, logits_dtype=None)

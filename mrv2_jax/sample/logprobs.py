@@ -37,7 +37,7 @@ def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
     block_max, block_sumexp = stats
     lse = logsumexp_from_blocks(block_max, block_sumexp)
     # Gathers from the logits in their own dtype, converted after (exact: f32 holds any bf16):
-    # reading through an f32 copy made XLA write that copy out (56 us at 256 x 151,936).
+    # reading through an f32 copy made XLA write that copy out first (docs/benchmarks.md).
     sampled = jnp.take_along_axis(raw_logits, tokens[:, None], axis=1).astype(jnp.float32)  # [R, 1]
     rank = 1 + count_above(raw_logits, block_max, sampled[:, 0], kernel_mode)
     values, ids = sampled, tokens[:, None].astype(jnp.int32)
