@@ -31,8 +31,7 @@ from mrv2_jax.sample.penalties import PenaltyData, penalty_arrays
 from mrv2_jax.sample.tensors import SamplingTensors
 from pallas_kernels import logit_stats as kernels
 from pallas_kernels.logit_stats import LogitStats
-from pallas_kernels.sampler_common import (BLOCK, block_max_and_sumexp,
-                                           fits_int32_offsets, num_blocks, sumexp_of_blocks)
+from pallas_kernels.sampler_common import BLOCK, block_max_and_sumexp, fits_int32_offsets, num_blocks, sumexp_of_blocks
 
 __all__ = ["BLOCK", "LogitStats", "block_max_and_sumexp", "count_above", "logit_stats", "logit_stats_reference",
            "logsumexp_from_blocks", "mass_from_blocks", "num_blocks", "refresh_blocks"]

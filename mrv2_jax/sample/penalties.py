@@ -9,8 +9,10 @@ The repetition penalty looks at prompt and output; presence and frequency at the
 
 The data comes from the runner's persistent per-slot tables: output token counts `[N, V]`
 (uint16 or int32, slot_state.py) and the prompt's token set as a bit mask
-`uint32[N, ceil(V / 32)]` (32x smaller than a bool mask; token v is bit v % 32 of word v // 32). `rows[R]` maps each batch row to
-its table row, and the gather is fused into the penalty pass, so no [R, V] copy is made.
+`uint32[N, ceil(V / 32)]` (32x smaller than a bool mask; token v is bit v % 32 of word v // 32).
+`rows[R]` maps each batch row to its table row, and the gather is fused into the penalty pass, so
+no [R, V] copy is made. The formula on arrays lives in pallas_kernels/sampler_common.py, which the
+Pallas logit pass shares; this module adapts the engine's tables and SamplingTensors to it.
 """
 
 from __future__ import annotations
