@@ -80,9 +80,17 @@ def read(name: str):
     return switch.parse(raw)
 
 
+def read_external(name: str) -> str:
+    """A variable that another program owns (PYTHONPATH, XLA_FLAGS, vLLM's), as text ("": unset);
+    not a switch of this project, so not in the registry."""
+    if name in SWITCHES:
+        raise ValueError(f"{name} is a registered switch: use envs.read")
+    return os.environ.get(name, "")
+
+
 def get_xla_flags() -> str:
     """XLA_FLAGS (XLA's own variable, read by the backend when it starts)."""
-    return os.environ.get("XLA_FLAGS", "")
+    return read_external("XLA_FLAGS")
 
 
 def set_xla_flags(flags: str) -> None:

@@ -37,6 +37,10 @@ def test_read_parses_defaults_and_values(monkeypatch):
     assert envs.read("MRV2_COMPILATION_CACHE") == str(Path.home() / "elsewhere")
     assert envs.read("MRV2_API_KEY") is None
     assert envs.subprocess_env(EXTRA="1")["EXTRA"] == "1" and envs.subprocess_env()["MRV2_STRICT_COMPILES"] == "1"
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    assert envs.read_external("PYTHONPATH") == "/somewhere"
+    with pytest.raises(ValueError, match="envs.read"):
+        envs.read_external("MRV2_RUNNER")
 
 
 @pytest.mark.parametrize("name,value,allowed", [("MRV2_SAMPLER_KERNELS", "fast", "auto, kernel, interpret, off"),
