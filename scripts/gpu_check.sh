@@ -2,7 +2,7 @@
 # Everything the project checks on the GPU machine, in one call (device time is scarce):
 # versions, `pytest -m gpu`, the oracle parity tests, the dummy-weight preset load, the
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
-# ab-s1-1024, ab-s2), the sampler and the input-prep kernel benchmarks (sampler, prepare), the
+# ab-s1-1024, ab-s2), the sampler benchmark (sampler), the
 # serving benchmark (serve-256), the per-step timeline (timeline), XLA vs CUDA graphs
 # (xla-vs-cudagraph), the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
 # compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
@@ -49,7 +49,7 @@ for s in $sections; do case $s in
       tests/test_sampler.py tests/test_noise_pass.py tests/test_threshold_search.py ;;
   oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/test_model_parity.py ;;
   load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
-  attention) run_section attention python3 -m mrv2_jax.bench.attention_kernel --output-json "$OUT/attention.json" ;;
+  attention) run_section attention python3 -m benchmarks.attention_kernel --output-json "$OUT/attention.json" ;;
   ab-s1) run_section ab-s1 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
@@ -78,7 +78,7 @@ for s in $sections; do case $s in
         --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --max-model-len 1024 --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
     done ;;
-  logit-stats) run_section logit-stats python3 -m mrv2_jax.bench.logit_stats --output-json "$OUT/logit_stats.json" ;;
+  logit-stats) run_section logit-stats python3 -m benchmarks.logit_stats --output-json "$OUT/logit_stats.json" ;;
   # Issue 5: the sampler's whole-row passes as kernels (the GPU default) against the jnp passes
   # (KernelConfig's sampler_noise_pass / sampler_slow_path = reference), with and without the
   # `full` variant (no prompt-logprobs conditional). 4 arms, ~5 device minutes.
@@ -92,7 +92,7 @@ for s in $sections; do case $s in
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
         --output-json "$OUT/ab_s1_256_kernels_${name//-/_}.json"
     done ;;
-  threshold-search) run_section threshold-search python3 -m mrv2_jax.bench.threshold_search \
+  threshold-search) run_section threshold-search python3 -m benchmarks.threshold_search \
       --output-json "$OUT/threshold_search.json" ;;
   # Fused decode for large batches: S1 (temperature 1, as bench compare) at 256 / 1024 seqs, v2-async,
   # fused variants compiled up to 32 rows (never used there) vs up to every row.
@@ -104,7 +104,7 @@ for s in $sections; do case $s in
         --max-model-len 768 --temperature 1.0 --warmup-prompts 32 --max-fused-rows $rows \
         --output-json "$OUT/${s//-/_}_$rows.json"
     done ;;
-  moe) run_section moe python3 -m mrv2_jax.bench.moe --sweep --output-json "$OUT/moe.json" ;;
+  moe) run_section moe python3 -m benchmarks.moe --sweep --output-json "$OUT/moe.json" ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
   moe-presets)
@@ -123,28 +123,27 @@ for s in $sections; do case $s in
       --model glm-4.5-air-fp8 --load-format dummy --gpu-memory-utilization 0.97 \
       --arms v1,v2-async --input-len 1024 --output-len 128 --num-prompts 512 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1280 --output-json "$OUT/ab_glm_45_air_fp8_s2.json" ;;
-  sampler) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" ;;
-  sampler-short) run_section sampler python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler.json" --cases \
+  sampler) run_section sampler python3 -m benchmarks.sampler --output-json "$OUT/sampler.json" ;;
+  sampler-short) run_section sampler python3 -m benchmarks.sampler --output-json "$OUT/sampler.json" --cases \
       dispatch greedy temperature all_unused all_used_threshold all_used_sort penalties logit_bias logprobs \
       top_k_top_p_threshold top_k_top_p_sort top_p_threshold top_p_peaked noise_threefry noise_hash ;;
   # Issue 5: what an executed lax.cond costs (default flags, conditionals named explicitly, no command
   # buffers), and the sampler's kernels with command buffers kept on under the profiler.
   conditionals)
-    run_section conditionals python3 -m mrv2_jax.bench.conditionals --output-json "$OUT/conditionals.json"
+    run_section conditionals python3 -m benchmarks.conditionals --output-json "$OUT/conditionals.json"
     XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL run_section conditionals-cond \
-      python3 -m mrv2_jax.bench.conditionals --output-json "$OUT/conditionals_cond.json"
+      python3 -m benchmarks.conditionals --output-json "$OUT/conditionals_cond.json"
     XLA_FLAGS=--xla_gpu_enable_command_buffer= run_section conditionals-nocb \
-      python3 -m mrv2_jax.bench.conditionals --output-json "$OUT/conditionals_nocb.json" ;;
+      python3 -m benchmarks.conditionals --output-json "$OUT/conditionals_nocb.json" ;;
   sampler-probe)
     XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true run_section sampler-probe \
-      python3 -m mrv2_jax.bench.sampler --output-json "$OUT/sampler_probe.json" --profile --hlo-dir /tmp/hlo --cases \
+      python3 -m benchmarks.sampler --output-json "$OUT/sampler_probe.json" --profile --hlo-dir /tmp/hlo --cases \
       dispatch greedy temperature all_unused all_used_threshold penalties logprobs top_k_top_p_threshold \
       top_p_peaked top_p_threshold top64_blocks_128_16 top64_blocks_256_32_4 top64_blocks_128 \
       top20_blocks_128_16 top20_blocks_256_32_4 --timeline all_unused all_used_threshold
     tar czf "$OUT/sampler_hlo.tgz" -C /tmp hlo ;;
-  attn-sweep) run_section attn-sweep python3 -m mrv2_jax.bench.attention_kernel --sweep decode_b256_c512 \
+  attn-sweep) run_section attn-sweep python3 -m benchmarks.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
-  prepare) run_section prepare python3 -m mrv2_jax.bench.prepare_inputs --sweep --output-json "$OUT/prepare_inputs.json" ;;
   wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl ;;
   vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh' ;;
   serve-256) run_section serve-256 env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve --launch-server \

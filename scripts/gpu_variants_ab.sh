@@ -6,7 +6,7 @@
 #   b1-plain   batch 1 (10 prompts, one seat, as compare-batch1) with the default variants
 #   plain-f256 default variants, fused decode compiled up to 256 rows
 #   two-cond   greedy,all with +CONDITIONAL (measured in session 6: XLA records conditionals in
-#              its command buffers by default already, `bench conditionals`; kept for completeness)
+#              its command buffers by default already, `benchmarks.conditionals`; kept for completeness)
 set -uo pipefail
 OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

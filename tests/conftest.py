@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("MRV2_STRICT_COMPILES", "1")  # any compile inside an engine step fails
+# XLA:CPU compiles the engine's step programs about twice as fast without LLVM's optimisations, and
+# compiling is most of the suite's time; tests check what programs compute, not how fast they run.
+# Set before JAX starts its backend; subprocesses (CLI, server, notebooks) inherit it.
+CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAGS}".strip()
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

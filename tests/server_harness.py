@@ -5,7 +5,7 @@ tests can look at the engine's state directly, e.g. that every KV block is free 
 import time
 from contextlib import contextmanager
 
-from mrv2_jax.engine.async_llm import AsyncLLM
+from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.llm import LLM
 

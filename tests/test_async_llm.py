@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from mrv2_jax.engine.async_llm import AsyncLLM, EngineDeadError, RequestRejected
+from mrv2_jax.async_llm import AsyncLLM, EngineDeadError, RequestRejected
 from mrv2_jax.engine.output import CompletionOutput, RequestMetrics, RequestOutput
 from mrv2_jax.engine.scheduler_output import SchedulerStats
 from mrv2_jax.entrypoints.openai_server import ServerThread

@@ -68,15 +68,15 @@ def test_bench_ab_report_and_plot(tmp_path):
 
 
 def test_bench_ab_with_every_sampling_feature(tmp_path):
-    from mrv2_jax.bench.ab import sampling_params
+    from mrv2_jax.bench.sampling import sampling_params
 
     params = sampling_params("all", 8, 1000)
     assert len(params.logit_bias) == 16 and all(0 <= i < 1000 for i in params.logit_bias)
     assert params.temperature > 0 and params.top_k == 50 and params.logprobs == 20 and params.min_tokens == 8
     out = tmp_path / "ab.json"
     assert cli.main(["bench", "ab", "--num-prompts", "8", "--input-len", "8", "--output-len", "8", "--arms",
-                     "v2-async", "--sampling", "all", "--capture-step", "2", "--step-timeline", "--output-json", str(out),
-                     *ENGINE]) == 0
+                     "v2-async", "--sampling", "all", "--capture-step", "2", "--step-timeline",
+                     "--output-json", str(out), *ENGINE]) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["sampling"] == "all" and report["settings"]["step_timeline"] is True
     assert [r["arm"] for r in report["arms"]] == ["v2-async"] and report["arms"][0]["steady_step_device_ms"] > 0
@@ -85,18 +85,18 @@ def test_bench_ab_with_every_sampling_feature(tmp_path):
 
 def test_step_timeline_summary(monkeypatch):
     """The step timeline's summary from a given event list (the events come from a GPU trace:
-    bench/sampler.py call_timeline, which the sampler bench test runs)."""
-    from mrv2_jax.bench import ab, sampler
+    bench/trace.py call_timeline, which the sampler microbenchmark's test runs)."""
+    from mrv2_jax.bench import ab, trace
 
     events = [{"at_us": 0.0, "us": 10.0, "gap_us": 0.0, "kernel": "fusion_1"},
               {"at_us": 30.0, "us": 5.0, "gap_us": 20.0, "kernel": "logit_stats"},
               {"at_us": 35.0, "us": 2.0, "gap_us": 0.0, "kernel": "fusion_2"}]
-    monkeypatch.setattr(sampler, "call_timeline", lambda fn, inputs: events)
-    t = ab.step_timeline(runner=None, dispatch=None)
+    monkeypatch.setattr(trace, "call_timeline", lambda fn, inputs: events)
+    t = ab.step_timeline(dispatch=None)
     assert t["span_us"] == 37.0 and t["idle_us"] == 20.0 and t["num_events"] == 3
     assert t["largest_gaps"][0] == {"gap_us": 20.0, "at_us": 30.0, "before": "logit_stats"}
     assert t["kernel_us"] == {"fusion": 12.0, "logit_stats": 5.0}
-    b = ab.back_to_back_timeline(runner=None, dispatch=None, steps=2)
+    b = ab.back_to_back_timeline(dispatch=None, steps=2)
     assert b["steps"] == 2 and b["period_us"] == 18.5 and b["idle_us_per_step"] == 10.0
     assert b["largest_gaps"][0] == {"gap_us": 20.0, "at_us": 30.0, "after": "fusion_1", "before": "logit_stats"}
     assert b["idle_us_per_step_by_pair"] == {"fusion -> logit_stats": 10.0, "logit_stats -> fusion": 0.0}
@@ -194,68 +194,50 @@ def test_bench_fused_decode(tmp_path):
     assert rows[4, 1]["dispatches_per_token"] < rows[1, 1]["dispatches_per_token"]
 
 
-def test_bench_moe_smoke_at_tiny_shapes(tmp_path):
-    """The MoE benchmark runs end to end (CPU: the kernel in the Pallas interpreter)."""
-    from mrv2_jax.bench import moe
+def test_decode_step_capture_keeps_the_chosen_full_decode_dispatch():
+    """The capture hooks log every step's shape, copy the state before the `which`-th step in
+    which every row decodes one token, and keep that step's dispatch (fakes: no engine)."""
+    from types import SimpleNamespace
 
-    out = tmp_path / "moe.json"
-    report = moe.main(["--tokens", "8", "--experts", "4", "--top-k", "2", "--hidden", "128",
-                       "--moe-intermediate", "128", "--runs", "1", "--warmup", "1", "--output-json", str(out)])
-    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
-    cases = {r["case"]: r for r in report["results"]}
-    assert set(cases) == {"layer/pallas", "layer/ragged_dot", "layer/dense", "layer/pallas_fp8",
-                          "gemm/pallas", "gemm/ragged_dot"}
-    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in cases.values())
-    assert "layer/ragged_dot / layer/pallas @ 8" in report["speedups"]
-
-
-def test_host_step_bench_runs_a_few_steps():
-    from mrv2_jax.bench.host_step import PARTS, run_case
-
-    for final_only in (True, False):
-        r = run_case(None, rows=8, steps=6, final_only=final_only, prompt_len=8)
-        assert r["num_steps"] >= 4
-        assert all(r[k] >= 0 for k in PARTS) and r["engine_total"] > 0
-
-
-def test_conditionals_bench_chains_agree_and_report(tmp_path):
-    """The lax.cond chain and its jnp.where twin compute the same values; the report has both."""
     import jax.numpy as jnp
     import numpy as np
 
-    from mrv2_jax.bench import conditionals
+    from mrv2_jax.bench.capture import DecodeStepCapture
+    from mrv2_jax.runner.step_hooks import StepHooks
 
-    big, small = jnp.ones((4, 16), jnp.float32), jnp.arange(4, dtype=jnp.float32)
-    for n in (0, 3):
-        np.testing.assert_allclose(conditionals.chain(n, True)(big, small), conditionals.chain(n, False)(big, small))
-    out = tmp_path / "cond.json"
-    report = conditionals.main(["--counts", "0", "2", "--runs", "2", "--warmup", "1", "--output-json", str(out)])
-    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
-    assert {(r["conditionals"], r["n"]) for r in report["results"]} == {(c, n) for c in (False, True) for n in (0, 2)}
-    assert report["us_per_cond"] is not None
-
-
-def test_sampler_bench_top_n_cases_and_hlo_dump(tmp_path):
-    from mrv2_jax.bench import sampler
-
-    out, hlo = tmp_path / "sampler.json", tmp_path / "hlo"
-    sampler.main(["--num-rows", "4", "--vocab", "3000", "--runs", "2", "--warmup", "1", "--cases",
-                  "top64_blocks_128_16", "top20_blocks_256_32_4", "greedy", "--hlo-dir", str(hlo),
-                  "--timeline", "greedy", "--output-json", str(out)])
-    cases = {r["case"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(cases) == {"top64_blocks_128_16", "top20_blocks_256_32_4", "greedy"}
-    assert all(r["median_ms"] > 0 for r in cases.values())
-    assert "ENTRY" in (hlo / "greedy.hlo.txt").read_text()  # the optimized module, written per case
+    runner = SimpleNamespace(state=jnp.arange(3))
+    capture = DecodeStepCapture(runner, rows=2, which=2)
+    assert isinstance(capture, StepHooks) and not capture.captured
+    schedule = [{"a": 5, "b": 3}, {"a": 1, "b": 1}, {"a": 1}, {"a": 1, "b": 1}, {"a": 1, "b": 1}]
+    for i, counts in enumerate(schedule):
+        scheduled = SimpleNamespace(num_scheduled_tokens=counts, total_num_scheduled_tokens=sum(counts.values()),
+                                    num_fused_steps=1)
+        capture.step_scheduled(scheduled)
+        capture.dispatched(runner, f"compiled{i}", np.full(4, i), call_s=1e-4)
+        runner.state = runner.state + 10  # the step's new state (the old one was donated)
+        capture.step_finished(float(i), i + 0.5)
+    assert capture.steps == [(0.0, 0.5, 8, 2), (1.0, 1.5, 2, 2), (2.0, 2.5, 1, 1), (3.0, 3.5, 2, 2),
+                             (4.0, 4.5, 2, 2)]
+    assert capture.captured and capture.step_index == 3
+    assert capture.dispatch.runner is runner and capture.dispatch.compiled == "compiled3"
+    np.testing.assert_array_equal(capture.dispatch.packed, np.full(4, 3))
+    capture.restore_state()  # the state that step ran on: three steps of +10 before it
+    np.testing.assert_array_equal(runner.state, np.arange(3) + 30)
 
 
-def test_logit_stats_bench_runs_the_kernels_interpreted(tmp_path):
-    from mrv2_jax.bench import logit_stats
+def test_engine_and_runner_hooks_are_off_by_default():
+    from mrv2_jax.bench.step_log import StepLog, attach_hooks
+    from mrv2_jax.llm import LLM
 
-    out = tmp_path / "logit_stats.json"
-    logit_stats.main(["--num-rows", "2", "--vocab", "700", "--calls", "1", "--tile-blocks", "2", "--num-warps", "4",
-                      "--loops", "2x1", "--interpret", "--output-json", str(out)])
-    report = json.loads(out.read_text())
-    assert ENVIRONMENT_KEYS <= report.keys()
-    cases = {(c["inputs"], c["case"]) for c in report["cases"]}
-    assert ("bfloat16 logits, uint16 counts", "kernel tb=2 warps=4") in cases and len(cases) == 2 * 7
-    assert all(c["ms"] > 0 for c in report["cases"])
+    llm = LLM(MODEL, dtype="float32", num_gpu_blocks=64, block_size=4, max_model_len=32, max_num_batched_tokens=8,
+              max_num_seqs=2, runner="v2", show_progress=False)
+    engine = llm.engine
+    assert engine.hooks is None and engine.runner.hooks is None
+    log = StepLog()
+    attach_hooks(engine, log)
+    assert engine.hooks is log and engine.runner.hooks is log
+    llm.generate([[1, 2, 3]], use_tqdm=False)
+    assert log.steps and all(start <= end for start, end, _, _ in log.steps)
+    assert log.steps[0][2:] == (3, 1)  # the prompt's three tokens, one request
+    attach_hooks(engine, None)
+    assert engine.hooks is None and engine.runner.hooks is None

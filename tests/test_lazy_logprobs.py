@@ -178,7 +178,7 @@ def test_output_processor_streams_lazy_snapshots():
 
 
 def test_host_benchmark_runs():
-    from mrv2_jax.bench.host_logprobs import run_case
+    from benchmarks.host_logprobs import run_case
 
     for final_only in (False, True):
         r = run_case(None, num_rows=4, num_logprobs=3, steps=3, final_only=final_only, vocab=100)

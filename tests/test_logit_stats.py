@@ -225,7 +225,7 @@ def test_sampler_reads_bf16_logits_as_their_f32_values(mode):
 
 def test_kernels_lower_to_triton(monkeypatch):
     """Lower both kernels for CUDA at serving shapes and verify the Triton IR, without a GPU
-    (as tests/test_prepare_kernels.py)."""
+    (tests/triton_lowering.py)."""
     verified = verify_triton_lowering(monkeypatch)
     S = jax.ShapeDtypeStruct
     r, v, n = 256, 151936, 512

@@ -233,13 +233,3 @@ def test_no_compiles_after_warmup_with_changing_batches():
                      use_tqdm=False)
     assert num_compiles() == before
     assert llm.engine.compile_guard.num_unexpected == 0
-
-
-def test_v2_with_pallas_prep_kernels_matches_reference_path():
-    """The same async V2 run with the Pallas prep kernels (interpret mode on CPU)."""
-    prompts = mixed_workload()[:10]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    plain = make_llm("v2", True).generate(prompts, params, use_tqdm=False)
-    llm = make_llm("v2", True, prep_kernels=True)
-    with_kernels = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in with_kernels] == [o.outputs[0].token_ids for o in plain]

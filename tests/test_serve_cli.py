@@ -64,7 +64,7 @@ def test_serve_subprocess_answers_and_stops_on_ctrl_c(tmp_path):
 
 def test_serve_options_reach_the_server(monkeypatch):
     seen = {}
-    monkeypatch.setattr("mrv2_jax.engine.async_llm.AsyncLLM.from_engine_args",
+    monkeypatch.setattr("mrv2_jax.async_llm.AsyncLLM.from_engine_args",
                         staticmethod(lambda **kw: seen.setdefault("engine_args", kw)))
     monkeypatch.setattr("mrv2_jax.entrypoints.openai_server.serve",
                         lambda engine, host, port, **kw: seen.update(host=host, port=port, **kw))

@@ -16,6 +16,7 @@ import pytest
 
 from mrv2_jax.models.attention import DenseAttention
 from mrv2_jax.models.loader import load_model
+from mrv2_jax.spec_decode.mtp import build_mtp_proposer
 from mrv2_jax.spec_decode.proposer import ProposeInputs
 from tests.parity import FIXTURES
 
@@ -134,8 +135,8 @@ def test_mtp_drafts_match_a_dense_reference():
     spec, lm, _ = tiny()
     k, bs = 3, 4
     info = dict(num_blocks=16, block_size=bs, max_model_len=32, kv_dtype=jnp.float32, use_kernels=False)
-    proposer = spec.build_mtp_proposer(lm, k, **info)
-    sampling_proposer = spec.build_mtp_proposer(lm, k, with_probs=True, **info)
+    proposer = build_mtp_proposer(spec, lm, k, **info)
+    sampling_proposer = build_mtp_proposer(spec, lm, k, with_probs=True, **info)
     assert proposer.num_lookahead_tokens == k - 1
     propose, propose_sampled = jax.jit(proposer.propose), jax.jit(sampling_proposer.propose)
     params, cache = proposer.init_params(), proposer.init_state()

@@ -126,10 +126,11 @@ def test_speculative_config_parsing_and_errors():
 def test_mtp_without_an_mtp_layer_names_the_family():
     from mrv2_jax.models.loader import load_hf_config, resolve_model_path
     from mrv2_jax.models.model_state import model_state_for
+    from mrv2_jax.spec_decode.mtp import build_mtp_proposer
 
     state = model_state_for(load_hf_config(resolve_model_path("demo")))
     with pytest.raises(NotImplementedError, match="Qwen3ForCausalLM"):
-        state.build_mtp_proposer(None, 2)
+        build_mtp_proposer(state, None, 2)
 
 
 # --- scheduler accounting -------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def test_speculative_decoding_turns_fused_decode_off():
         SchedulerConfig(max_model_len=64, num_speculative_tokens=2, max_fused_steps=4, max_fused_rows=8)
 
 def test_spec_decode_metrics_on_the_metrics_endpoint():
-    from mrv2_jax.engine.async_llm import EngineStats
+    from mrv2_jax.async_llm import EngineStats
     from mrv2_jax.entrypoints.server_metrics import ServerMetrics
     from mrv2_jax.spec_decode.metrics import SpecDecodeStats
 

@@ -1,6 +1,6 @@
 """The runner A/B: v1, v2-sync and v2-async on the same workload, in one process.
 
-    python -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+    mrv2-jax bench ab --model qwen3-0.6b --load-format dummy \
         --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 --output-json ab.json
 
 Weights are loaded once and shared; each arm gets its own engine (KV cache, compiled buckets).
@@ -19,29 +19,15 @@ import json
 import statistics
 import time
 
-from mrv2_jax.bench.capture import DecodeStepCapture
+from mrv2_jax.bench import trace
+from mrv2_jax.bench.capture import DecodeStepCapture, replay
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.bench.sampling import sampling_params
+from mrv2_jax.bench.step_log import StepLog, attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 ARMS = {"v1": ("v1", False), "v2-sync": ("v2", False), "v2-async": ("v2", True)}
-
-
-def sampling_params(kind: str, max_tokens: int, vocab_size: int):
-    """greedy: argmax only. all: every sampler feature on every request (as the sampler
-    benchmark's all_used case): temperature, top-k 50, top-p 0.9, min-p 0.05, the three
-    penalties, 16 biased token ids, min_tokens, 20 logprobs; the difference between the two is
-    what the features cost a real step."""
-    from mrv2_jax.sampling_params import SamplingParams
-
-    if kind == "greedy":
-        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    if kind == "all":
-        bias = {int(i): (-1.0) ** i * 2.0 for i in range(7, vocab_size, max(1, vocab_size // 16))[:16]}
-        return SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
-                              repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2,
-                              logit_bias=bias, min_tokens=min(16, max_tokens), logprobs=20, ignore_eos=True)
-    raise ValueError(f"unknown --sampling {kind!r}; known: greedy, all")
 
 
 def step_periods(step_log) -> list[tuple[float, int, int]]:
@@ -84,42 +70,41 @@ def run_arm(name, args, loaded, prompts):
     params = sampling_params(args.sampling, args.output_len, loaded[0].vocab_size)
     llm.generate(prompts[: min(len(prompts), args.max_num_seqs)][:64], params, use_tqdm=False)  # warm-up
     engine = llm.engine
-    engine.step_log = []
     rows = min(args.max_num_seqs, len(prompts))
     # V2: in the middle of steady decode, keep one full-concurrency decode step to replay it
-    # alone afterwards: its device time.
-    capture = DecodeStepCapture(engine, rows, args.capture_step) if runner == "v2" else None
+    # alone afterwards: its device time. Both hooks log every step's interval and shape.
+    capture = DecodeStepCapture(engine.runner, rows, args.capture_step) if runner == "v2" else None
+    log = capture if capture is not None else StepLog()
+    attach_hooks(engine, log)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
+    attach_hooks(engine, None)
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(p) for p in prompts)
     wall = device = enqueue = ahead = timeline = None
-    if capture is not None:
-        capture.release()
-        if capture.captured:
-            capture.restore_state()
-            device = engine.runner.replay(capture.dispatch, 20)
-            enqueue = engine.runner.last_replay_enqueue_s
-            capture.restore_state()  # the same 20 steps again (a longer context would cost more)
-            ahead = device_time_host_ahead(engine.runner, capture.dispatch, 20)
-            capture.restore_state()
-            wall = local_wall(engine.step_log, capture.step_index, rows)
-            if args.step_timeline:
-                timeline = step_timeline(engine.runner, capture.dispatch)
-                if timeline:  # (no device events on a CPU)
-                    timeline["back_to_back"] = back_to_back_timeline(engine.runner, capture.dispatch)
-    return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(engine.step_log),
+    if capture is not None and capture.captured:
+        capture.restore_state()
+        device, enqueue = replay(capture.dispatch, 20)
+        capture.restore_state()  # the same 20 steps again (a longer context would cost more)
+        ahead = device_time_host_ahead(capture.dispatch, 20)
+        capture.restore_state()
+        wall = local_wall(log.steps, capture.step_index, rows)
+        if args.step_timeline:
+            timeline = step_timeline(capture.dispatch)
+            if timeline:  # (no device events on a CPU)
+                timeline["back_to_back"] = back_to_back_timeline(capture.dispatch)
+    return {"arm": name, "elapsed_s": elapsed, "startup_s": startup, "num_steps": len(log.steps),
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
             "requests_per_s": len(prompts) / elapsed, "steady_decode_rows": rows,
             "steady_step_wall_ms": wall and 1e3 * wall, "steady_step_device_ms": device and 1e3 * device,
             "replay_enqueue_ms": enqueue and 1e3 * enqueue,
             "steady_step_device_ms_host_ahead": ahead and 1e3 * ahead,
             "gpu_busy_fraction": (device / wall) if (wall and device) else None,
-            "wall_profile": wall_profile(engine.step_log)} | ({"step_timeline": timeline} if timeline else {})
+            "wall_profile": wall_profile(log.steps)} | ({"step_timeline": timeline} if timeline else {})
 
 
-def device_time_host_ahead(runner, dispatch, repeats: int) -> float | None:
+def device_time_host_ahead(dispatch, repeats: int) -> float | None:
     """The replayed step's time per step when the host has enqueued every step before the
     GPU reaches the first: a head start of GPU busy work (timed alone, then subtracted) goes
     first. Below the plain replay's time, the host was what held the replay back. GPU only
@@ -137,24 +122,21 @@ def device_time_host_ahead(runner, dispatch, repeats: int) -> float | None:
         t0 = time.perf_counter()
         jax.block_until_ready(busy(x))
         busy_s.append(time.perf_counter() - t0)
-    total = runner.replay(dispatch, repeats, head_start=lambda: busy(x)) * repeats
+    total = replay(dispatch, repeats, head_start=lambda: busy(x))[0] * repeats
     return (total - statistics.median(busy_s)) / repeats
 
 
-def step_timeline(runner, dispatch) -> dict:
-    """The device events of one replayed step (bench/sampler.py `call_timeline`), with its span,
+def step_timeline(dispatch) -> dict:
+    """The device events of one replayed step (bench/trace.py `call_timeline`), with its span,
     its idle time, the longest gaps and the kernel families' time. Set
     XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true to keep the step's CUDA graphs
     (and their gaps) as they are outside the profiler."""
-    from mrv2_jax.bench.sampler import call_timeline
-    from mrv2_jax.bench.timeline import kernel_family
-
-    events = call_timeline(lambda: runner.replay(dispatch, 1), ())
+    events = trace.call_timeline(lambda: replay(dispatch, 1), ())
     if not events:
         return {}
     families: dict[str, float] = {}
     for e in events:
-        families[kernel_family(e["kernel"])] = families.get(kernel_family(e["kernel"]), 0.0) + e["us"]
+        families[trace.kernel_family(e["kernel"])] = families.get(trace.kernel_family(e["kernel"]), 0.0) + e["us"]
     gaps = sorted(events, key=lambda e: -e["gap_us"])[:12]
     return {"span_us": round(events[-1]["at_us"] + events[-1]["us"], 1),
             "idle_us": round(sum(e["gap_us"] for e in events), 1), "num_events": len(events),
@@ -163,28 +145,26 @@ def step_timeline(runner, dispatch) -> dict:
             "events": events}
 
 
-def back_to_back_timeline(runner, dispatch, steps: int = 4) -> dict:
+def back_to_back_timeline(dispatch, steps: int = 4) -> dict:
     """`steps` replays enqueued back to back, as the replayed device time runs them: the mean
     period (first event to last over steps), the idle time per step and the longest gaps, with
     the kernels around them. Gaps that one replayed step does not show (a step waiting on the
     host, a sync inside it) show here."""
-    from mrv2_jax.bench.sampler import call_timeline
-    from mrv2_jax.bench.timeline import kernel_family
-
-    events = call_timeline(lambda: runner.replay(dispatch, steps), ())
+    events = trace.call_timeline(lambda: replay(dispatch, steps), ())
     if not events:
         return {}
     gaps = sorted(range(1, len(events)), key=lambda i: -events[i]["gap_us"])[:8]
     # Idle per step by the kernel families on either side: where a step's idle time sits.
     by_pair: dict[str, float] = {}
     for prev, e in itertools.pairwise(events):
-        pair = f"{kernel_family(prev['kernel'])} -> {kernel_family(e['kernel'])}"
+        pair = f"{trace.kernel_family(prev['kernel'])} -> {trace.kernel_family(e['kernel'])}"
         by_pair[pair] = by_pair.get(pair, 0.0) + e["gap_us"] / steps
     return {"steps": steps, "period_us": round((events[-1]["at_us"] + events[-1]["us"]) / steps, 1),
             "idle_us_per_step": round(sum(e["gap_us"] for e in events) / steps, 1),
             "largest_gaps": [{"gap_us": events[i]["gap_us"], "at_us": events[i]["at_us"],
                               "after": events[i - 1]["kernel"], "before": events[i]["kernel"]} for i in gaps],
-            "idle_us_per_step_by_pair": {k: round(v, 1) for k, v in sorted(by_pair.items(), key=lambda kv: -kv[1])[:20]}}
+            "idle_us_per_step_by_pair": {k: round(v, 1)
+                                         for k, v in sorted(by_pair.items(), key=lambda kv: -kv[1])[:20]}}
 
 
 def print_step_timeline(arm: str, t: dict, top: int = 25) -> None:

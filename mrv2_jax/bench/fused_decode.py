@@ -1,7 +1,7 @@
 """Small-batch decode latency: fused decode (K decode steps per dispatch) against one step per
 dispatch, at a few fixed batch sizes.
 
-    python -m mrv2_jax.bench.fused_decode --model qwen3-0.6b --load-format dummy \
+    mrv2-jax bench fused --model qwen3-0.6b --load-format dummy \
         --batches 1 8 32 --input-len 128 --output-len 512 --output-json fused.json
 
 Weights are loaded once; each `--fused-steps` value gets its own engine (K = 1: fused decode
@@ -27,50 +27,14 @@ import os
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-
+from mrv2_jax.bench.capture import DecodeStepCapture, replay
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.bench.step_log import attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 # vLLM 0.22.1 on the same H200 (shared/DESIGN.md): batch 1, input 128 / output 512.
 VLLM_BATCH1 = {"vllm_mrv2_output_tokens_per_s": 441, "vllm_v1_output_tokens_per_s": 455}
-
-
-class DispatchCapture:
-    """Keeps one steady decode dispatch of a run (and a copy of the state it ran on) to replay
-    it alone afterwards: every row of the batch decoding, `steps` steps each (1: an ordinary
-    step), the `index`-th such dispatch."""
-
-    def __init__(self, runner, num_rows: int, steps: int, index: int):
-        self.runner, self.num_rows, self.steps, self.index = runner, num_rows, steps, index
-        self.seen, self.dispatch, self.state = 0, None, None
-        jax.block_until_ready(jax.tree.map(jnp.copy, runner.state))  # compile the copy now
-        self._execute = runner.execute
-        runner.execute = self._capture
-
-    def _capture(self, out):
-        counts = list(out.num_scheduled_tokens.values())
-        steady = (len(counts) == self.num_rows and out.num_fused_steps == self.steps
-                  and all(n == self.steps for n in counts))
-        snapshot = None
-        if steady:
-            self.seen += 1
-            if self.seen == self.index:  # copy before the dispatch donates the state
-                snapshot = jax.tree.map(jnp.copy, self.runner.state)
-        pending = self._execute(out)
-        if snapshot is not None:
-            self.dispatch, self.state = self.runner.last_dispatch, snapshot
-        return pending
-
-    def device_ms_per_step(self, repeats: int = 5) -> float | None:
-        """Replays the kept dispatch (run it after the measured run: it moves the state)."""
-        self.runner.execute = self._execute
-        if self.dispatch is None:
-            return None
-        self.runner.state = self.state
-        return self.runner.replay(self.dispatch, repeats) * 1e3 / self.steps
 
 
 def measure(llm, prompts, output_len: int, fused_steps: int) -> dict:
@@ -79,18 +43,22 @@ def measure(llm, prompts, output_len: int, fused_steps: int) -> dict:
     engine = llm.engine
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     steps = min(fused_steps, output_len - 1)
-    # The dispatch that decodes around the middle of the outputs.
-    capture = DispatchCapture(engine.runner, len(prompts), steps, max(1, output_len // 2 // max(steps, 1)))
+    # The dispatch that decodes around the middle of the outputs: every row of the batch decoding,
+    # `steps` steps each (1: an ordinary step), replayed alone afterwards for its device time.
+    capture = DecodeStepCapture(engine.runner, len(prompts), max(1, output_len // 2 // max(steps, 1)), steps)
     fused_before = getattr(engine.runner, "num_fused_calls", 0)
-    engine.step_log = []
+    attach_hooks(engine, capture)
     arrivals: dict[str, list[float]] = {}
     start = time.perf_counter()
     for out in llm.stream(prompts, params):
         arrivals.setdefault(out.request_id, []).append(time.perf_counter())
     elapsed = time.perf_counter() - start
-    num_steps = len(engine.step_log)
-    engine.step_log = None
-    device_ms = capture.device_ms_per_step()
+    attach_hooks(engine, None)
+    num_steps = len(capture.steps)
+    device_ms = None
+    if capture.captured:  # (this moves the runner's state: after the measured run)
+        capture.restore_state()
+        device_ms = replay(capture.dispatch, 5)[0] * 1e3 / steps
     itl = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in arrivals.values()]
     gaps = [max(b - a for a, b in itertools.pairwise(t)) * 1e3 for t in arrivals.values()]
     ms_per_token = statistics.median(itl)

@@ -53,7 +53,8 @@ def run_arm(loaded, runner: str, spec, prompts, args) -> dict:
     # max_fused_steps=1 in every arm: the spec-off baseline is plain one-step decode, so the
     # difference is speculation alone (fused decode, off with spec anyway, is `bench fused`).
     llm = LLM(loaded_model=loaded, runner=kind, async_scheduling=async_scheduling, speculative_config=spec,
-              max_fused_steps=1, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_fused_steps=1, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.input_len + args.output_len + 16, block_size=16, show_progress=False,
               enable_prefix_caching=False)
     startup = time.perf_counter() - t0

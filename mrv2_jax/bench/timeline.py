@@ -7,7 +7,7 @@ the GPU is under it.
 
 Host side, every step (from perf_counter around the engine's own calls, wrapped from here so the
 engine is unchanged): scheduling, dispatch (the runner's `execute`: input preparation and the
-jitted call; the call alone is shown as "jit call" where the runner reports it), the wait for
+jitted call; the call alone is shown as "jit call" where the runner's hook reports it), the wait for
 the previous step's sampled tokens (`result()`; with async scheduling this is step N-1's, read
 after step N is dispatched), the scheduler update, and the time outside the engine step (output
 processing, detokenization) until the next step starts.
@@ -27,11 +27,7 @@ On a CPU backend there are no device events: the device part is None, with a not
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
-import json
 import os
-import re
 import shutil
 import statistics
 import tempfile
@@ -39,10 +35,13 @@ import time
 
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.bench.sampling import sampling_params
+from mrv2_jax.bench.step_log import attach_hooks
+from mrv2_jax.bench.trace import STEP_ANNOTATION, find_trace, kernel_split, read_trace
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+from mrv2_jax.runner.step_hooks import StepHooks
 
 HOST_PARTS = ("schedule_ms", "dispatch_ms", "wait_ms", "update_ms", "outside_ms")
-STEP_ANNOTATION = "mrv2_step"
 
 
 # --- host side: wrap the engine's calls -----------------------------------------------------
@@ -62,9 +61,10 @@ class _TimedResult:
         return getattr(self._inner, name)
 
 
-class StepRecorder:
+class StepRecorder(StepHooks):
     """Wraps one engine's step, schedule, execute, result and update (instance attributes, so
-    nothing changes for other engines) and records each step's parts. Starts a profiler trace
+    nothing changes for other engines) and records each step's parts; as the engine's hooks it
+    also gets the host time of the runner's jitted call (V2). Starts a profiler trace
     before the `skip + 1`-th steady-decode step (or before step `from_step`, whatever its kind:
     prefill-heavy settings) and stops it `window` steps later."""
 
@@ -100,7 +100,6 @@ class StepRecorder:
             t0 = time.perf_counter()
             result = execute(out)
             add("dispatch_ms", time.perf_counter() - t0)
-            add("call_ms", getattr(runner, "last_call_s", 0.0))
             return _TimedResult(result, lambda s: add("wait_ms", s))
 
         def timed_update(*args, **kwargs):
@@ -113,8 +112,8 @@ class StepRecorder:
             index = len(self.steps)
             self._maybe_toggle_trace(index)
             self._current = record = {"step": index, "start": time.perf_counter(), "num_tokens": 0, "num_reqs": 0,
-                                      "schedule_ms": 0.0, "dispatch_ms": 0.0, "call_ms": 0.0, "wait_ms": 0.0, "update_ms": 0.0,
-                                      "traced": self.tracing}
+                                      "schedule_ms": 0.0, "dispatch_ms": 0.0, "call_ms": 0.0, "wait_ms": 0.0,
+                                      "update_ms": 0.0, "traced": self.tracing}
             if self.tracing:
                 with jax.profiler.TraceAnnotation(STEP_ANNOTATION, step=index):
                     outputs = step()
@@ -128,6 +127,10 @@ class StepRecorder:
 
         engine.step, scheduler.schedule, runner.execute = timed_step, timed_schedule, timed_execute
         scheduler.update_from_output = timed_update
+        attach_hooks(engine, self)
+
+    def dispatched(self, runner, compiled, packed, call_s: float) -> None:
+        self._current["call_ms"] += 1e3 * call_s
 
     def _maybe_toggle_trace(self, index: int):
         import jax
@@ -155,6 +158,7 @@ class StepRecorder:
     def finish(self) -> list[dict]:
         """Close the trace if the run ended inside the window; fill in per-step derived times."""
         self.stop_trace()
+        attach_hooks(self.engine, None)
         for record, following in zip(self.steps, self.steps[1:] + [None]):
             engine_ms = 1e3 * (record["end"] - record["start"])
             record["engine_ms"] = engine_ms
@@ -165,46 +169,6 @@ class StepRecorder:
 
 
 # --- device side: read the trace -------------------------------------------------------------
-def find_trace(trace_dir: str) -> str | None:
-    """The Perfetto JSON that `jax.profiler` wrote under `trace_dir` (newest run)."""
-    runs = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*")))
-    for run in reversed(runs):
-        for pattern in ("perfetto_trace.json.gz", "*.trace.json.gz"):
-            found = sorted(glob.glob(os.path.join(run, pattern)))
-            if found:
-                return found[0]
-    return None
-
-
-def read_trace(path: str) -> tuple[list[tuple[int, float, float]], list[tuple[float, float, str]], str]:
-    """-> (steps as (index, start_us, end_us), device events as (start_us, end_us, name), which
-    device lines were used). Device events are those of the GPU processes' "Stream" lines (raw
-    kernels and copies); the derived lines ("XLA Modules", "XLA Ops") span idle time within a
-    module and would overstate the busy time, so they are used only if no Stream line exists."""
-    with gzip.open(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    process, thread = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            process[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            thread[e["pid"], e.get("tid")] = e["args"]["name"]
-    devices = {pid for pid, name in process.items() if "GPU" in name or name.startswith("/device:")}
-    steps, streams, other_device = [], [], []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-        if e.get("name") == STEP_ANNOTATION and e["pid"] not in devices:
-            steps.append((int(e.get("args", {}).get("step", -1)), start, end))
-        elif e["pid"] in devices:
-            line = thread.get((e["pid"], e.get("tid")), "")
-            (streams if line.startswith("Stream") else other_device).append((start, end, e.get("name", "")))
-    source = "GPU Stream lines" if streams else ("GPU derived lines" if other_device else "none")
-    return sorted(steps), sorted(streams or other_device), source
-
-
 def merge(intervals) -> list[tuple[float, float]]:
     """Union of (start, end, ...) intervals as sorted, disjoint (start, end) pairs."""
     merged: list[list[float]] = []
@@ -252,28 +216,6 @@ def device_timeline(trace_path: str) -> dict:
             "kernels": kernel_split(device, span_lo, span_hi, max(1, len(steps)))}
 
 
-def kernel_family(name: str) -> str:
-    """A kernel's name without XLA's instance numbers (`loop_add_fusion_12` -> `loop_add_fusion`,
-    `memcpy128` stays), so the 28 layers' copies of one kernel add up."""
-    return re.sub(r"([._]\d+)+$", "", name) or name
-
-
-def kernel_split(events, lo: float, hi: float, num_steps: int, top: int = 60) -> list[dict]:
-    """The kernels (by family) that take the device time of the window [lo, hi): per step, their
-    time (ms) and launches, and their share of the summed kernel time; the `top` largest."""
-    time_us, count = {}, {}
-    for start, end, name in events:
-        if end <= lo or start >= hi:
-            continue
-        family = kernel_family(name)
-        time_us[family] = time_us.get(family, 0.0) + min(end, hi) - max(start, lo)
-        count[family] = count.get(family, 0) + 1
-    total = sum(time_us.values()) or 1.0
-    ranked = sorted(time_us, key=time_us.get, reverse=True)[:top]
-    return [{"kernel": k, "ms_per_step": time_us[k] / 1e3 / num_steps, "launches_per_step": count[k] / num_steps,
-             "share": time_us[k] / total} for k in ranked]
-
-
 # --- the run ---------------------------------------------------------------------------------
 def medians(records: list[dict], keys) -> dict:
     return {k: statistics.median(r[k] for r in records) if records else None for k in keys}
@@ -293,8 +235,6 @@ def run(args) -> dict:
     prompts = random_prompts(args.num_prompts, args.input_len, 0.0, llm.model_state.vocab_size, args.dataset_seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
     if args.sampling == "all":  # every sampler feature on every request (bench ab --sampling all)
-        from mrv2_jax.bench.ab import sampling_params
-
         params = sampling_params("all", args.output_len, llm.model_state.vocab_size)
     llm.generate(prompts[: min(len(prompts), 16)], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up

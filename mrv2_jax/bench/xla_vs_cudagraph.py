@@ -73,8 +73,9 @@ def jax_worker(args) -> dict:
     replayed one at a time (sync) and back to back (pipelined)."""
     import jax
 
-    from mrv2_jax.bench.capture import DecodeStepCapture
+    from mrv2_jax.bench.capture import DecodeStepCapture, replay
     from mrv2_jax.bench.dataset import random_prompts
+    from mrv2_jax.bench.step_log import attach_hooks
     from mrv2_jax.llm import LLM
     from mrv2_jax.sampling_params import SamplingParams
 
@@ -87,21 +88,22 @@ def jax_worker(args) -> dict:
     results = {}
     for batch in args.batches:
         prompts = random_prompts(batch, args.context - 1, 0.0, llm.model_state.vocab_size, seed=batch)
-        capture = DecodeStepCapture(llm.engine, rows=batch, which=2)
+        capture = DecodeStepCapture(runner, rows=batch, which=2)
+        attach_hooks(llm.engine, capture)
         # The prompts are prefilled over several steps (token budget): the first ones must
         # still be decoding when the last prefill is done, so that full-batch steps happen.
         prefill_steps = -(-batch * args.context // args.max_num_batched_tokens)
         llm.generate(prompts, SamplingParams(max_tokens=prefill_steps + 4, ignore_eos=True), use_tqdm=False)
-        capture.release()
+        attach_hooks(llm.engine, None)
         if not capture.captured:
             results[batch] = {"error": "no full-batch decode step was captured"}
             continue
         capture.restore_state()
-        runner.replay(capture.dispatch, args.warmup)
+        replay(capture.dispatch, args.warmup)
         capture.restore_state()
-        sync = [runner.replay(capture.dispatch, 1) for _ in range(args.runs)]
+        sync = [replay(capture.dispatch, 1)[0] for _ in range(args.runs)]
         capture.restore_state()
-        pipelined = runner.replay(capture.dispatch, args.runs) * args.runs
+        pipelined = replay(capture.dispatch, args.runs)[0] * args.runs
         kv = batch * args.context * llm.model_state.kv_bytes_per_token(runner.kv_cache[0].dtype)
         results[batch] = timings(sync, pipelined, args.runs) | {"param_bytes": param_bytes, "kv_bytes": kv}
         print(f"  batch {batch:4}: sync {results[batch]['sync_ms']:.3f} ms, pipelined "
@@ -242,7 +244,8 @@ def run_worker(kind: str, args, python: str, extra_env: dict) -> dict:
                 "--model", args.model, "--model-dir", args.model_dir, "--load-format", args.load_format,
                 "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)), "--context", str(args.context),
                 "--runs", str(args.runs), "--warmup", str(args.warmup), "--torch-arms", ",".join(args.torch_arms),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens)] + (["--allow-cpu"] if args.allow_cpu else [])
+                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        argv += ["--allow-cpu"] if args.allow_cpu else []
         # The worker imports this package, also from another interpreter (--torch-python).
         path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
         env = os.environ | {"PYTHONPATH": path} | extra_env
@@ -275,9 +278,8 @@ def collect(args) -> dict:
         print(f"== {', '.join(args.torch_arms)} ({args.torch_python})", flush=True)
         result = run_worker("torch", args, args.torch_python, {})
         for arm in args.torch_arms:
-            arms[arm] = (result["arms"].get(arm, {"skipped": "not run"}) | {"device": result.get("device"),
-                                                                              "torch_version": result.get("torch_version")}
-                         if "arms" in result else result)
+            about = {"device": result.get("device"), "torch_version": result.get("torch_version")}
+            arms[arm] = result["arms"].get(arm, {"skipped": "not run"}) | about if "arms" in result else result
     return arms
 
 

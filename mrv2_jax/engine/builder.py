@@ -13,6 +13,7 @@ from mrv2_jax.config import CacheConfig, KernelConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.models.loader import load_model, resolve_dtype
+from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.sample.features import SamplerKernels, default_variant_names, variants_by_name
 from mrv2_jax.spec_decode.config import SpeculativeConfig
@@ -43,7 +44,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    prep_kernels: bool = False  # V2: input prep as Pallas kernels instead of fused jnp
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
@@ -138,7 +138,8 @@ def sampler_kernels(kernels: KernelConfig) -> SamplerKernels:
                           slow_path=kernels.sampler_slow_path)
 
 
-def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int, spec_decoder=None):
+def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
+                spec_decoder=None) -> Runner:
     variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                   sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
@@ -148,9 +149,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
-        return ModelRunnerV2(model_state, lm, use_prep_kernels=config.prep_kernels,
-                             max_fused_steps=config.max_fused_steps, fused_unroll=config.fused_unroll,
-                             max_fused_rows=config.max_fused_rows, **kwargs)
+        return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps,
+                             fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)
@@ -208,7 +208,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
     spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
     runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
-    fused_rows = getattr(runner, "max_fused_rows", 0)  # the largest batch the runner can fuse
+    fused_rows = runner.max_fused_rows  # the largest batch the runner can fuse
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_model_len=max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,

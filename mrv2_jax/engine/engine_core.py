@@ -12,30 +12,31 @@ from collections.abc import Iterable
 
 from mrv2_jax.engine.request import Request, RequestStatus
 from mrv2_jax.engine.scheduler import Scheduler
-from mrv2_jax.engine.scheduler_output import EngineCoreOutput, SchedulerOutput
+from mrv2_jax.engine.scheduler_output import EngineCoreOutput
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.compile_guard import CompileGuard, num_compiles
+from mrv2_jax.runner.interface import Runner, StepOutcome
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner, async_scheduling: bool):
+    def __init__(self, scheduler: Scheduler, runner: Runner, async_scheduling: bool):
         if async_scheduling and not runner.is_async_capable:
             raise ValueError(f"{type(runner).__name__} cannot run with async scheduling "
                              "(it needs each step's tokens on the host to build the next step)")
         self.scheduler = scheduler
         self.runner = runner
         self.async_scheduling = async_scheduling
-        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        self._in_flight: tuple[SchedulerOutput, StepOutcome] | None = None
         self.compile_guard = CompileGuard()
-        # Benchmarks set this to a list to get (start, end, num_tokens, num_reqs) per step.
-        self.step_log: list | None = None
-        self._last_shape = (0, 0)
+        # Benchmarks' instrumentation (runner/step_hooks.py StepHooks); None: nothing is called.
+        self.hooks = None
         # Prompt logprobs gathered chunk by chunk until the request's first output carries them
         # (then None: a preempted request's recomputed prefill brings them again, ignored).
         self._prompt_logprobs: dict[str, list | None] = {}
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this engine cannot serve."""
-        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
             raise ValueError("prompt_logprobs is not supported with this runner configuration "
                              "(speculative decoding, or no sampler variant computing them)")
 
@@ -67,13 +68,14 @@ class EngineCore:
         start = time.perf_counter()
         outputs = self._step()
         self.compile_guard.report(num_compiles() - compiles_before, "an engine step")
-        if self.step_log is not None:
-            self.step_log.append((start, time.perf_counter(), *self._last_shape))
+        if self.hooks is not None:
+            self.hooks.step_finished(start, time.perf_counter())
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
-        self._last_shape = (scheduled.total_num_scheduled_tokens, len(scheduled.num_scheduled_tokens))
+        if self.hooks is not None:
+            self.hooks.step_scheduled(scheduled)
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
         result = self.runner.execute(scheduled)
@@ -85,12 +87,12 @@ class EngineCore:
             return []
         return self._update(*previous)
 
-    def _update(self, scheduled: SchedulerOutput, result) -> list[EngineCoreOutput]:
+    def _update(self, scheduled: SchedulerOutput, result: StepOutcome) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduled, result.result())
         # Logprobs travel beside the tokens: each output carries this step's tokens of one
         # request, so it takes that request's logprobs (dropped tokens drop theirs too: a
         # fused call's tokens after a stop).
-        logprobs = result.logprobs() if hasattr(result, "logprobs") else None
+        logprobs = result.logprobs()
         if logprobs:
             for out in outputs:
                 entries = logprobs.get(out.req_id)
@@ -101,10 +103,9 @@ class EngineCore:
             self._attach_prompt_logprobs(outputs, result)
         return outputs
 
-    def _attach_prompt_logprobs(self, outputs, result) -> None:
+    def _attach_prompt_logprobs(self, outputs, result: StepOutcome) -> None:
         """Gather this step's prompt logprobs; hand them over with a request's first output."""
-        for req_id, (first, entries) in (result.prompt_logprobs() if hasattr(result, "prompt_logprobs")
-                                         else {}).items():
+        for req_id, (first, entries) in result.prompt_logprobs().items():
             gathered = self._prompt_logprobs.get(req_id)
             if gathered is not None:  # a prefill restarted by a preemption overwrites its entries
                 del gathered[first:]

@@ -55,13 +55,8 @@ from collections.abc import Iterable
 from mrv2_jax.config import CacheConfig, SchedulerConfig
 from mrv2_jax.engine.kv_cache_manager import KVCacheManager
 from mrv2_jax.engine.request import Request, RequestStatus
-from mrv2_jax.engine.scheduler_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from mrv2_jax.engine.scheduler_output import EngineCoreOutput, SchedulerStats
+from mrv2_jax.runner.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.spec_decode.metrics import SpecDecodeStats
 

@@ -95,7 +95,7 @@ def cmd_convert(args) -> int:
 def cmd_serve(args) -> int:
     import logging
 
-    from mrv2_jax.engine.async_llm import AsyncLLM
+    from mrv2_jax.async_llm import AsyncLLM
     from mrv2_jax.entrypoints.openai_server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -124,8 +124,6 @@ BENCHMARKS = {
     "compare": ("mrv2_jax.bench.compare", "side by side with vLLM (MRV2 and V1) on one GPU, with --plot"),
     "xla-vs-cudagraph": ("mrv2_jax.bench.xla_vs_cudagraph", "a decode step: XLA command buffers vs a CUDA graph"),
     "fused": ("mrv2_jax.bench.fused_decode", "small-batch decode latency with and without fused decode"),
-    "dispatch-cost": ("mrv2_jax.bench.dispatch_cost", "the host cost of one step's jitted call, taken apart"),
-    "host-step": ("mrv2_jax.bench.host_step", "the engine's own host work per decode step (CPU, stand-in runner)"),
 }
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mrv2_jax.engine.async_llm import EngineDeadError
+from mrv2_jax.async_llm import EngineDeadError
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mrv2_jax.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from mrv2_jax.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from mrv2_jax.entrypoints import openai_responses as R
 from mrv2_jax.entrypoints.http_guards import APIKeyMiddleware, BodySizeLimitMiddleware
 from mrv2_jax.entrypoints.openai_errors import OpenAIError, bad_request, from_value_error, install_error_handlers

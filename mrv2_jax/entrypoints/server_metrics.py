@@ -19,7 +19,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from mrv2_jax.engine.async_llm import AsyncLLM
+from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.engine.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)

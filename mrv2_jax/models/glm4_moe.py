@@ -78,13 +78,6 @@ class Glm4MoeModelState(Qwen3MoeModelState):
                  {})
         return self._group(layers, self.moe_layout(), self.mtp_forward, extra)
 
-    def build_mtp_proposer(self, lm, k: int, **runner_info):
-        if not self.num_mtp_layers:
-            return super().build_mtp_proposer(lm, k, **runner_info)  # raises, naming the family
-        from mrv2_jax.spec_decode.mtp_proposer import MtpProposer
-
-        return MtpProposer(self, lm, k, **runner_info)
-
     def mtp_forward(self, p, embeds, prev_hidden, rope, attention, layer, kv_cache):
         """One MTP layer: (embeddings of the next tokens [T, H], the previous model's hidden
         states at the same positions [T, H]) -> (hidden [T, H] for `compute_logits` (after the

@@ -136,16 +136,6 @@ class ModelState(ABC):
     def kv_bytes_per_token(self, dtype=jnp.bfloat16) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(dtype).itemsize
 
-    # --- speculative decoding --------------------------------------------------------
-    def build_mtp_proposer(self, lm, k: int, **runner_info):
-        """A `spec_decode.proposer.Proposer` that drafts with this family's own
-        multi-token-prediction layer(s) (speculative method "mtp"). Families with MTP weights
-        override this; `runner_info` carries num_blocks, block_size, max_model_len, kv_dtype,
-        use_kernels and with_probs for a proposer that keeps its own KV cache."""
-        raise NotImplementedError(
-            f"speculative method 'mtp' needs a multi-token-prediction layer, and the "
-            f"{self.architecture} family ({type(self).__name__}) has none; use 'ngram' or 'draft_model'")
-
 
 _REGISTRY: dict[str, type[ModelState]] = {}
 

@@ -1,8 +1,8 @@
 """Fused decode: several decode steps in one compiled call.
 
-At small batches the host, not the device, sets the pace: a batch-1 Qwen3-0.6B decode step
-needs ~0.3 ms of device time, while scheduling, packing and dispatching one step costs the
-host about as much or more (docs/architecture.md, "Fused decode"). When every scheduled row is
+At small batches the host, not the device, sets the pace: scheduling, packing and dispatching
+one step costs the host about as much as the device's work for a small batch's decode step, or
+more (docs/architecture.md, "Fused decode"; docs/benchmarks.md, "Small-batch decode"). When every scheduled row is
 decoding and none needs the host for a while, the scheduler asks for K steps at once, and this
 module runs them inside ONE compiled call: a `lax.while_loop` over
     prepare inputs -> forward -> sample -> post-update
@@ -30,7 +30,7 @@ from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.buckets import Bucket
 from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, DeviceState
-from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
+from mrv2_jax.runner.model_step import FlatParams, forward_and_sample
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
@@ -69,15 +69,15 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
     return may_stop & jnp.any(state.stop_ids[idx_mapping] == last[:, None], axis=-1)
 
 
-def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, prep,
-                      num_tokens: int, block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1):
+def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, num_tokens: int,
+                      block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields)."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
         x = layout.unpack(packed)
         idx, num_reqs, budget = x["idx_mapping"], x["num_reqs"], x["max_steps"]
-        state = prep.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
+        state = prepare.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
         num_rows = idx.shape[0]
         real_row = jnp.arange(num_rows) < num_reqs
         decoding = state.num_computed[idx] + 1 == state.num_tokens[idx]
@@ -88,13 +88,13 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             kv_cache, state, sampler_state, active, produced, outs = carry
             active = active & (step < x["num_steps"])
             # An inactive row schedules 0 tokens: no KV write, no sample, no token appended.
-            state, inputs = prep.prepare_inputs(state, idx, active.astype(jnp.int32), num_reqs, no_chunk,
-                                                block_size)
+            state, inputs = prepare.prepare_inputs(state, idx, active.astype(jnp.int32), num_reqs, no_chunk,
+                                                   block_size)
             sampling, sampler_rows = prepare.batch_sampling(state, idx, num_reqs)
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                        inputs.query_start_loc, num_reqs, use_kernels=use_kernels)
-            kv_cache, out = forward_and_sample_full(
+            kv_cache, out = forward_and_sample(
                 params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids, positions=inputs.positions,
                 attention=attention, logits_indices=inputs.logits_indices, sampling=sampling,
                 features=features, penalties=penalties)
@@ -102,7 +102,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             if features.penalties:
                 sampler_state = slot_state.count_sampled(
                     sampler_state, jnp.where(sampled, sampler_rows, -1), out.tokens)
-            state = prep.post_update(state, idx, num_reqs, inputs, out.tokens)
+            state = prepare.post_update(state, idx, num_reqs, inputs, out.tokens)
             produced = produced + sampled.astype(jnp.int32)
             outs = _record(outs, step, out, sampled)
             active = sampled & (produced < budget) & ~rows_ended(state, idx)

@@ -9,7 +9,7 @@ from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
 from mrv2_jax.sample.penalties import PenaltyData
-from mrv2_jax.sample.sampler import SamplerOutput, sample, sample_tokens
+from mrv2_jax.sample.sampler import SamplerOutput, sample
 from mrv2_jax.sample.tensors import SamplingTensors
 
 
@@ -27,13 +27,11 @@ class FlatParams:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 
 
-def forward_logits(lm, kv_cache, *, input_ids, positions, attention: PagedAttention, logits_indices,
-                   return_hidden: bool = False, logits_dtype=jnp.float32):
-    """-> (kv_cache, [R, V] logits of the last scheduled token of each row, in `logits_dtype`
-    (None: the model's)[, hidden [T, H]])."""
+def forward_logits(lm, kv_cache, *, input_ids, positions, attention: PagedAttention, logits_indices):
+    """-> (kv_cache, [R, V] logits of the last scheduled token of each row in the model's dtype,
+    hidden [T, H] of every token)."""
     hidden, kv_cache = lm(input_ids, positions, attention, kv_cache)
-    logits = lm.compute_logits(hidden[logits_indices], logits_dtype)
-    return (kv_cache, logits, hidden) if return_hidden else (kv_cache, logits)
+    return kv_cache, lm.compute_logits(hidden[logits_indices], None), hidden
 
 
 # Prompt logprobs are computed over the token axis in pieces of this many tokens, so a long
@@ -70,26 +68,16 @@ def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True, kernel_mo
 
 
 def forward_and_sample(lm, kv_cache, *, input_ids, positions, attention: PagedAttention,
-                       logits_indices, temperature, seeds):
-    """Temperature-only sampling -> (kv_cache, tokens i32[R])."""
-    kv_cache, logits = forward_logits(lm, kv_cache, input_ids=input_ids, positions=positions,
-                                      attention=attention, logits_indices=logits_indices)
-    # The sampled token sits one position after the last scheduled token of its row.
-    tokens = sample_tokens(logits, temperature, seeds, positions[logits_indices] + 1)
-    return kv_cache, tokens
-
-
-def forward_and_sample_full(lm, kv_cache, *, input_ids, positions, attention: PagedAttention,
-                            logits_indices, sampling: SamplingTensors, features: SamplerFeatures,
-                            penalties: PenaltyData | None = None, prompt_targets=None) -> tuple[object, SamplerOutput]:
-    """Every sampling parameter -> (kv_cache, SamplerOutput). With `features.prompt_logprobs`,
-    `prompt_targets` (see `prompt_logprobs`) gives the output's prompt logprob fields."""
+                       logits_indices, sampling: SamplingTensors, features: SamplerFeatures,
+                       penalties: PenaltyData | None = None, prompt_targets=None) -> tuple[object, SamplerOutput]:
+    """The forward pass, then the sampler with every sampling parameter -> (kv_cache, SamplerOutput).
+    With `features.prompt_logprobs`, `prompt_targets` (see `prompt_logprobs`) gives the output's
+    prompt logprob fields."""
     # The sampler gets the logits in the model's dtype and converts where it reads them (exact):
-    # an f32 copy ahead of its Pallas pass was written out and then read at twice the bytes
+    # an f32 copy ahead of its Pallas pass would be written out and then read at twice the bytes
     # (docs/benchmarks.md, "Sampler: bf16 logits").
     kv_cache, logits, hidden = forward_logits(lm, kv_cache, input_ids=input_ids, positions=positions,
-                                              attention=attention, logits_indices=logits_indices,
-                                              return_hidden=True, logits_dtype=None)
+                                              attention=attention, logits_indices=logits_indices)
     out = sample(logits, sampling, positions[logits_indices] + 1, features, penalties)
     if features.prompt_logprobs and prompt_targets is not None:
         lp = prompt_logprobs(lm, hidden, prompt_targets, runtime_skip=features.runtime_skip,

@@ -1,8 +1,9 @@
 """One host buffer per step: many small int32 arrays travel in one transfer.
 
-Every separate numpy argument to a jitted call costs a host->device copy (~40-100 us measured
-on the H200), so the per-step inputs are laid out back to back in a single int32 buffer with
-static offsets, and sliced apart again inside the jit (slices of a static layout are free).
+Every separate numpy argument to a jitted call costs a host->device copy of its own
+(docs/benchmarks.md says how much), so the per-step inputs are laid out back to back in a single
+int32 buffer with static offsets, and sliced apart again inside the jit (slices of a static
+layout are free).
 """
 
 from dataclasses import dataclass, field

@@ -5,9 +5,9 @@ compilation releases the GIL and dominates (seconds per bucket for a 28-layer mo
 lowered modules are compiled on a thread pool. With the persistent compilation cache, a later
 start only loads them.
 
-On the CPU backend they compile one at a time: with jax 0.11.2, XLA:CPU crashed (segmentation
+On the CPU backend they compile one at a time: XLA:CPU (jax 0.11.2) can crash (a segmentation
 fault in `compilation_cache.put_executable_and_time`) serialising one executable for the
-persistent cache while another thread compiled, twice in the test suite.
+persistent cache while another thread compiles.
 """
 
 import os

@@ -28,6 +28,3 @@ class SlotAllocator:
     def slots_of(self, req_ids) -> list[int]:
         """Every step's batch order: one C-level pass instead of a method call per row."""
         return list(map(self.slot_by_req.__getitem__, req_ids))
-
-    def __len__(self):
-        return len(self.slot_by_req)

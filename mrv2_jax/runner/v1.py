@@ -20,53 +20,38 @@ the kept tokens and the next drafts (a draft model's, drafted in the same step; 
 computed here on the host, as vLLM's V1 does), and the host waits for all of them as usual.
 """
 
-import math
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.engine.scheduler_output import SchedulerOutput
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
-from mrv2_jax.runner.buckets import Bucket, BucketPlan
-from mrv2_jax.runner.kv_cache import allocate_kv_cache
-from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
-from mrv2_jax.runner.prepare import StepInputs
+from mrv2_jax.runner.base import RunnerBase
+from mrv2_jax.runner.buckets import Bucket
+from mrv2_jax.runner.model_step import forward_and_sample
 from mrv2_jax.runner.packed import PackedLayout
-from mrv2_jax.runner.precompile import compile_all
-from mrv2_jax.xla_flags import step_compiler_options
-from mrv2_jax.runner.slots import SlotAllocator
+from mrv2_jax.runner.prepare import StepInputs
 from mrv2_jax.runner.step_result import StepResult, prompt_spans, prompt_token_logprobs
 from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.tensors import (
     FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, SCALAR_FIELDS, SamplingTable, SamplingTensors,
-    needed_features, sampling_row)
+    needed_features)
 
 
-class ModelRunnerV1:
+class ModelRunnerV1(RunnerBase):
     is_async_capable = False
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, show_progress: bool = True,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, spec_decoder=None):
-        """`sampler_variants`: the sampler feature sets compiled per bucket; each step uses the
-        first that covers its batch (the last must cover everything). Default: argmax-only, then
-        every feature behind runtime skips."""
-        self.model_state = model_state
-        self.params = FlatParams(lm)
-        self.block_size = block_size
-        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
-        self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
-        self.spec = spec_decoder
-        self.spec_params = spec_decoder.init_params() if spec_decoder else ()
-        self.spec_state = spec_decoder.init_state() if spec_decoder else ()
-        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs,
-                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0))
-        self.slots = SlotAllocator(max_num_seqs)
+        """Arguments as RunnerBase's; per step the first sampler variant that covers the batch
+        runs (by default greedy, plain sampling, then every feature behind runtime skips)."""
+        super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                         kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
+                         spec_decoder=spec_decoder)
         # Persistent CPU tables, one row per slot.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)
@@ -77,17 +62,8 @@ class ModelRunnerV1:
         self.prompt_top_n = np.full(max_num_seqs, -1, np.int32)  # prompt_logprobs n, -1 = none
         self.sampling = SamplingTable(max_num_seqs, MAX_LOGIT_BIAS, MAX_STOP_IDS)
         self.table_row = np.full(max_num_seqs, -1, np.int32)  # slot if its device rows are valid
-        # As V2: per step the first variant that covers the batch (greedy, plain sampling, all).
-        self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
-        self.vocab_size = model_state.vocab_size
-        self.eos_token_ids = tuple(model_state.eos_token_ids or ())
-        # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot.
-        self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS,
-                                                     max_model_len)
-        self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
-        self._seed_rng = np.random.default_rng()
-        self.compiled = {}
-        self._compile_all(show_progress)
+        self.compiled = self._compile_steps({b: (self._layout(b), self._step_fn) for b in self.buckets},
+                                            (self.kv_cache, self.slot_state), show_progress)
 
     # --- compilation ---------------------------------------------------------------------
     def _layout(self, bucket: Bucket) -> PackedLayout:
@@ -123,7 +99,7 @@ class ModelRunnerV1:
                     num_reqs=x["num_seqs"], attention=attention, sampling=sampling, table_rows=x["table_row"],
                     features=features, penalties=penalties, next_prompt_token=x["next_prompt"] - 1)
                 return kv_cache, sampler_state, (out, drafts), spec_state
-            kv_cache, out = forward_and_sample_full(
+            kv_cache, out = forward_and_sample(
                 self.params.merge(param_leaves), kv_cache, input_ids=x["input_ids"],
                 positions=x["positions"], attention=attention, logits_indices=x["logits_indices"],
                 sampling=sampling, features=features, penalties=penalties, prompt_targets=x["prompt_targets"])
@@ -131,21 +107,6 @@ class ModelRunnerV1:
                 sampler_state = slot_state.count_sampled(sampler_state, x["count_row"], out.tokens)
             return kv_cache, sampler_state, out, spec_state
         return step
-
-    def _compile_all(self, show_progress: bool):
-        """Every bucket is compiled ahead of time; a step outside them is an error, never a
-        silent recompile."""
-        layouts, lowered = {}, {}
-        for bucket in self.buckets:
-            layouts[bucket] = layout = self._layout(bucket)
-            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            for i, features in enumerate(self.sampler_variants):
-                lowered[bucket, i] = jax.jit(self._step_fn(layout, features), donate_argnums=(1, 2, 5)).lower(
-                    self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
-        compiled = compile_all(lowered, show_progress, compiler_options=step_compiler_options(self.params.leaves))
-        for bucket, layout in layouts.items():
-            self.compiled[bucket] = (layout, [(features, compiled[bucket, i])
-                                              for i, features in enumerate(self.sampler_variants)])
 
     # --- per-step state changes ------------------------------------------------------------
     def _apply_scheduler_changes(self, out: SchedulerOutput):
@@ -162,10 +123,8 @@ class ModelRunnerV1:
             self.num_prompt[s] = new.num_prompt_tokens
             top_n = new.sampling_params.prompt_logprobs
             self.prompt_top_n[s] = -1 if top_n is None or not self.supports_prompt_logprobs else top_n
-            row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)
+            row, owns_rows = self._new_sampling_row(new, s)
             self.sampling.write(s, row)
-            self.slot_state, owns_rows = self._slot_writer.write(
-                self.slot_state, s, row, new.token_ids, new.num_prompt_tokens)
             self.table_row[s] = s if owns_rows else -1
         for cached in out.cached_reqs:
             s = self.slots.slot_of(cached.req_id)
@@ -204,8 +163,8 @@ class ModelRunnerV1:
             layout.view(packed, "next_prompt")[: len(rows)] = np.where(prefilling, next_prompt, 0)
         spans = self._prompt_targets(layout, packed, req_ids, rows, counts)
         if spans:  # only the full variant computes prompt logprobs
-            features, compiled = variants[-1]
-            if not features.prompt_logprobs:
+            compiled = variants[-1]
+            if not self.sampler_variants[-1].prompt_logprobs:
                 raise RuntimeError("prompt_logprobs needs a sampler variant with prompt_logprobs=True")
         else:
             compiled = self._pick_variant(layout, packed, variants)
@@ -229,11 +188,6 @@ class ModelRunnerV1:
                 if want_logprobs[i]:
                     sampled_logprobs[req_id] = [LogprobRow(block, i, num_logprobs[i])]
         return StepResult(sampled, sampled_logprobs, prompt_token_logprobs(result, spans))
-
-    @property
-    def supports_prompt_logprobs(self) -> bool:
-        """Prompt logprobs come from the full variant's plain step (not a spec step)."""
-        return self.spec is None and self.sampler_variants[-1].prompt_logprobs
 
     def _prompt_targets(self, layout, packed, req_ids, rows, counts) -> dict:
         """Fill `prompt_targets` for rows asking for prompt logprobs -> their spans (see
@@ -296,7 +250,7 @@ class ModelRunnerV1:
 
     def _pick_variant(self, layout, packed, variants):
         if len(variants) == 1:
-            return variants[0][1]
+            return variants[0]
         n = int(layout.view(packed, "num_seqs"))
         table_rows = layout.view(packed, "table_row")[:n]
         rows = np.maximum(table_rows, 0)
@@ -306,7 +260,7 @@ class ModelRunnerV1:
                             bias_ids=np.where(has_rows, arrays["bias_ids"][rows], -1), bias_values=None,
                             stop_ids=np.where(has_rows, arrays["stop_ids"][rows], -1))
         needed = needed_features(t, self.vocab_size)
-        for features, compiled in variants:
+        for features, compiled in zip(self.sampler_variants, variants):
             if features.covers(needed):
                 return compiled
         raise RuntimeError(f"no compiled sampler variant covers {needed}")

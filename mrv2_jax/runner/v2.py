@@ -16,33 +16,27 @@ tail of the step: decode rows carry drafts read from the token table, the step v
 writes the next drafts there; the host reads 1..1+k tokens per row, one step later as usual.
 """
 
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.engine.scheduler_output import SchedulerOutput
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
-from pallas_kernels.prepare_inputs import prepare_ops
-from mrv2_jax.runner.buckets import Bucket, BucketPlan
+from mrv2_jax.runner.base import RunnerBase
+from mrv2_jax.runner.buckets import Bucket
 from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, SAMPLING_FIELDS, init_device_state
 from mrv2_jax.runner.fused import device_stop_ids, fused_layout, make_fused_decode
-from mrv2_jax.runner.kv_cache import allocate_kv_cache
-from mrv2_jax.runner.model_step import FlatParams, forward_and_sample_full
+from mrv2_jax.runner.model_step import forward_and_sample
 from mrv2_jax.runner.packed import PackedLayout
-from mrv2_jax.runner.precompile import compile_all
-from mrv2_jax.xla_flags import step_compiler_options
-from mrv2_jax.runner.slots import SlotAllocator
 from mrv2_jax.runner.step_result import StepResult, prompt_token_logprobs
 from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
-from mrv2_jax.sample.tensors import (FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, is_plain_greedy, row_needs,
-                                     sampling_row)
+from mrv2_jax.sample.tensors import FLOAT_SCALAR_FIELDS, is_plain_greedy, row_needs
 
 
 OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buffer is too small
@@ -81,7 +75,7 @@ class PendingStep:
         return tokens, (tokens >= 0).sum(axis=0)
 
     def result(self) -> dict[str, list[int]]:
-        # Python ints and lists throughout: numpy scalar indexing per row costs ~0.3 us a row.
+        # Python ints and lists throughout: indexing numpy arrays row by row is slow on this path.
         sampling = self._sampling
         tokens = np.asarray(self._out.tokens)
         if self._num_sampled is None and tokens.ndim == 1:  # one step: one token per row
@@ -109,55 +103,35 @@ class PendingStep:
         return rows
 
 
-class ModelRunnerV2:
+class ModelRunnerV2(RunnerBase):
     is_async_capable = True
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
-                 use_kernels: bool | None = None, use_prep_kernels: bool = False,
-                 sampler_variants: tuple[SamplerFeatures, ...] | None = None, show_progress: bool = True,
-                 spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32, fused_unroll: int = 1):
-        """`sampler_variants`: sampler feature sets compiled per bucket, cheapest first, each
-        covering the ones before it; a step uses the first that covers every row's needs (the
-        last must cover everything; prompt logprobs always take it). `spec_decoder`: a
-        spec_decode.decoder.SpecDecoder, or None.
+                 use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
+                 show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
+                 fused_unroll: int = 1):
+        """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
+        row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
         to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
-        self.params = FlatParams(lm)
-        self.block_size = block_size
-        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
-        self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
-        # Input prep as Pallas kernels (pallas_kernels/prepare_inputs.py) or as jnp that XLA
-        # fuses; both run on the device. The jnp path stays the default until the kernels are
-        # measured on the GPU.
-        self.prep = prepare_ops(use_prep_kernels, interpret=jax.default_backend() != "gpu")
-        self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
+        if spec_decoder is not None and max_fused_steps > 1:
+            raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
+        super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                         kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
+                         spec_decoder=spec_decoder)
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
-        self.spec = spec_decoder
-        self.spec_params = spec_decoder.init_params() if spec_decoder else ()
-        self.spec_state = spec_decoder.init_state() if spec_decoder else ()
-        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs,
-                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0))
-        self.slots = SlotAllocator(max_num_seqs)
         self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
-        self._seed_rng = np.random.default_rng()
         self._logprob_reqs: dict[str, int] = {}  # requests that asked for logprobs -> top n
         self._prompt_lp_reqs: dict[str, tuple[int, int]] = {}  # prompt_logprobs -> (top n, prompt length)
-        self.eos_token_ids = tuple(model_state.eos_token_ids or ())
         # Plain-greedy batches take an argmax-only sampler, batches that only sample with a
         # temperature a variant without conditionals, any other batch the variant with every
         # feature behind runtime skips (sample/features.py says what each costs).
-        self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
         self._variant_of: dict[str, int] = {}  # live requests that need more than variant 0
-        self.vocab_size = model_state.vocab_size
-        self.slot_state = slot_state.init_slot_state(max_num_seqs, model_state.vocab_size, MAX_LOGIT_BIAS,
-                                                     MAX_STOP_IDS, max_model_len)
-        self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
         # Fused decode takes one token per row and step: per row count up to max_fused_rows, the
         # smallest bucket with that many rows.
-        if spec_decoder is not None and max_fused_steps > 1:
-            raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         by_rows = {}
@@ -167,7 +141,7 @@ class ModelRunnerV2:
         self.fused_buckets = tuple(by_rows.values())
         self.max_fused_rows = max(by_rows, default=0)
         self.num_fused_calls = 0
-        self.compiled, self.fused = {}, {}
+        self.hooks = None  # benchmarks' instrumentation (runner/step_hooks.py); None: nothing is called
         self._compile_all(show_progress)
 
     # --- compilation ---------------------------------------------------------------------
@@ -190,17 +164,17 @@ class ModelRunnerV2:
             float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
     def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
-        block_size, use_kernels, prep = self.block_size, self.use_kernels, self.prep
+        block_size, use_kernels = self.block_size, self.use_kernels
 
         def step(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
             x = layout.unpack(packed)
-            state = prep.apply_new_requests(state, x["new_slot"], x["new_prefill_len"], x["new_num_computed"],
-                                            x["new_num_prompt"], x["new_sampler_row"],
-                                            {name: x[f"new_{name}"] for name in SAMPLING_FIELDS},
-                                            x["new_stop_ids"])
-            state = prep.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
-            state, inputs = prep.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
-                                                x["chunk_tokens"], block_size)
+            state = prepare.apply_new_requests(state, x["new_slot"], x["new_prefill_len"], x["new_num_computed"],
+                                               x["new_num_prompt"], x["new_sampler_row"],
+                                               {name: x[f"new_{name}"] for name in SAMPLING_FIELDS},
+                                               x["new_stop_ids"])
+            state = prepare.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
+            state, inputs = prepare.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
+                                                   x["chunk_tokens"], block_size)
             sampling, sampler_rows = prepare.batch_sampling(state, x["idx_mapping"], x["num_reqs"])
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
@@ -212,20 +186,20 @@ class ModelRunnerV2:
                     sampling=sampling, sampler_rows=sampler_rows, penalties=penalties, features=features,
                     next_prompt_token=x["next_prompt"] - 1)
                 return kv_cache, state, sampler_state, out, spec_state
-            kv_cache, out = forward_and_sample_full(
+            kv_cache, out = forward_and_sample(
                 self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
                 positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
                 sampling=sampling, features=features, penalties=penalties, prompt_targets=x["prompt_targets"])
             if features.penalties:
                 sampler_state = slot_state.count_sampled(
                     sampler_state, jnp.where(inputs.samples, sampler_rows, -1), out.tokens)
-            state = prep.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, out.tokens)
+            state = prepare.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, out.tokens)
             return kv_cache, state, sampler_state, out, spec_state
 
         return step
 
     def _fused_fn(self, bucket: Bucket, layout: PackedLayout, features: SamplerFeatures):
-        fused = make_fused_decode(layout, features, params=self.params, prep=self.prep, num_tokens=bucket.num_tokens,
+        fused = make_fused_decode(layout, features, params=self.params, num_tokens=bucket.num_tokens,
                                   block_size=self.block_size, use_kernels=self.use_kernels,
                                   max_steps=self.max_fused_steps, unroll=self.fused_unroll)
 
@@ -240,27 +214,19 @@ class ModelRunnerV2:
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
         K decode steps (the buckets in `fused_buckets`)."""
-        layouts, lowered = {}, {}
-        kinds = [("step", b, self._layout(b), self._step_fn) for b in self.buckets]
-        kinds += [("fused", b, fused_layout(b, self.block_size, self.max_fused_steps),
-                   lambda layout, features, b=b: self._fused_fn(b, layout, features)) for b in self.fused_buckets]
-        for kind, bucket, layout, make_fn in kinds:
-            layouts[kind, bucket] = layout
-            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            for i, features in enumerate(self.sampler_variants):
-                lowered[kind, bucket, i] = jax.jit(make_fn(layout, features), donate_argnums=(1, 2, 3, 6)).lower(
-                    self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
-                    self.spec_state)
-        compiled = compile_all(lowered, show_progress, compiler_options=step_compiler_options(self.params.leaves))
-        for (kind, bucket), layout in layouts.items():
-            table = self.fused if kind == "fused" else self.compiled
-            table[bucket] = (layout, [compiled[kind, bucket, i] for i in range(len(self.sampler_variants))])
+        steps = {("step", b): (self._layout(b), self._step_fn) for b in self.buckets}
+        steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
+                                 lambda layout, features, b=b: self._fused_fn(b, layout, features))
+                  for b in self.fused_buckets}
+        compiled = self._compile_steps(steps, (self.kv_cache, self.state, self.slot_state), show_progress)
+        self.compiled = {b: programs for (kind, b), programs in compiled.items() if kind == "step"}
+        self.fused = {b: programs for (kind, b), programs in compiled.items() if kind == "fused"}
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
 
     # --- one step -----------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput):
+    def execute(self, out: SchedulerOutput) -> "PendingStep | StepResult":
         for req_id in out.finished_req_ids:
             self.slots.free(req_id)
             self._logprob_reqs.pop(req_id, None)
@@ -300,7 +266,8 @@ class ModelRunnerV2:
                         num = max(0, min(n, num_prompt - 1 - begin))
                         if num:
                             spans[req_id] = (pos, num, top_n, begin)
-                            view("prompt_targets")[pos : pos + num] = np.asarray(prompt[begin + 1 : begin + 1 + num]) + 1
+                            targets = np.asarray(prompt[begin + 1 : begin + 1 + num])
+                            view("prompt_targets")[pos : pos + num] = targets + 1
                     if begin + n >= len(prompt):
                         del self._prompts[req_id]
                 pos += n
@@ -309,11 +276,6 @@ class ModelRunnerV2:
         self._flush_block_appends(appends[capacity:])
         self._write_appends(view, appends[:capacity])
         return self._dispatch(variants, packed, req_ids, out, spans)
-
-    @property
-    def supports_prompt_logprobs(self) -> bool:
-        """Prompt logprobs come from the full variant's plain step (not a spec step)."""
-        return self.spec is None and self.sampler_variants[-1].prompt_logprobs
 
     def _execute_fused(self, out: SchedulerOutput, req_ids: list[str]) -> PendingStep:
         """Up to `out.num_fused_steps` decode steps in one call; row r runs at most
@@ -349,36 +311,19 @@ class ModelRunnerV2:
         else:
             compiled = variants[0]
         start = time.perf_counter()
-        self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
-        # Host time of the jitted call alone (argument handling, the input copy, the launch):
-        # the benchmarks' timeline splits the runner's dispatch time with it.
-        self.last_call_s = time.perf_counter() - start
-        self.last_dispatch = (compiled, packed)
+        result = self.call_step(compiled, packed)
+        if self.hooks is not None:  # benchmarks: the call, its input and its host time
+            self.hooks.dispatched(self, compiled, packed, time.perf_counter() - start)
         wants_logprobs = ({r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
                           if self._logprob_reqs else {})  # (most batches: nobody asked)
         return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs, prompt_spans)
 
-    def replay(self, dispatch, repeats: int, head_start=None) -> float:
-        """Benchmarks only: run a captured step `repeats` times back to back on the current
-        state and return the time per step (it advances that state: run it last).
-        `last_replay_enqueue_s` is the host's time per step to enqueue them: near the returned
-        time, the host (or a sync inside the step) is what limits the replay, not the GPU.
-        head_start: a callable that enqueues GPU work first (its time is in the result), so
-        that the host has enqueued the steps before the GPU reaches them."""
-        compiled, packed = dispatch
-        packed = jax.device_put(packed)
-        jax.block_until_ready(self.state)
-        start = time.perf_counter()
-        if head_start is not None:
-            head_start()
-        for _ in range(repeats):
-            self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
-                self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params,
-                self.spec_state)
-        self.last_replay_enqueue_s = (time.perf_counter() - start) / repeats
-        jax.block_until_ready(result.tokens)
-        return (time.perf_counter() - start) / repeats
+    def call_step(self, compiled, packed):
+        """Run one compiled step on the runner's state, which the call donates and replaces;
+        -> the step's device result. Benchmarks replay captured steps through it."""
+        self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
+            self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
+        return result
 
     def _write_new_requests(self, out: SchedulerOutput, view):
         new_slot = view("new_slot")
@@ -390,14 +335,12 @@ class ModelRunnerV2:
             view("new_prefill_len")[i] = len(new.token_ids)
             view("new_num_computed")[i] = new.num_computed_tokens
             view("new_num_prompt")[i] = new.num_prompt_tokens
-            row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)
+            # Penalty counts, prompt masks, bias and min_tokens lists are written once, by their
+            # own small dispatch, only for requests that use them.
+            row, owns_rows = self._new_sampling_row(new, slot)
             for name in SAMPLING_FIELDS:
                 view(f"new_{name}")[i] = row.scalars[name]
             view("new_stop_ids")[i] = device_stop_ids(new.sampling_params, self.eos_token_ids)
-            # Penalty counts, prompt masks, bias and min_tokens lists: written once, by their
-            # own small dispatch, only for requests that use them.
-            self.slot_state, owns_rows = self._slot_writer.write(
-                self.slot_state, slot, row, new.token_ids, new.num_prompt_tokens)
             if owns_rows:
                 view("new_sampler_row")[i] = slot
             if row.scalars["num_logprobs"] >= 0:

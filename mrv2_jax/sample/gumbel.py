@@ -5,7 +5,7 @@ request gets the same tokens whatever else is in the batch, whichever slot or ru
 async or not. Sampling is then argmax(logits / T + noise): no softmax, no cumulative sum.
 The noise is a counter hash (pallas_kernels/gumbel_hash.py) rather than jax.random: a handful of
 integer ops per element that XLA fuses into the argmax pass, cheaper than threefry keys made
-row by row (docs/benchmarks.md has the comparison; threefry stays below as its baseline).
+row by row (docs/benchmarks.md has the comparison; benchmarks/sampler.py keeps threefry as its baseline).
 """
 
 import jax
@@ -23,13 +23,3 @@ def gumbel_noise_at(seeds: jax.Array, positions: jax.Array, token_ids: jax.Array
     """The same noise at chosen token ids only: token_ids [R, C] (or [1, C]) -> f32 [R, C];
     column j of row r equals gumbel_noise(...)[r, token_ids[r, j]] bit for bit."""
     return noise_from_key(row_key(seeds, positions)[:, None], token_ids)
-
-
-def threefry_gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
-    """[R, vocab] float32 Gumbel noise from threefry keys folded from (seed, position): the
-    baseline of the sampler benchmark."""
-    def row(seed, pos):
-        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), pos)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
-
-    return jax.vmap(row)(seeds, positions)

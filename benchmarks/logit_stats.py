@@ -1,10 +1,10 @@
 """Microbenchmark: the sampler's pass over the logits (sample/logit_stats.py), Pallas kernel vs
 the jnp reference that XLA fuses, by tile size and warps, at serving shapes.
 
-    python -m mrv2_jax.bench.logit_stats --output-json $OUT/logit_stats.json
+    python -m benchmarks.logit_stats --output-json $OUT/logit_stats.json
 
 Each case reports the device time of its kernels per call, from a profiler trace of --calls
-calls (bench/sampler.py `profile_kernels`): a host-timed burst of calls measured the ~0.1 ms
+calls (benchmarks/timing.py `device_ms`): a host-timed burst of calls measured the ~0.1 ms
 dispatch of a jitted call, not the kernel. Without device events (a CPU) the wall time per call
 of a burst stands in. The floor is bytes moved / bandwidth: `gb` says how many GB one call
 reads and writes.
@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import device_ms
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.sample import SamplingTensors
 from mrv2_jax.sample import logit_stats as ls
@@ -36,19 +36,6 @@ def inputs(r: int, v: int, logits_dtype, counts_dtype, rng):
     mask = pack_token_mask(rng.random((r, v)) < 0.002, np)
     data = PenaltyData(jnp.asarray(counts), jnp.asarray(mask), jnp.asarray(rng.permutation(r), jnp.int32))
     return jnp.asarray(rng.normal(0, 2, (r, v)), logits_dtype), t, data
-
-
-def device_ms(fn, args, calls: int) -> float:
-    """Device ms per call (summed kernel time), or the wall ms per call of a burst without a GPU."""
-    from mrv2_jax.bench.sampler import profile_kernels
-
-    jax.block_until_ready(fn(*args))  # compile outside the trace
-    kernels = profile_kernels(fn, args, calls)
-    if kernels:
-        return sum(k["ms_per_step"] for k in kernels)
-    t0 = time.perf_counter()
-    jax.block_until_ready([fn(*args) for _ in range(calls)])
-    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def main(argv=None):
@@ -79,22 +66,27 @@ def main(argv=None):
                                args.calls)))
         for tb in args.tile_blocks:
             for warps in args.num_warps:
-                fn = functools.partial(pk.logit_stats, divisor=ones, tile_blocks=tb, num_warps=warps, interpret=args.interpret)
-                rows.append((label, f"kernel tb={tb} warps={warps}", moved, device_ms(fn, (logits, t, data), args.calls)))
+                fn = functools.partial(pk.logit_stats, divisor=ones, tile_blocks=tb, num_warps=warps,
+                                       interpret=args.interpret)
+                rows.append((label, f"kernel tb={tb} warps={warps}", moved,
+                             device_ms(fn, (logits, t, data), args.calls)))
                 rows.append((label, f"kernel tb={tb} warps={warps}, no penalties", logits.nbytes,
                              device_ms(lambda x, fn=fn: fn(x, None, None), (logits,), args.calls)))
         for loop in args.loops:
             tiles, stages = map(int, loop.split("x"))
             fn = functools.partial(pk.logit_stats, divisor=ones, tiles_per_program=tiles, num_stages=stages,
                                    interpret=args.interpret)
-            rows.append((label, f"kernel tb=32 warps=4 loop {loop}", moved, device_ms(fn, (logits, t, data), args.calls)))
+            rows.append((label, f"kernel tb=32 warps=4 loop {loop}", moved,
+                         device_ms(fn, (logits, t, data), args.calls)))
         stats = ref(logits, t, data)
         threshold = jnp.sort(logits.astype(jnp.float32), axis=1)[:, -30]
-        rows.append((label, "count_above xla", logits.nbytes, device_ms(
-            jax.jit(lambda x, s: jnp.sum(x.astype(jnp.float32) > s[:, None], axis=1)), (logits, threshold), args.calls)))
+        count_above_xla = jax.jit(lambda x, s: jnp.sum(x.astype(jnp.float32) > s[:, None], axis=1))
+        rows.append((label, "count_above xla", logits.nbytes,
+                     device_ms(count_above_xla, (logits, threshold), args.calls)))
         for tb in args.tile_blocks:
-            rows.append((label, f"count_above kernel tb={tb}", 0, device_ms(
-                functools.partial(pk.count_above, tile_blocks=tb, interpret=args.interpret), (logits, stats.raw_block_max, threshold), args.calls)))
+            kernel = functools.partial(pk.count_above, tile_blocks=tb, interpret=args.interpret)
+            rows.append((label, f"count_above kernel tb={tb}", 0,
+                         device_ms(kernel, (logits, stats.raw_block_max, threshold), args.calls)))
     report = describe_environment() | {"num_rows": r, "vocab": v, "cases": [
         {"inputs": a, "case": b, "gb": m / 1e9, "ms": ms} for a, b, m, ms in rows]}
     print(f"logit_stats: {r} rows x {v} vocab on {jax.devices()[0].device_kind}")

@@ -1,7 +1,7 @@
 """Microbenchmark: the engine's own host work per decode step, on the CPU, without a model.
 
-    python -m mrv2_jax.bench.host_step
-    python -m mrv2_jax.bench.host_step --rows 256 1024 --steps 200 --tokenizer none
+    python -m benchmarks.host_step
+    python -m benchmarks.host_step --rows 256 1024 --steps 200 --tokenizer none
 
 It measures HOST WORK ONLY. The real Scheduler (with its KV cache manager and prefix cache), the
 real EngineCore step loop (async scheduling) and the real OutputProcessor run as `LLM.step` runs
@@ -10,7 +10,7 @@ per sampling row and returns it as a `PendingStep` over numpy arrays that are al
 so `result()` is the real token read-out and nothing waits for a device. The runner's own input
 packing (`ModelRunnerV2.execute`) and the jitted call are not measured here.
 
-Each step is split as `bench/timeline.py` splits it (its `StepRecorder` wraps the engine's calls):
+Each step is split as `mrv2-jax bench timeline` splits it (its `StepRecorder` wraps the engine's calls):
 schedule, execute (the stand-in: not engine work), result (`PendingStep.result()`), update
 (`Scheduler.update_from_output`), core other (the rest of `EngineCore.step`: the logprob attach
 and the loop itself) and process (`OutputProcessor.process`). Two cases: final_only (as
@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from mrv2_jax.bench.host_logprobs import DEMO_TOKENIZER, _HostArray, load_tokenizer_arg
+from benchmarks.host_fakes import DEMO_TOKENIZER, HostArray, load_tokenizer_arg
 from mrv2_jax.bench.timeline import StepRecorder
 from mrv2_jax.config import CacheConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
@@ -49,6 +49,8 @@ class StandInRunner:
 
     is_async_capable = True
     supports_prompt_logprobs = False
+    max_fused_rows = 0
+    num_fused_calls = 0
 
     def __init__(self, vocab: int, seed: int = 0):
         self._rng = np.random.default_rng(seed)
@@ -58,7 +60,7 @@ class StandInRunner:
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
             return StepResult({})
-        tokens = self._rng.integers(0, self._vocab, len(req_ids), dtype=np.int32).view(_HostArray)
+        tokens = self._rng.integers(0, self._vocab, len(req_ids), dtype=np.int32).view(HostArray)
         return PendingStep(SamplerOutput(tokens=tokens), req_ids, out.sampling_req_ids, {})
 
 

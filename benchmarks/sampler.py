@@ -1,7 +1,7 @@
 """Microbenchmark: the device sampler alone, per step, at serving shapes.
 
-    python -m mrv2_jax.bench.sampler --output-json $OUT/sampler.json
-    python -m mrv2_jax.bench.sampler --num-rows 1024 --cases greedy temperature all_used_threshold
+    python -m benchmarks.sampler --output-json $OUT/sampler.json
+    python -m benchmarks.sampler --num-rows 1024 --cases greedy temperature all_used_threshold
 
 Default shape: 256 rows x 151,936 vocabulary (Qwen3), f32 logits, random normal values. Each case
 is one jitted `sample(...)` call with a given `SamplerFeatures` and batch; the time is the median
@@ -34,19 +34,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import statistics
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.timing import time_calls
+from mrv2_jax.bench.trace import call_timeline, profile_kernels
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
-from mrv2_jax.sample.gumbel import gumbel_noise, threefry_gumbel_noise
+from mrv2_jax.sample.gumbel import gumbel_noise
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
 
 T = SamplerFeatures()  # temperature only, runtime skips on
@@ -136,56 +135,14 @@ def run_case(name, features, kind, args):
     return result
 
 
-def profile_kernels(fn, inputs, calls: int = 10) -> list[dict]:
-    """Per call: the kernels (by family) of `calls` traced calls, largest first (timeline.py)."""
-    from mrv2_jax.bench.timeline import find_trace, kernel_split, read_trace
+def threefry_gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+    """[R, vocab] float32 Gumbel noise from threefry keys folded from (seed, position): the
+    sampler's noise before the counter hash of sample/gumbel.py, kept as this benchmark's baseline."""
+    def row(seed, pos):
+        key = jax.random.fold_in(jax.random.key(seed.astype(jnp.uint32)), pos)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
 
-    trace_dir = tempfile.mkdtemp(prefix="mrv2-sampler-trace-")
-    try:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                jax.block_until_ready(fn(*inputs))
-        path = find_trace(trace_dir)
-        events = read_trace(path)[1] if path else []
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-    if not events:
-        return []
-    return kernel_split(events, events[0][0], max(e[1] for e in events), calls, top=25)
-
-
-def call_timeline(fn, inputs, calls: int = 3) -> list[dict]:
-    """The device events of the last of `calls` traced calls, in order: offset from that call's
-    first event, duration and idle gap before it (µs). Shows where a call's wall time goes that
-    no kernel accounts for (conditionals, launches between command buffers)."""
-    from mrv2_jax.bench.timeline import find_trace, read_trace
-
-    trace_dir = tempfile.mkdtemp(prefix="mrv2-sampler-trace-")
-    try:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                jax.block_until_ready(fn(*inputs))
-                time.sleep(0.005)  # a gap that marks where one call ends
-        path = find_trace(trace_dir)
-        events = read_trace(path)[1] if path else []
-    finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
-    # Calls are separated by the sleep: split at gaps over 2 ms and keep the last group.
-    groups, last_end = [[]], None
-    for start, end, name in events:
-        if last_end is not None and start - last_end > 2000:
-            groups.append([])
-        groups[-1].append((start, end, name))
-        last_end = end if last_end is None else max(last_end, end)
-    call = groups[-1]
-    if not call:
-        return []
-    t0, out, prev_end = call[0][0], [], call[0][0]
-    for start, end, name in call:
-        out.append({"at_us": round(start - t0, 1), "us": round(end - start, 1),
-                    "gap_us": round(max(0.0, start - prev_end), 1), "kernel": name})
-        prev_end = max(prev_end, end)
-    return out
+    return jax.vmap(row)(seeds, positions)
 
 
 NOISE_CASES = {"noise_threefry": threefry_gumbel_noise, "noise_hash": gumbel_noise}

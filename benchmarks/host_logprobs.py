@@ -1,7 +1,7 @@
 """Microbenchmark: the host cost of sample logprobs per engine step, on the CPU, without a model.
 
-    python -m mrv2_jax.bench.host_logprobs
-    python -m mrv2_jax.bench.host_logprobs --num-rows 256 --num-logprobs 20 --steps 128 --tokenizer none
+    python -m benchmarks.host_logprobs
+    python -m benchmarks.host_logprobs --num-rows 256 --num-logprobs 20 --steps 128 --tokenizer none
 
 Each step is what the engine does on the host after a decode step: `PendingStep.logprobs()` on
 fake host arrays of a SamplerOutput, the engine core's attach (`entries[: len(new_token_ids)]`),
@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.host_fakes import DEMO_TOKENIZER, HostArray, load_tokenizer_arg
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
@@ -27,27 +27,9 @@ from mrv2_jax.runner.v2 import PendingStep
 from mrv2_jax.sample.sampler import SamplerOutput
 from mrv2_jax.sampling_params import SamplingParams
 
-DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "checkpoints" / "demo-qwen3"
-
-
-def load_tokenizer_arg(value: str):
-    """The host benchmarks' --tokenizer: a tokenizer directory, or 'none' (no detokenizing)."""
-    if value == "none":
-        return None
-    from mrv2_jax.engine.builder import load_tokenizer
-
-    return load_tokenizer(Path(value))
-
-
-class _HostArray(np.ndarray):
-    """A numpy array that answers PendingStep's `copy_to_host_async` (it is already there)."""
-
-    def copy_to_host_async(self):
-        pass
-
 
 def _fake_step(rng, num_rows: int, width: int, vocab: int) -> SamplerOutput:
-    host = lambda a: a.view(_HostArray)  # noqa: E731
+    host = lambda a: a.view(HostArray)  # noqa: E731
     return SamplerOutput(tokens=host(rng.integers(0, vocab, num_rows, dtype=np.int32)),
                          logprobs=host(-rng.random((num_rows, width), dtype=np.float32) * 10),
                          logprob_token_ids=host(rng.integers(0, vocab, (num_rows, width), dtype=np.int32)),

@@ -1,6 +1,6 @@
 """Host cost of one decode step's jitted call, taken apart.
 
-    python -m mrv2_jax.bench.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 1
+    python -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 1
 
 Runs `--rows` requests into steady decode, keeps one decode dispatch (the compiled step and its
 packed input buffer), then calls that step again and again on the runner's live state:
@@ -24,8 +24,10 @@ import time
 import jax
 import numpy as np
 
+from mrv2_jax.bench.capture import DecodeStepCapture
+from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.throughput import random_prompts
+from mrv2_jax.bench.step_log import attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 
@@ -33,33 +35,19 @@ def capture_decode_dispatch(llm, rows: int, output_len: int, input_len: int):
     """(compiled step, packed numpy buffer) of a mid-run decode step with `rows` rows."""
     from mrv2_jax.sampling_params import SamplingParams
 
-    runner, seen, kept = llm.engine.runner, [0], []
-    execute = runner.execute
-
-    def capture(out):
-        result = execute(out)
-        counts = list(out.num_scheduled_tokens.values())
-        if len(counts) == rows and all(n == 1 for n in counts):
-            seen[0] += 1
-            if seen[0] == output_len // 2:
-                kept.append(runner.last_dispatch)
-        return result
-
-    runner.execute = capture
+    capture = DecodeStepCapture(llm.engine.runner, rows, which=output_len // 2)
+    attach_hooks(llm.engine, capture)
     prompts = random_prompts(rows, input_len, 0.0, llm.model_state.vocab_size, 0)
     llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True), use_tqdm=False)
-    runner.execute = execute
-    if not kept:
+    attach_hooks(llm.engine, None)
+    if not capture.captured:
         raise SystemExit("no steady decode step was seen: raise --output-len")
-    return kept[0]
+    return capture.dispatch.compiled, capture.dispatch.packed
 
 
 def time_calls(runner, compiled, make_packed, calls: int) -> dict:
     def call(packed):
-        runner.kv_cache, runner.state, runner.slot_state, result, runner.spec_state = compiled(
-            runner.params.leaves, runner.kv_cache, runner.state, runner.slot_state, packed, runner.spec_params,
-            runner.spec_state)
-        return result
+        return runner.call_step(compiled, packed)
 
     jax.block_until_ready(call(make_packed()))
     host = []

@@ -1,9 +1,9 @@
 """Microbenchmark: what one executed `lax.cond` costs inside a jitted step on this device.
 
-    python -m mrv2_jax.bench.conditionals --output-json $OUT/conditionals.json
+    python -m benchmarks.conditionals --output-json $OUT/conditionals.json
 
-The sampler's runtime skips (sample/features.py) are `lax.cond`s; until 2026-11-30 there was one
-around each optional feature. Whether that is cheap depends on how XLA runs a conditional: as a node of the step's command
+The sampler's runtime skips (sample/features.py) were `lax.cond`s, one around each optional
+feature. Whether that is cheap depends on how XLA runs a conditional: as a node of the step's command
 buffer (CUDA graph), or by copying the predicate to the host and launching the branch from
 there. This times a chain of N conditionals whose predicates come from the device (a reduction
 of the previous result, so nothing can be hoisted), each doing a tiny amount of work, against
@@ -19,8 +19,8 @@ import statistics
 import jax
 import jax.numpy as jnp
 
+from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.timing import time_calls
 
 
 def chain(n: int, use_cond: bool):

@@ -1,6 +1,6 @@
 """Microbenchmark: the routed experts of one MoE layer, by backend, at Qwen3-30B-A3B shapes.
 
-    python -m mrv2_jax.bench.moe --output-json $OUT/moe.json [--sweep]
+    python -m benchmarks.moe --output-json $OUT/moe.json [--sweep]
 
 Shapes: E=128 experts, top-8, hidden 2048, moe_intermediate 768, bf16, tokens 256 (a decode
 batch) and 4096 (a prefill chunk); routing from random logits (about uniform over experts).
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment
-from mrv2_jax.bench.timing import time_calls
 from mrv2_jax.models.moe import routed_experts, softmax_topk_router
 from pallas_kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 

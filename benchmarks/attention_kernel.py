@@ -2,9 +2,9 @@
 
 Run on the GPU machine:
 
-    python -m mrv2_jax.bench.attention_kernel --output-json $OUT/attention.json
-    python -m mrv2_jax.bench.attention_kernel --cases decode_b256_c4096 --block-n 128
-    python -m mrv2_jax.bench.attention_kernel --sweep decode_b256_c4096 --sweep prefill_b1_c4096
+    python -m benchmarks.attention_kernel --output-json $OUT/attention.json
+    python -m benchmarks.attention_kernel --cases decode_b256_c4096 --block-n 128
+    python -m benchmarks.attention_kernel --sweep decode_b256_c4096 --sweep prefill_b1_c4096
 
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16, block
 size 16) over one layer's worth of cache in the stacked layout (num_layers=1 by default),
@@ -41,8 +41,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment
-from mrv2_jax.bench.timing import time_calls
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (
     default_tuning,

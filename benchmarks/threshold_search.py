@@ -2,9 +2,9 @@
 by launch configuration and by how many rows need it, against the jnp search XLA runs over
 every row (topk_topp.py), at serving shapes.
 
-    python -m mrv2_jax.bench.threshold_search --output-json $OUT/threshold_search.json
+    python -m benchmarks.threshold_search --output-json $OUT/threshold_search.json
 
-Device time per call from a profiler trace (bench/logit_stats.py `device_ms`). Rows with no
+Device time per call from a profiler trace (benchmarks/timing.py `device_ms`). Rows with no
 need cost the kernel a launch whose programs exit at once; rows that need it are searched by one
 program each (the row read 17 times for top_p, 33 for top_k then top_p).
 """
@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import device_ms
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.logit_stats import device_ms
 from mrv2_jax.sample import topk_topp
 
 CASES = {"top_p 0.9": (0, 0.9), "top_k 200, top_p 0.9": (200, 0.9)}

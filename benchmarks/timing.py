@@ -1,0 +1,31 @@
+"""Timing device work from the host: each call to completion, or its kernels' time in a trace."""
+
+import time
+
+import jax
+
+from mrv2_jax.bench.trace import profile_kernels
+
+
+def time_calls(fn, args, runs: int, warmup: int) -> list[float]:
+    """Wall seconds of `runs` calls of `fn(*args)`, each waited for with block_until_ready,
+    after `warmup` untimed calls (compilation, caches). Take the median of the result."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
+def device_ms(fn, args, calls: int) -> float:
+    """Device ms per call (summed kernel time), or the wall ms per call of a burst without a GPU."""
+    jax.block_until_ready(fn(*args))  # compile outside the trace
+    kernels = profile_kernels(fn, args, calls)
+    if kernels:
+        return sum(k["ms_per_step"] for k in kernels)
+    t0 = time.perf_counter()
+    jax.block_until_ready([fn(*args) for _ in range(calls)])
+    return (time.perf_counter() - t0) / calls * 1e3

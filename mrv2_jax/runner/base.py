@@ -1,0 +1,96 @@
+"""What ModelRunnerV1 and ModelRunnerV2 share: the model, the KV cache, the sampler tables,
+the buckets, and compiling every bucket's step ahead of time.
+
+The two differ in where the batch's inputs are built (V1: numpy on the host, V2: from
+persistent device tables), so each keeps its own step function, packed layout and `execute`.
+"""
+
+import math
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mrv2_jax.runner.buckets import BucketPlan
+from mrv2_jax.runner.kv_cache import allocate_kv_cache
+from mrv2_jax.runner.model_step import FlatParams
+from mrv2_jax.runner.precompile import compile_all
+from mrv2_jax.runner.slots import SlotAllocator
+from mrv2_jax.sample import slot_state
+from mrv2_jax.sample.features import SamplerFeatures
+from mrv2_jax.sample.tensors import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingRow, sampling_row
+from mrv2_jax.xla_flags import step_compiler_options
+
+if TYPE_CHECKING:  # named for annotations only (the engine owns the scheduler's types)
+    from mrv2_jax.runner.scheduler_output import NewRequestData
+
+
+class RunnerBase:
+    """Shared state of both runners; each subclass adds its own tables, then compiles."""
+
+    max_fused_rows = 0  # V2 sets its own when it compiles fused decode
+    num_fused_calls = 0
+
+    def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
+                 use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
+                 spec_decoder=None):
+        """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
+        feature sets compiled per bucket, cheapest first, each covering the ones before it; the
+        last must cover everything (default: SamplerFeatures.default_variants()).
+        `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None."""
+        self.params = FlatParams(lm)
+        self.block_size = block_size
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
+        self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
+        self.spec = spec_decoder
+        self.spec_params = spec_decoder.init_params() if spec_decoder else ()
+        self.spec_state = spec_decoder.init_state() if spec_decoder else ()
+        self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs,
+                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0))
+        self.slots = SlotAllocator(max_num_seqs)
+        self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
+        self.vocab_size = model_state.vocab_size
+        self.eos_token_ids = tuple(model_state.eos_token_ids or ())
+        self._seed_rng = np.random.default_rng()  # seeds for requests that give none
+        # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot,
+        # written once when a request arrives (only if it uses them).
+        self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS,
+                                                     max_model_len)
+        self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
+
+    @property
+    def supports_prompt_logprobs(self) -> bool:
+        """Prompt logprobs come from the full variant's plain step (not a spec step)."""
+        return self.spec is None and self.sampler_variants[-1].prompt_logprobs
+
+    def _new_sampling_row(self, new: "NewRequestData", slot: int) -> tuple[SamplingRow, bool]:
+        """A new request's sampler values, with its per-slot device rows written if it needs them
+        -> (its SamplingRow, whether slot's device rows now hold this request's data)."""
+        row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)
+        self.slot_state, owns_rows = self._slot_writer.write(
+            self.slot_state, slot, row, new.token_ids, new.num_prompt_tokens)
+        return row, owns_rows
+
+    def _compile_steps(self, steps: dict, device_state: tuple, show_progress: bool) -> dict:
+        """Lower and compile every step ahead of time, one program per sampler variant, so a step
+        outside them is an error, never a silent recompile.
+
+        `steps`: {key: (PackedLayout, make_fn)}, `make_fn(layout, features)` returning
+            fn(param_leaves, *device_state, packed, spec_params, spec_state)
+                -> (*device_state, sampler output, spec_state);
+        `device_state`: the arrays the step updates (donated, like the spec state).
+        -> {key: (layout, [compiled program per sampler variant])}."""
+        num_state = len(device_state)
+        donate = (*range(1, 1 + num_state), num_state + 3)
+        lowered = {}
+        for key, (layout, make_fn) in steps.items():
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+            for i, features in enumerate(self.sampler_variants):
+                lowered[key, i] = jax.jit(make_fn(layout, features), donate_argnums=donate).lower(
+                    self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
+        compiled = compile_all(lowered, show_progress, compiler_options=step_compiler_options(self.params.leaves))
+        return {key: (layout, [compiled[key, i] for i in range(len(self.sampler_variants))])
+                for key, (layout, _) in steps.items()}

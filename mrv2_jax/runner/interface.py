@@ -1,0 +1,53 @@
+"""What the engine may use of a model runner, declared once.
+
+The engine (engine/engine_core.py, engine/builder.py) talks to either runner, ModelRunnerV1
+(runner/v1.py) or ModelRunnerV2 (runner/v2.py), only through `Runner`, and to what a step
+returns only through `StepOutcome`. Both are `runtime_checkable`, so a test can check that a
+runner (or a stand-in one) provides every member; anything else a runner holds is its own.
+"""
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from mrv2_jax.runner.token_logprobs import LogprobRow, TokenLogprobs
+
+if TYPE_CHECKING:  # the scheduler's output type, named for annotations only (the engine owns it)
+    from mrv2_jax.runner.scheduler_output import SchedulerOutput
+
+
+@runtime_checkable
+class StepOutcome(Protocol):
+    """The result of one `Runner.execute`: StepResult (values already on the host, runner/step_result.py)
+    or PendingStep (read one step later, runner/v2.py)."""
+
+    def result(self) -> dict[str, list[int]]:
+        """{req_id: tokens sampled this call} for every request that sampled; blocks until they are
+        on the host. Several tokens per request for fused decode and speculative decoding."""
+
+    def logprobs(self) -> dict[str, list[LogprobRow | TokenLogprobs]]:
+        """{req_id: one entry per token in `result()[req_id]`} for the requests that asked for
+        logprobs (the engine trims it to the tokens it keeps)."""
+
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[LogprobRow | TokenLogprobs]]]:
+        """{req_id: (prompt position of the first entry, one entry per prompt position computed this
+        call)} for the requests that asked for prompt logprobs."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """A model runner: holds the persistent per-request state, runs one scheduled step per call."""
+
+    # False: the runner needs a step's tokens on the host to build the next step, so the engine
+    # must read every step before scheduling the next (no async scheduling).
+    is_async_capable: bool
+    # Whether a request may ask for prompt logprobs with this runner's configuration; the engine
+    # rejects such requests otherwise.
+    supports_prompt_logprobs: bool
+    # The largest batch that one call may decode several steps for (fused decode,
+    # SchedulerOutput.num_fused_steps > 1); 0: the runner never fuses steps.
+    max_fused_rows: int
+    # Fused decode calls run so far (benchmarks report it); always 0 when max_fused_rows is 0.
+    num_fused_calls: int
+
+    def execute(self, out: "SchedulerOutput") -> StepOutcome:
+        """Apply the scheduler's changes (finished, new and continuing requests) and run the step it
+        scheduled. Called for every schedule, even one with no tokens (it may free slots)."""
