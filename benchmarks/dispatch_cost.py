@@ -17,13 +17,13 @@ under different XLA_FLAGS to see what the host pays for (command buffers, loops,
 """
 
 import argparse
-import os
 import statistics
 import time
 
 import jax
 import numpy as np
 
+from mrv2_jax import envs
 from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
@@ -85,11 +85,11 @@ def main(argv=None, prog=None):
     runner = llm.engine.runner
     results = {"numpy packed": time_calls(runner, compiled, lambda: np.array(packed), args.calls),
                "device packed": time_calls(runner, compiled, lambda: on_device, args.calls)}
-    print(f"rows {args.rows}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+    print(f"rows {args.rows}, XLA_FLAGS={envs.get_xla_flags()}")
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
     for name, r in results.items():
         print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
-    report = {**describe_environment(), "settings": vars(args), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    report = {**describe_environment(), "settings": vars(args), "xla_flags": envs.get_xla_flags(),
               "results": results}
     if args.output_json:
         write_report(report, args.output_json)

@@ -24,7 +24,8 @@ from benchmarks.timing import device_ms
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.sample import SamplingTensors
 from mrv2_jax.sample import logit_stats as ls
-from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
+from pallas_kernels import logit_stats as pk
+from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask, penalty_arrays
 
 
 def inputs(r: int, v: int, logits_dtype, counts_dtype, rng):
@@ -50,8 +51,6 @@ def main(argv=None):
     p.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU smoke runs)")
     p.add_argument("--output-json")
     args = p.parse_args(argv)
-    from pallas_kernels import logit_stats as pk
-
     r, v = args.num_rows, args.vocab
     rows = []
     for logits_dtype, counts_dtype in ((jnp.bfloat16, np.uint16), (jnp.float32, np.int32)):
@@ -59,6 +58,7 @@ def main(argv=None):
         moved = logits.nbytes + data.output_counts.nbytes + data.prompt_mask.nbytes + r * v * 4
         label = f"{jnp.dtype(logits_dtype).name} logits, {np.dtype(counts_dtype).name} counts"
         ones = jnp.ones((r,), jnp.float32)
+        penalties = penalty_arrays(t, data)
         ref = jax.jit(lambda x, t, data, ones=ones: ls.logit_stats_reference(x, t, data, ones))
         rows.append((label, "xla reference", moved, device_ms(ref, (logits, t, data), args.calls)))
         rows.append((label, "xla reference, no penalties", logits.nbytes,
@@ -66,18 +66,17 @@ def main(argv=None):
                                args.calls)))
         for tb in args.tile_blocks:
             for warps in args.num_warps:
-                fn = functools.partial(pk.logit_stats, divisor=ones, tile_blocks=tb, num_warps=warps,
-                                       interpret=args.interpret)
+                fn = functools.partial(pk.logit_stats, tile_blocks=tb, num_warps=warps, interpret=args.interpret)
                 rows.append((label, f"kernel tb={tb} warps={warps}", moved,
-                             device_ms(fn, (logits, t, data), args.calls)))
+                             device_ms(lambda x, pen, fn=fn: fn(x, ones, pen), (logits, penalties), args.calls)))
                 rows.append((label, f"kernel tb={tb} warps={warps}, no penalties", logits.nbytes,
-                             device_ms(lambda x, fn=fn: fn(x, None, None), (logits,), args.calls)))
+                             device_ms(lambda x, fn=fn: fn(x, ones), (logits,), args.calls)))
         for loop in args.loops:
             tiles, stages = map(int, loop.split("x"))
-            fn = functools.partial(pk.logit_stats, divisor=ones, tiles_per_program=tiles, num_stages=stages,
+            fn = functools.partial(pk.logit_stats, tiles_per_program=tiles, num_stages=stages,
                                    interpret=args.interpret)
             rows.append((label, f"kernel tb=32 warps=4 loop {loop}", moved,
-                         device_ms(fn, (logits, t, data), args.calls)))
+                         device_ms(lambda x, pen, fn=fn: fn(x, ones, pen), (logits, penalties), args.calls)))
         stats = ref(logits, t, data)
         threshold = jnp.sort(logits.astype(jnp.float32), axis=1)[:, -30]
         count_above_xla = jax.jit(lambda x, s: jnp.sum(x.astype(jnp.float32) > s[:, None], axis=1))

@@ -43,6 +43,8 @@ import numpy as np
 
 from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.config import KernelConfig
+from mrv2_jax.engine.builder import sampler_kernels
 from mrv2_jax.bench.trace import call_timeline, profile_kernels
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
 from mrv2_jax.sample.gumbel import gumbel_noise
@@ -115,6 +117,8 @@ def timed(name, fn, args_, args, compile_s: float = 0.0) -> dict:
 
 
 def run_case(name, features, kind, args):
+    # The kernels the engine would pick on this backend (KernelConfig, from the environment).
+    features = features.replace(kernels=sampler_kernels(KernelConfig.from_env().resolved()))
     rng = np.random.default_rng(0)
     inputs = make_inputs(kind, args.num_rows, args.vocab, rng)
     fn = jax.jit(lambda x, t, p, pen: sample(x, t, p, features, pen if features.penalties else None))

@@ -6,7 +6,10 @@ so a misconfiguration never surfaces later as an odd scheduling or memory failur
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from mrv2_jax import envs
 
 
 def _require_positive_int(owner: str, name: str, value) -> None:
@@ -119,3 +122,88 @@ class CacheConfig:
                 f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {utilization}"
             )
         _require_bool("CacheConfig", "enable_prefix_caching", self.enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation runs each piece that has a Pallas kernel and a jnp reference.
+
+    Every field accepts "auto" (the kernel on GPUs, the reference elsewhere); `resolved()`
+    turns the config into concrete choices for a backend, once, when an engine is built, and
+    the runner, model and sampler take those as static configuration. Each field but
+    `attention` takes its default from an environment variable (`from_env`, mrv2_jax/envs.py).
+
+    ``attention``: the paged attention and KV write, "pallas" or "reference".
+    ``sampler_logit_stats``: the sampler's pass over the logits and rank count, "kernel",
+    "interpret" (the Pallas interpreter: tests) or "off" (jnp).
+    ``sampler_noise_pass``, ``sampler_slow_path``: the sampler's whole-row noise pass and
+    threshold search, "kernel", "interpret" or "reference" (jnp over every row).
+    For the three sampler fields "kernel" means the kernel where it runs (GPUs), the jnp
+    reference elsewhere.
+    ``moe_backend``: the MoE experts' grouped GEMM, "pallas", "ragged_dot" or "dense".
+    """
+
+    attention: str = "auto"
+    sampler_logit_stats: str = "auto"
+    sampler_noise_pass: str = "auto"
+    sampler_slow_path: str = "auto"
+    moe_backend: str = "auto"
+
+    # Field -> (environment variable of its default or None, allowed values).
+    CHOICES = {
+        "attention": (None, ("auto", "pallas", "reference")),
+        "sampler_logit_stats": ("MRV2_SAMPLER_KERNELS", envs.SWITCHES["MRV2_SAMPLER_KERNELS"].allowed),
+        "sampler_noise_pass": ("MRV2_SAMPLER_NOISE_PASS", envs.SWITCHES["MRV2_SAMPLER_NOISE_PASS"].allowed),
+        "sampler_slow_path": ("MRV2_SAMPLER_SLOW_PATH", envs.SWITCHES["MRV2_SAMPLER_SLOW_PATH"].allowed),
+        "moe_backend": ("MRV2_MOE_BACKEND", envs.SWITCHES["MRV2_MOE_BACKEND"].allowed),
+    }
+
+    def __post_init__(self) -> None:
+        for name, (_, allowed) in self.CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"KernelConfig.{name} must be one of {', '.join(allowed)}; "
+                                 f"got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls) -> KernelConfig:
+        """Defaults from the environment (envs.py); fields without a variable stay "auto"."""
+        return cls(**{name: envs.read(var) for name, (var, _) in cls.CHOICES.items() if var})
+
+    @classmethod
+    def parse(cls, spec: KernelConfig | dict | str | None) -> KernelConfig:
+        """A KernelConfig, a dict of fields, or "field=value,field=value" (the CLI's `--kernels`),
+        each applied over `from_env()`."""
+        if isinstance(spec, KernelConfig):
+            return spec
+        if isinstance(spec, str):
+            pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError(f"kernels must be 'field=value,...' with fields from {', '.join(cls.CHOICES)}; "
+                                 f"got {spec!r}")
+            spec = {k.strip(): v.strip() for k, v in pairs}
+        spec = dict(spec or {})
+        unknown = sorted(set(spec) - set(cls.CHOICES))
+        if unknown:
+            raise ValueError(f"unknown kernel fields {unknown}; fields: {', '.join(cls.CHOICES)}")
+        return dataclasses.replace(cls.from_env(), **spec)
+
+    def resolved(self, backend: str | None = None) -> KernelConfig:
+        """Concrete choices for `backend` (default: JAX's default backend): no "auto" left, and
+        the sampler's "kernel" only on GPUs."""
+        if backend is None:
+            import jax
+
+            backend = jax.default_backend()
+        gpu = backend == "gpu"
+
+        def auto(value: str, on_gpu: str, elsewhere: str) -> str:
+            return (on_gpu if gpu else elsewhere) if value == "auto" else value
+
+        def sampler(value: str, reference: str) -> str:
+            return ("kernel" if gpu else reference) if value in ("auto", "kernel") else value
+
+        return KernelConfig(attention=auto(self.attention, "pallas", "reference"),
+                            sampler_logit_stats=sampler(self.sampler_logit_stats, "off"),
+                            sampler_noise_pass=sampler(self.sampler_noise_pass, "reference"),
+                            sampler_slow_path=sampler(self.sampler_slow_path, "reference"),
+                            moe_backend=auto(self.moe_backend, "pallas", "ragged_dot"))

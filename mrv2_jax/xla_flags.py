@@ -4,37 +4,35 @@ options of the step functions.
 `--xla_gpu_enable_command_buffer=+WHILE` adds while loops to the ops XLA records into command
 buffers (CUDA graphs). The decoder's layers run as a `lax.scan` (a while loop over stacked
 weights) and fused decode is a `lax.while_loop`; outside command buffers every loop iteration
-is launched from the host. Measured on an H200 (docs/benchmarks.md, runner A/B): S1 at 256
-sequences, v2-async, 39,984 -> 42,016 output tok/s.
+is launched from the host.
 
 `--xla_gpu_enable_dynamic_slice_fusion=true` lets a cuBLAS GEMM read one layer's slice of the
 stacked weights in place. It pays only together with `step_compiler_options`: XLA's own Triton
 GEMMs cannot take a sliced operand, so with them every layer's weights were copied out of the
-stack each step (`memcpy128`, 0.6 ms of a 2.3 ms batch-1 step). With cuBLAS GEMMs and the
-slices fused (H200, sha 1ea4664, runs on two machines of the pool): S1 at 256 sequences, device
-step 4.81 -> 3.97 ms and 40,307 -> 47,624 output tok/s; batch 32, 11,961 -> 14,834.
+stack each step. The throughput each flag gained is in docs/benchmarks.md (runner A/B, and
+"cuBLAS GEMMs on the stacked weights").
 
 A flag the user already set wins (including turning command buffers off), and so does
 `MRV2_DEFAULT_XLA_FLAGS=0`. XLA reads XLA_FLAGS once, when the backend starts: importing
 mrv2_jax after JAX has already run a computation leaves the flags as they were.
 """
 
-import os
+from mrv2_jax import envs
 
 DEFAULT_FLAGS = {"--xla_gpu_enable_command_buffer": "+WHILE", "--xla_gpu_enable_dynamic_slice_fusion": "true"}
 
 
 def _defaults_on() -> bool:
-    return os.environ.get("MRV2_DEFAULT_XLA_FLAGS", "1") != "0"
+    return envs.read("MRV2_DEFAULT_XLA_FLAGS")
 
 
 def apply_default_xla_flags() -> None:
     if not _defaults_on():
         return
-    flags = os.environ.get("XLA_FLAGS", "")
+    flags = envs.get_xla_flags()
     missing = [f"{name}={value}" for name, value in DEFAULT_FLAGS.items() if name not in flags]
     if missing:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+        envs.set_xla_flags(" ".join([flags, *missing]).strip())
 
 
 def step_compiler_options(param_leaves, backend: str | None = None) -> dict:
@@ -50,7 +48,7 @@ def step_compiler_options(param_leaves, backend: str | None = None) -> dict:
 
     if (backend or jax.default_backend()) != "gpu":
         return {}
-    if not _defaults_on() or "--xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
+    if not _defaults_on() or "--xla_gpu_enable_triton_gemm" in envs.get_xla_flags():
         return {}
     if any("float8" in str(getattr(leaf, "dtype", "")) for leaf in param_leaves):
         return {}

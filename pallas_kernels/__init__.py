@@ -1,8 +1,16 @@
 """Pallas (Triton backend) GPU kernels, each next to a pure-jnp reference of the same signature.
 
-- ``pallas_kernels.kv_write``: ``write_kv`` / ``write_kv_reference`` (slot-mapped cache update).
-- ``pallas_kernels.ragged_paged_attention``: ``ragged_paged_attention`` /
-  ``ragged_paged_attention_reference`` (mixed prefill/decode attention over the paged cache).
+The bottom layer: these modules import only jax, numpy, the standard library and each other, and
+their kernels take arrays and return arrays; mrv2_jax adapts its own types to them.
+
+- ``kv_write``: ``write_kv`` / ``write_kv_reference`` (slot-mapped cache update).
+- ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
+  (mixed prefill/decode attention over the paged cache).
+- ``grouped_gemm``: ``grouped_gemm`` / ``grouped_gemm_reference`` (the MoE experts' GEMMs).
+- ``logit_stats``: the sampler's one pass over the logits (``logit_stats``, ``count_above``).
+- ``noise_pass``: the sampler's whole-row noise pass; ``threshold_search``: its slow path.
+- ``sampler_common``, ``gumbel_hash``: the constants and jnp math the sampler kernels share with
+  mrv2_jax/sample, so that both sides compute the same bits.
 
 The functions are deliberately not re-exported here: ``ragged_paged_attention`` is both a
 module and a function name, and re-exporting the function would shadow the module for

@@ -1,5 +1,6 @@
-"""The sampler's whole-row work as Pallas kernels (Triton backend): mrv2_jax/sample/logit_stats.py
-holds the jnp references and says what each output is for.
+"""The sampler's one pass over the logits as Pallas kernels (Triton backend), each next to a
+pure-jnp reference of the same signature; mrv2_jax/sample/logit_stats.py adapts the engine's
+types to them and says what each output is for.
 
 ``logit_stats``: grid (R, cdiv(NB, tile_blocks)); program (r, c) reads ids of blocks
 [c * tile_blocks, (c + 1) * tile_blocks) of row r as one tile (or, with tiles_per_program > 1,
@@ -21,38 +22,41 @@ Flattened 1-D refs and int32 offsets; tails (V not a multiple of the tile) are m
 from __future__ import annotations
 
 import functools
-import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mrv2_jax.sample.logit_stats import BLOCK, LogitStats, num_blocks
-from mrv2_jax.sample.penalties import PenaltyData, penalize_values
-from mrv2_jax.sample.tensors import SamplingTensors
-
-NEG_INF = float("-inf")
+from pallas_kernels.sampler_common import (NEG_INF, WORD, PenaltyArrays, block_max_and_sumexp, check_int32_size,
+                                           num_blocks, penalize_rows, penalize_values, row_tile)
 
 
-def check_int32_size(*arrays):
-    for a in arrays:
-        if math.prod(a.shape) >= 2**31:
-            raise ValueError(f"array of shape {a.shape} has >= 2**31 elements; int32 offsets would overflow")
+class LogitStats(NamedTuple):
+    processed: jax.Array  # f32[R, V]: after penalties (the raw logits when there are none)
+    block_max: jax.Array  # f32[R, NB]: max of `processed` over ids [b * BLOCK, (b + 1) * BLOCK)
+    block_sumexp: jax.Array  # f32[R, NB]: sum of exp((processed - block_max) / divisor)
+    raw_block_max: jax.Array  # f32[R, NB]: the same for the raw logits
+    raw_block_sumexp: jax.Array  # f32[R, NB]: sum of exp(raw - raw_block_max) (0: all -inf)
 
 
-WORD = 32  # ids per prompt-mask word
+def logit_stats_reference(logits: jax.Array, divisor: jax.Array, penalties: PenaltyArrays | None = None,
+                          ) -> LogitStats:
+    """logits [R, V] (any float dtype); divisor f32[R] > 0 scales block_sumexp; penalties None:
+    no penalty pass."""
+    raw = logits.astype(jnp.float32)
+    processed = raw if penalties is None else penalize_rows(raw, penalties)
+    raw_max, raw_sumexp = block_max_and_sumexp(raw)
+    block_max, block_sumexp = block_max_and_sumexp(processed, divisor)
+    return LogitStats(processed, block_max, block_sumexp, raw_max, raw_sumexp)
 
 
-def row_tile(vocab_size: int, tile_blocks: int, tile=None):
-    """Tile `tile` of the row (default: this program's): block indices [TB], ids [TB, BLOCK /
-    WORD, WORD] and which of them are in the row. Three axes, so that a mask word broadcasts
-    over its 32 ids without a reshape."""
-    tile = pl.program_id(1) if tile is None else tile
-    blocks = tile * tile_blocks + jnp.arange(tile_blocks, dtype=jnp.int32)
-    words = blocks[:, None] * (BLOCK // WORD) + jnp.arange(BLOCK // WORD, dtype=jnp.int32)[None, :]
-    ids = words[:, :, None] * WORD + jnp.arange(WORD, dtype=jnp.int32)[None, None, :]
-    return blocks, words, ids, ids < vocab_size
+def count_above_reference(logits: jax.Array, block_max: jax.Array, threshold: jax.Array) -> jax.Array:
+    """i32[R]: the entries of each row of logits [R, V] greater than threshold f32[R] (block_max:
+    the rows' block maxima, which only the kernel uses, to skip blocks)."""
+    del block_max
+    return jnp.sum(logits.astype(jnp.float32) > threshold[:, None], axis=-1, dtype=jnp.int32)
 
 
 def _per_block(op, x):
@@ -116,11 +120,11 @@ def _stats_tile(*refs, vocab_size, tile_blocks, penalties, r, tile):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps", "tiles_per_program",
                                              "num_stages"))
-def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: PenaltyData | None, divisor: jax.Array, *,
+def logit_stats(logits: jax.Array, divisor: jax.Array, penalties: PenaltyArrays | None = None, *,
                 interpret: bool = False, tile_blocks: int = 32, num_warps: int = 4, tiles_per_program: int = 1,
                 num_stages: int = 1) -> LogitStats:
-    """Same result as mrv2_jax.sample.logit_stats.logit_stats_reference. The launch defaults
-    are the measured ones (docs/benchmarks.md); `bench logit_stats` sweeps them."""
+    """Same result as logit_stats_reference. The launch defaults are the fastest measured
+    (docs/benchmarks.md); `bench logit_stats` sweeps them."""
     r, v = logits.shape
     nb = num_blocks(v)
     f32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.float32)  # noqa: E731
@@ -138,10 +142,11 @@ def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: Penalty
         return LogitStats(logits.astype(jnp.float32), blocks(raw_max), blocks(sumexp), blocks(raw_max),
                           blocks(raw_sumexp))
     check_int32_size(logits, penalties.output_counts)
+    f32_rows = lambda a: a.astype(jnp.float32)  # noqa: E731
     processed, *stats = call(out_shape=(f32(r * v),) + (f32(r * nb),) * 4)(
         logits.reshape(-1), divisor, penalties.output_counts.reshape(-1), penalties.prompt_mask.reshape(-1),
-        penalties.rows.astype(jnp.int32), t.repetition_penalty.astype(jnp.float32),
-        t.frequency_penalty.astype(jnp.float32), t.presence_penalty.astype(jnp.float32))
+        penalties.rows.astype(jnp.int32), f32_rows(penalties.repetition), f32_rows(penalties.frequency),
+        f32_rows(penalties.presence))
     return LogitStats(processed.reshape(r, v), *map(blocks, stats))
 
 
@@ -165,7 +170,7 @@ def _count_kernel(logits_ref, block_max_ref, threshold_ref, out_ref, *, vocab_si
 @functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps"))
 def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array, *, interpret: bool = False,
                 tile_blocks: int = 32, num_warps: int = 4) -> jax.Array:
-    """Same result as mrv2_jax.sample.logit_stats.count_above's jnp path -> i32[R]."""
+    """Same result as count_above_reference -> i32[R]."""
     r, v = logits.shape
     check_int32_size(logits)
     programs = pl.cdiv(num_blocks(v), tile_blocks)

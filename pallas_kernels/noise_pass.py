@@ -1,5 +1,8 @@
 """The sampler's whole-row noise pass as a Pallas kernel (Triton backend) whose rows can be
-skipped one by one: mrv2_jax/sample/noise_pass.py holds the jnp reference and says why.
+skipped one by one, next to its pure-jnp reference; mrv2_jax/sample/noise_pass.py says why.
+
+The pass: argmax over each row of (processed / divisor, cut below keep_from, plus the row's
+Gumbel noise); greedy rows take the argmax of the processed logits.
 
 Grid (R, cdiv(NB, tile_blocks)); program (r, c) does nothing but write an empty partial when row
 r is not `needed`; otherwise it reads tile c of the row's processed logits and writes the tile's
@@ -16,11 +19,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mrv2_jax.sample.gumbel import noise_from_key, row_key
-from mrv2_jax.sample.logit_stats import reciprocal
-from pallas_kernels.logit_stats import NEG_INF, check_int32_size, row_tile
+from pallas_kernels.gumbel_hash import noise_from_key, row_key
+from pallas_kernels.sampler_common import NEG_INF, check_int32_size, reciprocal, row_tile, scale_rows
 
 NO_ID = jnp.iinfo(jnp.int32).max
+
+
+def noise_pass_reference(x: jax.Array, divisor: jax.Array, keep_from: jax.Array, seeds: jax.Array,
+                         positions: jax.Array, is_sampled: jax.Array, needed: jax.Array | None = None) -> jax.Array:
+    """x f32[R, V] processed logits; divisor, keep_from f32[R]; seeds, positions i32[R];
+    is_sampled bool[R] -> i32[R]: the pass at every row, or (needed given) at the `needed` rows
+    and 0 at the others, as the kernel."""
+    scaled = scale_rows(x, divisor)
+    noisy = jnp.where(scaled >= keep_from[:, None], scaled, NEG_INF)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.uint32)[None, :]
+    noisy = noisy + noise_from_key(row_key(seeds, positions)[:, None], ids)
+    token = jnp.argmax(jnp.where(is_sampled[:, None], noisy, x), axis=-1).astype(jnp.int32)
+    return token if needed is None else jnp.where(needed, token, 0)
 
 
 def _noise_kernel(x_ref, inverse_ref, keep_ref, seeds_ref, positions_ref, sampled_ref, needed_ref,
@@ -36,7 +51,7 @@ def _noise_kernel(x_ref, inverse_ref, keep_ref, seeds_ref, positions_ref, sample
     def _pass():  # (program ids are read outside: the Pallas interpreter wants them there)
         _, _, ids, in_row = row_tile(vocab_size, tile_blocks, c)
         x = pltriton.load(x_ref.at[r * vocab_size + ids], mask=in_row, other=0)
-        scaled = x * inverse_ref[r]  # as the sampler scales (logit_stats.reciprocal)
+        scaled = x * inverse_ref[r]  # as the sampler scales (sampler_common.reciprocal)
         noisy = jnp.where(scaled >= keep_ref[r], scaled, NEG_INF)
         noisy = noisy + noise_from_key(row_key(seeds_ref[r], positions_ref[r]), ids)
         values = jnp.where(in_row, jnp.where(sampled_ref[r] != 0, noisy, x), NEG_INF)
@@ -49,8 +64,7 @@ def _noise_kernel(x_ref, inverse_ref, keep_ref, seeds_ref, positions_ref, sample
 def noise_pass(x: jax.Array, divisor: jax.Array, keep_from: jax.Array, seeds: jax.Array, positions: jax.Array,
                is_sampled: jax.Array, needed: jax.Array, *, interpret: bool = False, tile_blocks: int = 32,
                num_warps: int = 4) -> jax.Array:
-    """Same result as mrv2_jax.sample.noise_pass.noise_pass_reference at the `needed` rows
-    (others: 0) -> i32[R]."""
+    """Same result as noise_pass_reference with `needed` -> i32[R]."""
     r, v = x.shape
     check_int32_size(x)
     programs = pl.cdiv(pl.cdiv(v, 128), tile_blocks)

@@ -1,5 +1,6 @@
 """The sampler's slow path as Pallas kernels (Triton backend) whose rows can be skipped one by
-one: mrv2_jax/sample/slow_path.py holds the jnp references and says why.
+one; mrv2_jax/sample/slow_path.py says why, and its jnp counterparts are the k-ary searches of
+mrv2_jax/sample/topk_topp.py (same thresholds: the tests compare them).
 
 Both kernels have one program per row (grid (R,)), which does nothing but write a neutral value
 when its row is not `needed`, and otherwise loops over the row in tiles of `tile_blocks` blocks:
@@ -16,7 +17,7 @@ share one read of the row. Counts are exact; masses are f32 sums in one fixed or
 sequence, each tile reduced the same way), so they grow with the set summed and the search is
 exact for them too. The answer is a token's key, so the threshold is that token's value.
 
-Both scale by multiplying with the reciprocal the sampler uses (logit_stats.reciprocal), so that
+Both scale by multiplying with the reciprocal the sampler uses (sampler_common.reciprocal), so that
 their thresholds compare exactly with the sampler's scaled values.
 
 Keys are int32 with the floats' order (negative bit patterns have their other 31 bits flipped;
@@ -34,8 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from mrv2_jax.sample.logit_stats import reciprocal
-from pallas_kernels.logit_stats import check_int32_size, row_tile
+from pallas_kernels.sampler_common import check_int32_size, reciprocal, row_tile, scale_rows
 
 SIGN = -(2**31)  # int32 with only the sign bit set
 LOW_BITS = 2**31 - 1
@@ -146,15 +146,22 @@ def _search_kernel(x_ref, inverse_ref, row_max_ref, floor_ref, k_ref, p_ref, nee
         out_ref[r] = jax.lax.cond(p < 1, top_p, lambda: floor)
 
 
-# Launch defaults: the faster of those measured (H200, 256 x 151,936, every row searched:
-# top_p 1.39 ms, top_k + top_p 2.35 ms, against 1.68 / 3.66 with 32 blocks, 4 warps, 1 stage;
-# bench threshold_search). A launch whose rows all need nothing: 3 us.
 def _row_call(kernel, name, r, interpret, num_warps, num_stages):
     return pl.pallas_call(kernel, grid=(r,), out_shape=jax.ShapeDtypeStruct((r,), jnp.float32),
                           interpret=interpret, name=name,
                           compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))
 
 
+def row_mass_reference(x: jax.Array, divisor: jax.Array, row_max: jax.Array, floor: jax.Array,
+                       needed: jax.Array) -> jax.Array:
+    """What row_mass computes, in jnp over every row (f32 sums in XLA's order, not the kernel's)."""
+    scaled = scale_rows(x.astype(jnp.float32), divisor)
+    mass = jnp.sum(jnp.where(scaled >= floor[:, None], jnp.exp(scaled - row_max[:, None]), 0.0), axis=-1)
+    return jnp.where(needed, mass, 0.0)
+
+
+# The launch defaults (64 blocks, 8 warps, 3 stages) are the fastest that `bench threshold_search`
+# measured (docs/benchmarks.md, "The search kernel").
 @functools.partial(jax.jit, static_argnames=("interpret", "tile_blocks", "num_warps", "num_stages"))
 def row_mass(x: jax.Array, divisor: jax.Array, row_max: jax.Array, floor: jax.Array, needed: jax.Array, *,
              interpret: bool = False, tile_blocks: int = 64, num_warps: int = 8, num_stages: int = 3) -> jax.Array:

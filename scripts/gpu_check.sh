@@ -11,9 +11,8 @@
 # speculative-decoding benchmark (spec: ~5 min), the sampler's cost inside an S1 step
 # (ab-s1-sampling), the cost of one lax.cond (conditionals), the sampler's kernels and idle gaps
 # per call (sampler-probe), one replayed sampling step's events (ab-s1-sampling-timeline), the
-# sampler's logit pass by tile size (logit-stats), what each of its conditionals costs a step
-# (ab-s1-conditionals), the passes as kernels without them (ab-s1-kernels), the slow path's
-# search kernel (threshold-search) and the batch-1 kernel split (timeline-b1).
+# sampler's logit pass by tile size (logit-stats), the whole-row passes as kernels (ab-s1-kernels), the
+# slow path's search kernel (threshold-search) and the batch-1 kernel split (timeline-b1).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -95,38 +94,12 @@ for s in $sections; do case $s in
         --max-model-len 1024 --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
     done ;;
   logit-stats) run_section logit-stats python3 -m benchmarks.logit_stats --output-json "$OUT/logit_stats.json" ;;
-  # Issue 5: what each conditional costs the every-feature S1 step (session 9), every arm with
-  # the whole-row passes under conditionals (as before the kernels became the GPU default).
-  # Arms: name, environment, sampler variants. `skip-*` compile conditionals out
-  # (MRV2_BENCH_SKIP_CONDITIONALS, benchmarks only: wrong tokens for rows that need them).
-  # `full`: decode steps on a variant without prompt logprobs; `noise-kernel`: the noise pass
-  # as a kernel; `full-noise-kernel-skip-slow`: no conditional left. `host-conds`: conditionals
-  # run by the host, not as graph conditional nodes. ~1 device minute per arm (more than one
-  # call allows): CONDITIONAL_ARMS="greedy all ..." runs only the arms named. Compare arms only
-  # within one call. Tar $OUT in the same command.
-  ab-s1-conditionals)
-    V4=greedy,plain,full,all
-    for arm in "greedy||" "all||" "skip-noise|MRV2_BENCH_SKIP_CONDITIONALS=noise|" \
-        "skip-search|MRV2_BENCH_SKIP_CONDITIONALS=search|" "skip-slow|MRV2_BENCH_SKIP_CONDITIONALS=slow|" \
-        "skip-all|MRV2_BENCH_SKIP_CONDITIONALS=noise,slow,prompt|" "full||$V4" \
-        "noise-kernel|MRV2_SAMPLER_NOISE_PASS=kernel|" \
-        "full-noise-kernel-skip-slow|MRV2_SAMPLER_NOISE_PASS=kernel MRV2_BENCH_SKIP_CONDITIONALS=slow|$V4" \
-        "host-conds|XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,-CONDITIONAL|"; do
-      IFS='|' read -r name envs variants <<< "$arm"
-      [ -n "${CONDITIONAL_ARMS:-}" ] && [[ " $CONDITIONAL_ARMS " != *" $name "* ]] && continue
-      sampling=all; [ $name = greedy ] && sampling=greedy
-      run_section ab-s1-$name env MRV2_SAMPLER_NOISE_PASS=cond MRV2_SAMPLER_SLOW_PATH=cond $envs \
-        python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-        --arms v2-async --sampling $sampling ${variants:+--sampler-variants $variants} --input-len 128 \
-        --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
-        --output-json "$OUT/ab_s1_256_conditionals_${name//-/_}.json"
-    done ;;
-  # Issue 5: the sampler's whole-row passes as kernels with no conditional (features.py
-  # whole_row_pass_mode, the GPU default) against the conditionals, and with / without the
+  # Issue 5: the sampler's whole-row passes as kernels (the GPU default) against the jnp passes
+  # (KernelConfig's sampler_noise_pass / sampler_slow_path = reference), with and without the
   # `full` variant (no prompt-logprobs conditional). 4 arms, ~5 device minutes.
   ab-s1-kernels)
     for arm in "greedy||greedy,plain,all" "kernels-full||greedy,plain,full,all" "kernels||greedy,plain,all" \
-        "conds|MRV2_SAMPLER_NOISE_PASS=cond MRV2_SAMPLER_SLOW_PATH=cond|greedy,plain,all"; do
+        "jnp|MRV2_SAMPLER_NOISE_PASS=reference MRV2_SAMPLER_SLOW_PATH=reference|greedy,plain,all"; do
       IFS='|' read -r name envs variants <<< "$arm"
       sampling=all; [ $name = greedy ] && sampling=greedy
       run_section ab-s1-$name env $envs python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \

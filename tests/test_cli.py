@@ -1,7 +1,9 @@
-"""The README's main command, run as a user would (a subprocess), prints generated text."""
+"""The command line: the README's main command, run as a user would (a subprocess), and engine flags."""
 
 import subprocess
 import sys
+
+import pytest
 
 
 def test_generate_command_prints_text_from_the_demo_model():
@@ -20,3 +22,23 @@ def test_unknown_model_is_a_clear_error():
     run = subprocess.run([sys.executable, "-m", "mrv2_jax.entrypoints.cli", "generate", "--prompt", "x",
                           "--model", "no-such-model"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "no-such-model" in run.stderr
+
+
+def test_kernels_flag_parses_into_the_engine_kernel_config(monkeypatch):
+    """`--kernels field=value,...` sets KernelConfig fields over the environment's defaults, and
+    EngineConfig resolves "auto" for the backend; a bad field or value is a clear error."""
+    from mrv2_jax.config import KernelConfig
+    from mrv2_jax.engine.builder import EngineConfig
+    from mrv2_jax.entrypoints.cli import build_parser, engine_kwargs
+
+    monkeypatch.setenv("MRV2_MOE_BACKEND", "dense")
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--kernels",
+                                      "attention=pallas, sampler_slow_path=interpret"])
+    kernels = EngineConfig(**engine_kwargs(args)).kernels
+    assert kernels == KernelConfig(attention="pallas", sampler_logit_stats="off", sampler_noise_pass="reference",
+                                   sampler_slow_path="interpret", moe_backend="dense")  # the CPU's resolution
+    for bad, named in (("attention=fast", "KernelConfig.attention"), ("sampler=kernel", "unknown kernel fields"),
+                       ("attention", "field=value")):
+        args = build_parser().parse_args(["generate", "--prompt", "x", "--kernels", bad])
+        with pytest.raises(ValueError, match=named):
+            EngineConfig(**engine_kwargs(args))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mrv2_jax.models.loader import load_model, save_hf_checkpoint
+from mrv2_jax.models.qwen3_moe import Qwen3MoeModelState
 from tests.parity import FIXTURES, load_expected
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "quantize_fp8.py"
@@ -56,7 +57,7 @@ def test_fp8_weights_load_as_fp8_with_scales(quantised):
 
 @pytest.mark.parametrize("backend", ["ragged_dot", "pallas"])
 def test_fp8_model_matches_dequantised_reference(quantised, backend, monkeypatch):
-    monkeypatch.setenv("MRV2_MOE_BACKEND", backend)
+    monkeypatch.setattr(Qwen3MoeModelState, "moe_backend", backend)
     name, tmp = quantised
     expected = load_expected(name)
     fp8_logits, _ = _logits(tmp / "fp8", expected)

@@ -19,7 +19,8 @@ import pytest
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
 from mrv2_jax.sample import logit_stats as ls
 from mrv2_jax.sample.block_top import top_n_by_blocks
-from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask
+from mrv2_jax.sample.features import SamplerKernels
+from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask, penalty_arrays
 from pallas_kernels import logit_stats as pk
 from tests.triton_lowering import verify_triton_lowering
 
@@ -83,8 +84,8 @@ def test_stats_match_numpy(impl, logits_dtype, counts_dtype):
     divisor = jnp.asarray([1.0, 0.7, 2.0, 1.0, 0.3], jnp.float32)
     if impl.startswith("kernel"):
         launch = dict(interpret=True, tile_blocks=2, tiles_per_program=2 if impl == "kernel_loop" else 1)
-        got = pk.logit_stats(logits, t, data, divisor, **launch)
-        plain = pk.logit_stats(logits, None, None, divisor, **launch)
+        got = pk.logit_stats(logits, divisor, penalty_arrays(t, data), **launch)
+        plain = pk.logit_stats(logits, divisor, **launch)
     else:
         got = ls.logit_stats_reference(logits, t, data, divisor)
         plain = ls.logit_stats_reference(logits, None, None, divisor)
@@ -121,7 +122,7 @@ def test_logsumexp_from_blocks_matches_numpy():
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernel"])
-def test_count_above_matches_numpy(impl, monkeypatch):
+def test_count_above_matches_numpy(impl):
     rng = np.random.default_rng(2)
     r, v = 6, 128 * 5 + 3
     x = rng.normal(0, 2, (r, v)).astype(np.float32)
@@ -134,8 +135,7 @@ def test_count_above_matches_numpy(impl, monkeypatch):
         got = pk.count_above(jnp.asarray(x, jnp.bfloat16), block_max, jnp.asarray(threshold), interpret=True,
                              tile_blocks=2)
     else:
-        monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
-        got = ls.count_above(jnp.asarray(x), block_max, jnp.asarray(threshold))
+        got = ls.count_above(jnp.asarray(x), block_max, jnp.asarray(threshold), mode="off")
     np.testing.assert_array_equal(got, (x > threshold[:, None]).sum(axis=1))
 
 
@@ -169,7 +169,8 @@ def test_top_n_from_given_block_maxima():
 
 
 def every_feature_case(logits_dtype=jnp.float32, v=64 * 128 + 300):
-    """Every feature on, rows wide enough for both block levels."""
+    """Every feature on, rows wide enough for both block levels. -> (logits, t, data, step):
+    step(logits, t, data, kernels=SamplerKernels()) runs the sampler with those kernel choices."""
     rng = np.random.default_rng(6)
     r = 6
     logits, t, data, _ = random_case(rng, r, v, 8, jnp.float32, np.int32)
@@ -181,19 +182,20 @@ def every_feature_case(logits_dtype=jnp.float32, v=64 * 128 + 300):
         bias_ids=jnp.asarray(rng.integers(0, v, (r, 4)), jnp.int32),
         bias_values=jnp.asarray(rng.normal(0, 20, (r, 4)), jnp.float32))
     f = SamplerFeatures.all(prompt_logprobs=False, min_tokens=False)
-    step = jax.jit(lambda x, t, pen: sample(x, t, jnp.arange(r, dtype=jnp.int32), f, pen))
+
+    @functools.partial(jax.jit, static_argnames="kernels")
+    def step(x, t, pen, kernels=SamplerKernels()):
+        return sample(x, t, jnp.arange(r, dtype=jnp.int32), f.replace(kernels=kernels), pen)
+
     return logits.astype(logits_dtype), t, data, step
 
 
-def test_sampler_with_kernels_matches_without(monkeypatch):
+def test_sampler_with_kernels_matches_without():
     """The same tokens and logprobs with the kernels (interpreted) as with the jnp pass, and
     logprobs as numpy's log_softmax."""
     logits, t, data, step = every_feature_case()
     r = logits.shape[0]
-    outs = {}
-    for mode in ("off", "interpret"):
-        monkeypatch.setenv("MRV2_SAMPLER_KERNELS", mode)
-        outs[mode] = step.lower(logits, t, data).compile()(logits, t, data)
+    outs = {mode: step(logits, t, data, kernels=SamplerKernels(logit_stats=mode)) for mode in ("off", "interpret")}
     off, kern = outs["off"], outs["interpret"]
     np.testing.assert_array_equal(kern.tokens, off.tokens)
     np.testing.assert_array_equal(kern.logprob_token_ids, off.logprob_token_ids)
@@ -209,23 +211,16 @@ def test_sampler_with_kernels_matches_without(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["off", "interpret"])
-def test_sampler_reads_bf16_logits_as_their_f32_values(mode, monkeypatch):
+def test_sampler_reads_bf16_logits_as_their_f32_values(mode):
     """The step hands the sampler bf16 logits (runner/model_step.py): every output equals the
     one from the same logits converted to f32 first."""
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", mode)
+    kernels = SamplerKernels(logit_stats=mode)
     logits, t, data, step = every_feature_case(jnp.bfloat16)
-    got = step.lower(logits, t, data).compile()(logits, t, data)
-    wide = logits.astype(jnp.float32)
-    want = step.lower(wide, t, data).compile()(wide, t, data)
+    got = step(logits, t, data, kernels=kernels)
+    want = step(logits.astype(jnp.float32), t, data, kernels=kernels)
     for name in ("tokens", "logprob_token_ids", "sampled_rank"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
-
-
-def test_kernel_mode_names_bad_values(monkeypatch):
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "fast")
-    with pytest.raises(ValueError, match="MRV2_SAMPLER_KERNELS"):
-        ls.kernel_mode()
 
 
 def test_kernels_lower_to_triton(monkeypatch):
@@ -238,10 +233,11 @@ def test_kernels_lower_to_triton(monkeypatch):
     data = PenaltyData(S((n, v), jnp.uint16), S((n, (v + 31) // 32), jnp.uint32), S((r,), jnp.int32))
     cuda = dict(lowering_platforms=("cuda",))
     divisor = S((r,), jnp.float32)
-    text = jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), t, data, divisor).lower(**cuda).as_text()
-    text += jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), None, None, divisor).lower(**cuda).as_text()
+    penalties = penalty_arrays(t, data)
+    text = jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), divisor, penalties).lower(**cuda).as_text()
+    text += jax.jit(pk.logit_stats).trace(S((r, v), jnp.bfloat16), divisor).lower(**cuda).as_text()
     looped = functools.partial(pk.logit_stats, tiles_per_program=4, num_stages=2)
-    text += jax.jit(looped).trace(S((r, v), jnp.bfloat16), t, data, divisor).lower(**cuda).as_text()
+    text += jax.jit(looped).trace(S((r, v), jnp.bfloat16), divisor, penalties).lower(**cuda).as_text()
     text += jax.jit(pk.count_above).trace(S((r, v), jnp.bfloat16), S((r, ls.num_blocks(v)), jnp.float32),
                                           S((r,), jnp.float32)).lower(**cuda).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4
@@ -254,7 +250,7 @@ def test_gpu_kernels_match_reference_at_serving_shape():
     r, v = 256, 151936
     logits, t, data, _ = random_case(rng, r, v, 300)
     divisor = jnp.asarray(rng.uniform(0.2, 2, r), jnp.float32)
-    got = pk.logit_stats(logits, t, data, divisor)
+    got = pk.logit_stats(logits, divisor, penalty_arrays(t, data))
     want = jax.jit(ls.logit_stats_reference)(logits, t, data, divisor)
     for name in ("processed", "block_max", "block_sumexp", "raw_block_sumexp"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, err_msg=name)
@@ -264,19 +260,18 @@ def test_gpu_kernels_match_reference_at_serving_shape():
                                   jnp.sum(logits.astype(jnp.float32) > threshold[:, None], axis=1))
 
 
-def test_tables_past_int32_offsets_take_the_jnp_path(monkeypatch):
+def test_tables_past_int32_offsets_take_the_jnp_path():
     """A counts table of >= 2**31 entries (say 16K slots x 152K ids) cannot be addressed by the
     kernels' int32 offsets: the sampler uses the jnp pass instead of failing to compile."""
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "interpret")
     S = jax.ShapeDtypeStruct
     r, v = 4, 151936
     t = jax.eval_shape(lambda: SamplingTensors.neutral(r, max_bias=0, max_stop=0, xp=jnp))
     huge = PenaltyData(S((2**31 // v + 1, v), jnp.uint16), S((2**31 // v + 1, (v + 31) // 32), jnp.uint32),
                        S((r,), jnp.int32))
-    text = jax.jit(lambda x, t, p: ls.logit_stats(x, t, p).block_max).trace(
+    text = jax.jit(lambda x, t, p: ls.logit_stats(x, t, p, mode="interpret").block_max).trace(
         S((r, v), jnp.bfloat16), t, huge).lower().as_text()
     assert "logit_stats" not in text  # no Pallas call (interpreted kernels would show their name)
     small = PenaltyData(S((8, v), jnp.uint16), S((8, (v + 31) // 32), jnp.uint32), S((r,), jnp.int32))
-    text = jax.jit(lambda x, t, p: ls.logit_stats(x, t, p).block_max).trace(
+    text = jax.jit(lambda x, t, p: ls.logit_stats(x, t, p, mode="interpret").block_max).trace(
         S((r, v), jnp.bfloat16), t, small).lower().as_text()
     assert "logit_stats" in text

@@ -13,6 +13,7 @@ from mrv2_jax.models.moe import (
     routed_experts,
     softmax_topk_router,
 )
+from mrv2_jax.models.qwen3_moe import Qwen3MoeModelState
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from tests.parity import FIXTURES, load_expected, max_logit_error
 
@@ -116,14 +117,15 @@ def test_routed_experts_match_numpy(backend, case):
 
 
 def test_backend_switch_does_not_change_logits(monkeypatch):
-    """The environment switch picks the expert backend; all give the same logits."""
+    """The model state's moe_backend (an engine sets KernelConfig.moe_backend there) picks the
+    expert backend; all give the same logits, and a bad name fails."""
     expected = load_expected("glm4-moe-tiny")
     for backend in ("dense", "pallas"):
-        monkeypatch.setenv("MRV2_MOE_BACKEND", backend)
+        monkeypatch.setattr(Qwen3MoeModelState, "moe_backend", backend)
         assert max_logit_error(FIXTURES / "glm4-moe-tiny", expected) <= 1e-4
-    monkeypatch.setenv("MRV2_MOE_BACKEND", "bogus")
+    monkeypatch.setattr(Qwen3MoeModelState, "moe_backend", "bogus")
     with pytest.raises(ValueError, match="MoE backend"):
-        load_model(FIXTURES / "glm4-moe-tiny")
+        max_logit_error(FIXTURES / "glm4-moe-tiny", expected)
 
 
 # --- layout, MTP, paged path, save/load ----------------------------------------------------

@@ -1,13 +1,13 @@
-"""The whole-row noise pass without a conditional (mrv2_jax/sample/noise_pass.py): the Pallas
-kernel (interpreted on the CPU, compiled with -m gpu) against the jnp reference, and the
-sampler with it against the sampler with the conditional."""
+"""The whole-row noise pass (pallas_kernels/noise_pass.py, mrv2_jax/sample/noise_pass.py): the
+jnp reference against numpy, the Pallas kernel (interpreted on the CPU, compiled with -m gpu)
+against the reference, and the sampler with the kernel against the sampler with the reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mrv2_jax.sample import noise_pass as npass
+from mrv2_jax.sample.features import SamplerKernels
 from mrv2_jax.sample.gumbel import gumbel_noise
 from pallas_kernels import noise_pass as kernel
 from tests.test_logit_stats import every_feature_case
@@ -30,7 +30,7 @@ def test_reference_is_argmax_of_noisy_row():
     """The reference against numpy, with the noise from gumbel.py (tested on its own)."""
     rng = np.random.default_rng(1)
     x, divisor, keep_from, seeds, positions, is_sampled = random_rows(rng, 8, 1000)
-    got = np.asarray(npass.noise_pass_reference(x, divisor, keep_from, seeds, positions, is_sampled))
+    got = np.asarray(kernel.noise_pass_reference(x, divisor, keep_from, seeds, positions, is_sampled))
     xs = np.asarray(x)
     scaled = xs / np.asarray(divisor)[:, None]
     noisy = np.where(scaled >= np.asarray(keep_from)[:, None], scaled, -np.inf) + np.asarray(
@@ -45,19 +45,19 @@ def test_kernel_matches_reference_at_needed_rows(v):
     rows = random_rows(rng, 8, v)
     needed = jnp.asarray([True, True, True, False, True, False, True, True])
     got = np.asarray(kernel.noise_pass(*rows, needed, interpret=True))
-    want = np.asarray(npass.noise_pass_reference(*rows))
+    np.testing.assert_array_equal(got, kernel.noise_pass_reference(*rows, needed))
+    want = np.asarray(kernel.noise_pass_reference(*rows))
     np.testing.assert_array_equal(got[np.asarray(needed)], want[np.asarray(needed)])
     assert not got[~np.asarray(needed)].any()
 
 
-@pytest.mark.parametrize("mode", ["kernel", "interpret"])
-def test_sampler_without_the_noise_conditional_matches(mode, monkeypatch):
+def test_sampler_with_the_noise_kernel_matches():
     """Every feature on, rows that the top candidates do not settle included (top_k 200, flat
-    top_p): the same tokens and logprobs with the pass run without a conditional."""
+    top_p): the same tokens and logprobs with the pass as the kernel (interpreted, reading only
+    the rows that need it) as with the reference over every row."""
     logits, t, data, step = every_feature_case()
-    want = step.lower(logits, t, data).compile()(logits, t, data)
-    monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", mode)
-    got = step.lower(logits, t, data).compile()(logits, t, data)
+    want = step(logits, t, data)
+    got = step(logits, t, data, kernels=SamplerKernels(noise_pass="interpret"))
     for name in ("tokens", "logprob_token_ids", "sampled_rank"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
     np.testing.assert_array_equal(got.logprobs, want.logprobs)
@@ -81,6 +81,6 @@ def test_gpu_kernel_matches_reference_at_serving_shape():
     rows = random_rows(rng, 256, 151936)
     needed = jnp.asarray(rng.random(256) < 0.5)
     got = np.asarray(kernel.noise_pass(*rows, needed))
-    want = np.asarray(jax.jit(npass.noise_pass_reference)(*rows))
+    want = np.asarray(jax.jit(kernel.noise_pass_reference)(*rows))
     np.testing.assert_array_equal(got[np.asarray(needed)], want[np.asarray(needed)])
 

@@ -126,26 +126,6 @@ def test_prompt_logprobs_survive_preemption(arm):
     assert not llm.engine._prompt_logprobs
 
 
-def test_benchmarks_can_compile_the_prompt_conditional_out(monkeypatch):
-    """MRV2_BENCH_SKIP_CONDITIONALS=prompt (benchmarks only): no conditional, no prompt logprobs."""
-    from mrv2_jax.runner import model_step
-
-    class Head:
-        w = jnp.ones((16, 300), jnp.float32)
-
-        def compute_logits(self, h, dtype=jnp.float32):
-            return h @ self.w
-
-    hidden, targets = jnp.ones((8, 16), jnp.float32), jnp.arange(8, dtype=jnp.int32)
-    assert "stablehlo.case" in jax.jit(lambda h, t: model_step.prompt_logprobs(Head(), h, t)).lower(
-        hidden, targets).as_text()
-    monkeypatch.setenv("MRV2_BENCH_SKIP_CONDITIONALS", "prompt")
-    with pytest.warns(UserWarning, match="benchmarks only"):
-        lowered = jax.jit(lambda h, t: model_step.prompt_logprobs(Head(), h, t)).lower(hidden, targets)
-    assert "stablehlo.case" not in lowered.as_text()
-    assert not np.asarray(lowered.compile()(hidden, targets).logprobs).any()
-
-
 @pytest.mark.parametrize("arm", ["v1", "v2-async"])
 def test_full_variant_runs_the_steps_without_prompt_logprobs(arm):
     """With `full` (every feature but prompt logprobs) before `all`, a request that uses sampler

@@ -18,7 +18,6 @@ from mrv2_jax.sample.sampler import adjust_logits, sample_tokens, truncation_thr
 from mrv2_jax.sample.tensors import needed_features
 from mrv2_jax.sample.topk_topp import _key_to_float, _ordered_key, top_k_threshold_search
 from tests import sampler_reference as ref
-from tests.test_logit_stats import every_feature_case
 
 ALL = SamplerFeatures.all()
 MB, MS = 8, 4  # small sparse widths keep the tests quick
@@ -375,37 +374,18 @@ def test_gumbel_noise_matches_numpy_and_is_gumbel():
     assert abs(np.corrcoef(got[0], got[1])[0, 1]) < 0.05  # rows (seeds / positions) independent
 
 
-def test_runtime_skips_guard_only_the_whole_row_passes(monkeypatch):
-    """The every-feature program has conditionals around the whole-row threshold search (its
-    top_k and top_p passes one level inside it, after top_p's mass above a min_p floor) and
-    the whole-row noise pass, and nowhere else: on an H200 each conditional cost ~20 us and
-    deeper nesting left the GPU idle 0.1-0.4 ms (features.py). Counted in the lowered program,
-    so it holds on any backend."""
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")  # interpreted kernels add conditionals of their own
+def test_the_sampler_holds_no_conditional_but_the_greedy_skip():
+    """The every-feature sampler runs its whole-row passes without a conditional (on GPUs a
+    conditional inside the step costs far more than its microbenchmark: features.py), and so
+    does plain sampling; only temperature-only sampling with runtime skips keeps one, which
+    skips the noise for a batch of greedy rows. Counted in the lowered program, so it holds on
+    any backend (the jnp passes: interpreted kernels add conditionals of their own)."""
     r, v = 4, 9000
     t = SamplingTensors.neutral(r)
     pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)
-    text = jax.jit(lambda x, t, p, pen: sample(x, t, p, ALL, pen)).lower(
-        jnp.zeros((r, v), jnp.float32), t, jnp.zeros((r,), jnp.int32), pen).as_text()
-    assert text.count("stablehlo.case") == 4
-    plain = jax.jit(lambda x, t, p: sample(x, t, p, SamplerFeatures.plain_sampling())).lower(
-        jnp.zeros((r, v), jnp.float32), t, jnp.zeros((r,), jnp.int32)).as_text()
-    assert "stablehlo.case" not in plain
-
-
-@pytest.mark.parametrize("skipped,cases", [("noise", 3), ("search", 2), ("slow", 1), ("noise,slow", 0)])
-def test_benchmarks_can_compile_conditionals_out(skipped, cases, monkeypatch):
-    """MRV2_BENCH_SKIP_CONDITIONALS (benchmarks only) compiles the named conditionals as their
-    skip branch: `slow` holds the two `search` ones, so it takes three."""
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
-    monkeypatch.setenv("MRV2_BENCH_SKIP_CONDITIONALS", skipped)
-    r, v = 4, 9000
-    pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)
-    with pytest.warns(UserWarning, match="benchmarks only"):
-        text = jax.jit(lambda x, t, p, pen: sample(x, t, p, ALL, pen)).lower(
-            jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32), pen).as_text()
-    assert text.count("stablehlo.case") == cases
-    monkeypatch.setenv("MRV2_BENCH_SKIP_CONDITIONALS", "noise,typo")
-    with pytest.raises(ValueError, match="typo"):
-        jax.jit(lambda x, t, p, pen: sample(x, t, p, ALL, pen)).lower(
-            jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32), pen)
+    x, pos = jnp.zeros((r, v), jnp.float32), jnp.zeros((r,), jnp.int32)
+    text = jax.jit(lambda x, t, p, pen: sample(x, t, p, ALL, pen)).lower(x, t, pos, pen).as_text()
+    assert "stablehlo.case" not in text
+    for features, cases in ((SamplerFeatures.plain_sampling(), 0), (SamplerFeatures(), 1)):
+        text = jax.jit(lambda x, t, p, f=features: sample(x, t, p, f)).lower(x, t, pos).as_text()
+        assert text.count("stablehlo.case") == cases

@@ -1,14 +1,14 @@
-"""The threshold slow path without a conditional (mrv2_jax/sample/slow_path.py): the Pallas
-kernels (interpreted on the CPU, compiled with -m gpu) against the numpy reference's kept
-tokens and the jnp search, and the sampler with them against the sampler with the conditional."""
+"""The threshold slow path (mrv2_jax/sample/slow_path.py): the Pallas kernels (interpreted on the
+CPU, compiled with -m gpu) against the numpy reference's kept tokens and the jnp search, and the
+sampler with them against the sampler with the jnp search."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample, topk_topp
-from mrv2_jax.sample.penalties import penalty_data_from_tokens
+from mrv2_jax.sample import topk_topp
+from mrv2_jax.sample.features import SamplerKernels
 from pallas_kernels import threshold_search as kernel
 from tests import sampler_reference as ref
 from tests.test_logit_stats import every_feature_case
@@ -74,45 +74,21 @@ def test_row_mass_kernel_matches_reference():
     want = np.where(s >= floor[:, None], np.exp(s - s.max(1, keepdims=True)), 0).sum(1)
     np.testing.assert_allclose(got[needed], want[needed], rtol=1e-5)
     assert not got[~needed].any()
+    jnp_mass = np.asarray(kernel.row_mass_reference(x, divisor, scaled.max(1), floor, needed))
+    np.testing.assert_allclose(jnp_mass[needed], want[needed], rtol=1e-5)
+    assert not jnp_mass[~needed].any()
 
 
-@pytest.mark.parametrize("mode", ["kernel", "interpret"])
-def test_sampler_without_the_slow_conditional_matches(mode, monkeypatch):
+def test_sampler_with_the_search_kernels_matches():
     """Every feature on, rows that take the slow path included (top_k 200, flat top_p, min_p
-    with top_p): the same tokens and logprobs with the slow path run without a conditional,
-    alone and with the noise pass's kernel."""
+    with top_p): the same tokens and logprobs with the slow path as kernels (interpreted), alone
+    and with the noise pass's kernel, as with the jnp searches."""
     logits, t, data, step = every_feature_case()
-    want = step.lower(logits, t, data).compile()(logits, t, data)
-    monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", mode)
-    for noise in ("cond", mode):
-        monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", noise)
-        got = step.lower(logits, t, data).compile()(logits, t, data)
+    want = step(logits, t, data)
+    for noise in ("reference", "interpret"):
+        got = step(logits, t, data, kernels=SamplerKernels(noise_pass=noise, slow_path="interpret"))
         for name in ("tokens", "logprob_token_ids", "sampled_rank", "logprobs"):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"{name}, noise {noise}")
-
-
-def test_kernel_modes_leave_no_conditional_in_the_sampler(monkeypatch):
-    """Counted in the lowered every-feature sampler, so it holds on any backend. (Prompt
-    logprobs' conditional lives in the model step, not here.)"""
-    monkeypatch.setenv("MRV2_SAMPLER_KERNELS", "off")
-    r, v = 4, 9000
-    pen = penalty_data_from_tokens([[1]] * r, [[2]] * r, v)
-
-    def cases():
-        return jax.jit(lambda x, t, p, pen: sample(x, t, p, SamplerFeatures.all(), pen)).lower(
-            jnp.zeros((r, v), jnp.float32), SamplingTensors.neutral(r), jnp.zeros((r,), jnp.int32),
-            pen).as_text().count("stablehlo.case")
-
-    assert cases() == 4  # "cond" (the CPU default): the noise pass, the slow path and its two searches
-    monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", "kernel")
-    assert cases() == 3
-    monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", "kernel")
-    assert cases() == 0
-    for env in ("MRV2_SAMPLER_NOISE_PASS", "MRV2_SAMPLER_SLOW_PATH"):
-        monkeypatch.setenv(env, "fast")
-        with pytest.raises(ValueError, match=env):
-            cases()
-        monkeypatch.setenv(env, "kernel")
 
 
 def test_kernels_lower_to_triton(monkeypatch):
@@ -138,20 +114,17 @@ def test_gpu_kernels_match_the_jnp_search_at_serving_width():
     got = kernel.threshold_search(x, divisor, scaled.max(1), floor, k, p, needed)
     np.testing.assert_array_equal(got, jax.jit(topk_topp.top_k_top_p_threshold_search)(scaled, floor, k, p))
     mass = kernel.row_mass(x, divisor, scaled.max(1), floor, needed)
-    want = topk_topp.row_mass(jnp.asarray(scaled), jnp.asarray(scaled.max(1)), jnp.asarray(floor))
+    want = jax.jit(kernel.row_mass_reference)(x, divisor, scaled.max(1), floor, needed)
     np.testing.assert_allclose(mass, want, rtol=1e-5)
 
 
 @pytest.mark.gpu
-def test_gpu_sampler_with_kernels_matches_conditionals_at_serving_width(monkeypatch):
+def test_gpu_sampler_with_kernels_matches_the_jnp_passes_at_serving_width():
     """The sampler compiled for the GPU with both whole-row passes as kernels (the default
-    there) gives the same tokens and logprobs as with them under conditionals, at V 151,936 on
-    rows that take the slow path and the whole-row noise pass."""
+    there) gives the same tokens and logprobs as with the jnp passes, at V 151,936 on rows that
+    take the slow path and the whole-row noise pass."""
     logits, t, data, step = every_feature_case(v=151936)
-    outs = {}
-    for mode in ("cond", "kernel"):
-        monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", mode)
-        monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", mode)
-        outs[mode] = step.lower(logits, t, data).compile()(logits, t, data)
+    outs = {mode: step(logits, t, data, kernels=SamplerKernels("kernel", mode, mode))
+            for mode in ("reference", "kernel")}
     for name in ("tokens", "logprob_token_ids", "sampled_rank", "logprobs"):
-        np.testing.assert_array_equal(getattr(outs["kernel"], name), getattr(outs["cond"], name), err_msg=name)
+        np.testing.assert_array_equal(getattr(outs["kernel"], name), getattr(outs["reference"], name), err_msg=name)

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mrv2_jax import envs
 from mrv2_jax.bench.environment import describe_environment, write_report
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -62,9 +63,9 @@ NOTES = [
 def vllm_env(args, runner_flag: str) -> dict:
     """The environment of a vLLM process: its packages first, then this repository (for the arm's
     module), and the switches ../shared/peers/vllm/README.md names."""
-    path = os.pathsep.join(filter(None, [args.vllm_site, REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    return os.environ | {"PYTHONPATH": path, "VLLM_USE_V2_MODEL_RUNNER": runner_flag, "HF_HUB_OFFLINE": "1",
-                         "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    path = os.pathsep.join(filter(None, [args.vllm_site, REPO_ROOT, envs.read_external("PYTHONPATH")]))
+    return envs.subprocess_env(PYTHONPATH=path, VLLM_USE_V2_MODEL_RUNNER=runner_flag, HF_HUB_OFFLINE="1",
+                               VLLM_NO_USAGE_STATS="1", VLLM_USE_FLASHINFER_SAMPLER="0")
 
 
 def vllm_available(args) -> tuple[bool, str]:
@@ -100,8 +101,8 @@ def arm_command(arm: str, setting: str, args, out_json: str) -> tuple[list[str],
     cmd = [sys.executable, "-m", "mrv2_jax.bench.throughput", "--model", args.model, "--load-format", "dummy",
            "--dtype", "bfloat16", *MRV2_ARMS[arm], *common,
            *(["--tokenizer", args.vllm_model] if args.detokenize else []), *(args.mrv2_arg or [])]
-    path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-    return cmd, os.environ | {"PYTHONPATH": path}
+    path = os.pathsep.join(filter(None, [REPO_ROOT, envs.read_external("PYTHONPATH")]))
+    return cmd, envs.subprocess_env(PYTHONPATH=path)
 
 
 def run_arm(arm: str, setting: str, args) -> dict:
@@ -244,9 +245,9 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM (default: this one)")
-    p.add_argument("--vllm-site", default=os.environ.get("MRV2_VLLM_SITE"),
+    p.add_argument("--vllm-site", default=envs.read("MRV2_VLLM_SITE"),
                    help="a folder put first on vLLM's PYTHONPATH, e.g. /tmp/site (default $MRV2_VLLM_SITE)")
-    p.add_argument("--vllm-model", default=os.environ.get("MRV2_VLLM_MODEL", "/tmp/qwen3-0.6b"),
+    p.add_argument("--vllm-model", default=envs.read("MRV2_VLLM_MODEL"),
                    help="a Qwen3-0.6B directory for vLLM: config.json (+ tokenizer), the same architecture as "
                         "--model (default $MRV2_VLLM_MODEL or /tmp/qwen3-0.6b)")
     p.add_argument("--vllm-arg", action="append", help="one more vLLM engine argument (repeatable)")

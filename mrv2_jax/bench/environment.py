@@ -3,15 +3,16 @@
 import datetime
 import importlib.metadata
 import json
-import os
 import subprocess
+
+from mrv2_jax import envs
 
 
 def git_sha() -> str:
     # An explicit MRV2_GIT_SHA wins: the GPU machine's copy of the checkout may carry a stale
     # .git (seen: results stamped with the session's first commit).
-    if os.environ.get("MRV2_GIT_SHA"):
-        return os.environ["MRV2_GIT_SHA"]
+    if envs.read("MRV2_GIT_SHA"):
+        return envs.read("MRV2_GIT_SHA")
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -23,10 +23,10 @@ ignored), all submitted at once, streamed. Reported per (K, B):
 import argparse
 import gc
 import itertools
-import os
 import statistics
 import time
 
+from mrv2_jax import envs
 from mrv2_jax.bench.capture import DecodeStepCapture, replay
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
@@ -107,7 +107,7 @@ def run(args) -> dict:
         del llm
         gc.collect()  # the engine holds reference cycles: free its KV cache before the next sizes its own
     return {**describe_environment(), "load_s": load_s, "input_len": args.input_len,
-            "output_len": args.output_len, "xla_flags": os.environ.get("XLA_FLAGS", ""), "settings": kwargs,
+            "output_len": args.output_len, "xla_flags": envs.get_xla_flags(), "settings": kwargs,
             "reference": VLLM_BATCH1, "results": results}
 
 

@@ -35,6 +35,7 @@ from typing import Self
 
 import numpy as np
 
+from mrv2_jax import envs
 from mrv2_jax.bench.dataset import random_prompts, vocab_size_of
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
@@ -286,7 +287,7 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     target.add_argument("--host", default="127.0.0.1")
     target.add_argument("--port", type=int, default=None, help="default 8000; with --launch-server a free port")
     target.add_argument("--endpoint", default="/v1/completions")
-    target.add_argument("--api-key", default=os.environ.get("MRV2_API_KEY"), help="default: $MRV2_API_KEY")
+    target.add_argument("--api-key", default=envs.read("MRV2_API_KEY"), help="default: $MRV2_API_KEY")
     target.add_argument("--served-model-name", default=None,
                         help="the 'model' field of the requests (default: --model, or 'demo')")
     target.add_argument("--launch-server", action="store_true",

@@ -11,9 +11,9 @@ VLLM_USE_V2_MODEL_RUNNER=0|1). It imports no JAX: JAX would take GPU memory from
 
 import argparse
 import json
-import os
 import time
 
+from mrv2_jax import envs
 from mrv2_jax.bench.dataset import random_prompts, vocab_size_of
 
 
@@ -62,8 +62,8 @@ def run(args) -> dict:
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"engine": "vllm", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "runner": "v2" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "") == "1" else
-                      ("v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "") == "0" else "default"),
+            "runner": "v2" if envs.read_external("VLLM_USE_V2_MODEL_RUNNER") == "1" else
+                      ("v1" if envs.read_external("VLLM_USE_V2_MODEL_RUNNER") == "0" else "default"),
             "engine_argv": argv, "startup_s": startup, "elapsed_s": elapsed, "num_prompts": len(prompts),
             "num_input_tokens": num_in, "num_output_tokens": num_out, "requests_per_s": len(prompts) / elapsed,
             "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed}

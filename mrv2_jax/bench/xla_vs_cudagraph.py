@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mrv2_jax import envs
 from mrv2_jax.bench.environment import describe_environment, write_report
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -108,7 +109,7 @@ def jax_worker(args) -> dict:
         results[batch] = timings(sync, pipelined, args.runs) | {"param_bytes": param_bytes, "kv_bytes": kv}
         print(f"  batch {batch:4}: sync {results[batch]['sync_ms']:.3f} ms, pipelined "
               f"{results[batch]['pipelined_ms']:.3f} ms", flush=True)
-    return {"backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    return {"backend": jax.default_backend(), "xla_flags": envs.get_xla_flags(),
             "batches": results}
 
 
@@ -247,8 +248,8 @@ def run_worker(kind: str, args, python: str, extra_env: dict) -> dict:
                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         argv += ["--allow-cpu"] if args.allow_cpu else []
         # The worker imports this package, also from another interpreter (--torch-python).
-        path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
-        env = os.environ | {"PYTHONPATH": path} | extra_env
+        path = os.pathsep.join(filter(None, [REPO_ROOT, envs.read_external("PYTHONPATH")]))
+        env = envs.subprocess_env(PYTHONPATH=path, **extra_env)
         t0 = time.perf_counter()
         try:
             run = subprocess.run(argv, env=env, timeout=args.arm_timeout, check=False)
@@ -270,7 +271,7 @@ def collect(args) -> dict:
             print(f"== {arm}", flush=True)
             # Only this arm's command-buffer setting: drop any from the environment (importing
             # mrv2_jax adds the engine's default, +WHILE: mrv2_jax/xla_flags.py).
-            flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            flags = [f for f in envs.get_xla_flags().split()
                      if not f.startswith("--xla_gpu_enable_command_buffer")]
             extra = {"XLA_FLAGS": " ".join([*flags, JAX_ARMS[arm] or ""]).strip(), "MRV2_DEFAULT_XLA_FLAGS": "0"}
             arms[arm] = run_worker("jax", args, sys.executable, extra)

@@ -5,17 +5,17 @@ the CLI and the server.
 """
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mrv2_jax.config import CacheConfig, SchedulerConfig
+from mrv2_jax import envs
+from mrv2_jax.config import CacheConfig, KernelConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.models.loader import load_model, resolve_dtype
 from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
-from mrv2_jax.sample.features import default_variant_names, variants_by_name
+from mrv2_jax.sample.features import SamplerKernels, default_variant_names, variants_by_name
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
@@ -23,8 +23,8 @@ RUNNERS = ("v1", "v2")
 # host more than a small batch's device step, so fusing steps pays (docs/benchmarks.md,
 # "Small-batch decode"). `--max-fused-steps 1` turns it off.
 DEFAULT_MAX_FUSED_STEPS = 16
-# Fused decode for batches of up to 256 rows: faster than fusing only small batches at 256
-# sequences (docs/benchmarks.md, "Sampler variants and fused decode at 256 rows").
+# Fused decode is compiled for batches of up to 256 rows: it pays at 256 rows too
+# (docs/benchmarks.md, "Sampler variants and fused decode at 256 rows").
 DEFAULT_MAX_FUSED_ROWS = 256
 
 
@@ -34,7 +34,7 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "bfloat16"
     load_format: str = "auto"
-    runner: str | None = None  # "v1" | "v2"; default: $MRV2_RUNNER or v2
+    runner: str | None = None  # "v1" | "v2"; default: $MRV2_RUNNER (v2)
     async_scheduling: bool | None = None  # default: on for runners that support it
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -63,9 +63,12 @@ class EngineConfig:
     # Speculative decoding: a SpeculativeConfig, a dict or a JSON string
     # ({"method": "ngram" | "draft_model" | "mtp" | "synthetic", "num_speculative_tokens": k, ...}).
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Kernel or reference for each piece that has both: a KernelConfig, a dict of its fields or
+    # "field=value,..." (`--kernels`), over the environment's defaults; resolved for the backend here.
+    kernels: KernelConfig | dict | str | None = None
 
     def __post_init__(self):
-        self.runner = (self.runner or os.environ.get("MRV2_RUNNER") or "v2").lower()
+        self.runner = (self.runner or envs.read("MRV2_RUNNER")).lower()
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -74,6 +77,7 @@ class EngineConfig:
         if self.sampler_variants is not None:
             variants_by_name(self.sampler_variants)  # a bad list fails here, not at compile time
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kernels = KernelConfig.parse(self.kernels).resolved()
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
         if self.max_fused_steps is None:
@@ -120,20 +124,25 @@ def load_draft_model(config: EngineConfig):
 def make_spec_decoder(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int, draft_model=None):
     if config.speculative_config is None:
         return None
-    import jax
-
     from mrv2_jax.spec_decode.factory import build_spec_decoder
 
     return build_spec_decoder(config.speculative_config, model_state, lm, num_blocks=num_blocks,
                               block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                               max_model_len=max_model_len, kv_dtype=resolve_dtype(config.dtype), dtype=config.dtype,
-                              use_kernels=jax.default_backend() == "gpu", draft_model=draft_model)
+                              use_kernels=config.kernels.attention == "pallas", draft_model=draft_model)
+
+
+def sampler_kernels(kernels: KernelConfig) -> SamplerKernels:
+    """The sampler's part of a resolved KernelConfig."""
+    return SamplerKernels(logit_stats=kernels.sampler_logit_stats, noise_pass=kernels.sampler_noise_pass,
+                          slow_path=kernels.sampler_slow_path)
 
 
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
                 spec_decoder=None) -> Runner:
+    variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                  sampler_variants=variants_by_name(config.sampler_variants or default_variant_names()),
+                  sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
                   spec_decoder=spec_decoder)
@@ -155,7 +164,7 @@ def enable_compilation_cache() -> None:
     `MRV2_COMPILATION_CACHE=<dir>` moves it, `=off` turns it off."""
     import jax
 
-    where = os.environ.get("MRV2_COMPILATION_CACHE", str(Path.home() / ".cache" / "mrv2_jax" / "xla"))
+    where = envs.read("MRV2_COMPILATION_CACHE")
     if where.lower() == "off" or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", where)
@@ -167,12 +176,19 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
+def use_moe_backend(model_state, kernels: KernelConfig) -> None:
+    """Set the MoE experts' grouped GEMM on a model state that has experts (read when traced)."""
+    if hasattr(model_state, "moe_backend"):
+        model_state.moe_backend = kernels.moe_backend
+
+
 def build_engine(config: EngineConfig, loaded_model=None):
     """-> (EngineCore, tokenizer or None, model_state). `loaded_model`: a `load_model` result to
     reuse (benchmarks that build several engines over one set of weights)."""
     enable_compilation_cache()
     model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
     lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
+    use_moe_backend(model_state, config.kernels)
     tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len
     if max_model_len > model_state.max_model_len:
@@ -182,6 +198,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
     from mrv2_jax.spec_decode.factory import proposer_kv_bytes_per_token
 
     draft_model = load_draft_model(config)
+    if draft_model is not None:
+        use_moe_backend(draft_model[0], config.kernels)
     proposer_kv_bytes = proposer_kv_bytes_per_token(config.speculative_config, model_state,
                                                     draft_model and draft_model[0], kv_dtype)
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(

@@ -1,10 +1,16 @@
 """`mrv2-jax` command line: generate, serve, convert, bench."""
 
 import argparse
-import os
 import sys
 
+from mrv2_jax import envs
+from mrv2_jax.config import KernelConfig
 from mrv2_jax.engine.builder import EngineConfig
+
+KERNELS_HELP = ("kernel or reference per piece, as field=value,...; fields (values): "
+                + "; ".join(f"{name} ({'/'.join(allowed)})" for name, (_, allowed) in KernelConfig.CHOICES.items())
+                + ". auto = the kernel on GPUs, the reference elsewhere; unset fields take their MRV2_* "
+                  "variable (docs/switches.md)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "orbax", "dummy"],
                    help="'dummy' = random weights of the right shapes (benchmarks without weights)")
-    g.add_argument("--runner", default=None, choices=["v1", "v2"], help="model runner (default: $MRV2_RUNNER)")
+    g.add_argument("--runner", default=None, choices=["v1", "v2"], help="model runner (default: $MRV2_RUNNER or v2)")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
                    help="read every step's tokens before scheduling the next")
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -33,9 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="v2: fused decode is compiled for batches of up to this many rows")
     g.add_argument("--sampler-variants", default=None,
                    help="sampler variants compiled per bucket, cheapest first, ending with 'all' "
-                        "(names: greedy, plain, full, all; default greedy,plain,full,all on GPUs, greedy,all elsewhere); "
+                        "(names: greedy, plain, full, all; default greedy,plain,full,all on GPUs, "
+                        "greedy,all elsewhere); "
                         "each step runs the first that covers its batch; full: all but prompt logprobs")
     g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")
+    g.add_argument("--kernels", default=None, metavar="FIELD=VALUE,...", help=KERNELS_HELP)
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
@@ -95,7 +103,7 @@ def cmd_serve(args) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    api_key = args.api_key or os.environ.get("MRV2_API_KEY") or None
+    api_key = args.api_key or envs.read("MRV2_API_KEY")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach this port can "
               "use the model (set --api-key or MRV2_API_KEY)", file=sys.stderr)

@@ -19,10 +19,11 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from mrv2_jax import envs
 from mrv2_jax.models.decoder import CausalLM, init_weight
 from mrv2_jax.models.model_state import ModelState, WeightSource, model_state_for
 
-CHECKPOINTS_DIR = Path(os.environ.get("MRV2_CHECKPOINTS", Path(__file__).resolve().parents[2] / "checkpoints"))
+CHECKPOINTS_DIR = Path(envs.read("MRV2_CHECKPOINTS") or Path(__file__).resolve().parents[2] / "checkpoints")
 DEFAULT_MODEL = "demo"
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,

@@ -11,14 +11,13 @@ The grouped GEMM is chosen by `backend`:
   - "dense": no sorting; every token through every expert, weighted by a dense [T, E]
     weight matrix (E/k times the work; the simplest correct fallback and a benchmark arm);
   - "auto": "pallas" on GPU, "ragged_dot" elsewhere.
-The environment variable MRV2_MOE_BACKEND overrides "auto" (read when the model is built).
+An engine picks it once, in its KernelConfig (mrv2_jax/config.py: `--kernels moe_backend=...`,
+default from MRV2_MOE_BACKEND), and sets it on the model state (engine/builder.py).
 
 Expert weights are stacked `[E, in, out]` (`gate_up` fuses gate and up along `out`); FP8
 checkpoints add block scales `[E, in/128, out/128]`, applied inside the kernel or, for the
 other backends, by dequantising first.
 """
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,8 @@ BACKENDS = ("auto", "pallas", "ragged_dot", "dense")
 
 
 def resolve_backend(backend: str | None = None) -> str:
-    backend = backend or os.environ.get("MRV2_MOE_BACKEND", "auto")
+    """`backend` (None: "auto") with "auto" made concrete for JAX's default backend."""
+    backend = backend or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"MoE backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":

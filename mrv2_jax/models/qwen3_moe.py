@@ -9,8 +9,6 @@ GLM-4.5 (glm4_moe.py) shares this layer structure and overrides the router, the 
 the shared experts.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -27,7 +25,7 @@ from mrv2_jax.models.model_state import (
     WeightSource,
     register_model_state,
 )
-from mrv2_jax.models.moe import resolve_backend, routed_experts, softmax_topk_router
+from mrv2_jax.models.moe import routed_experts, softmax_topk_router
 
 _L = "model.layers.{i}."
 _ATTN = _L + "self_attn."
@@ -37,6 +35,8 @@ _ATTN = _L + "self_attn."
 class Qwen3MoeModelState(ModelState):
     architecture = "Qwen3MoeForCausalLM"
     fp8_exempt = ("router",)  # FP8 checkpoints keep the router gate in bf16
+    # Which grouped GEMM runs the experts (moe.BACKENDS); an engine sets its KernelConfig.moe_backend here.
+    moe_backend = "auto"
 
     def __init__(self, hf_config):
         super().__init__(hf_config)
@@ -53,9 +53,6 @@ class Qwen3MoeModelState(ModelState):
         self.top_k = c.num_experts_per_tok
         self.norm_topk_prob = bool(c.norm_topk_prob)
         self.fp8_block = fp8.fp8_block_size(c)
-        # Which grouped GEMM runs the experts: MRV2_MOE_BACKEND (auto/pallas/ragged_dot/dense).
-        self.moe_backend = os.environ.get("MRV2_MOE_BACKEND", "auto")
-        resolve_backend(self.moe_backend)  # fail early on a bad value
 
     @staticmethod
     def config_num_experts(hf_config) -> int:

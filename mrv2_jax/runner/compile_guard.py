@@ -6,10 +6,11 @@ process-wide compile counter around each step: in strict mode (tests; `MRV2_STRI
 that is an error, otherwise a counted warning.
 """
 
-import os
 import warnings
 
 import jax
+
+from mrv2_jax import envs
 
 # A real compile, or an executable fetched from the persistent cache instead of compiling:
 # either way a new executable appeared.
@@ -33,7 +34,7 @@ def num_compiles() -> int:
 
 class CompileGuard:
     def __init__(self, strict: bool | None = None):
-        self.strict = os.environ.get("MRV2_STRICT_COMPILES") == "1" if strict is None else strict
+        self.strict = envs.read("MRV2_STRICT_COMPILES") if strict is None else strict
         self.num_unexpected = 0
 
     def report(self, new_compiles: int, where: str) -> None:

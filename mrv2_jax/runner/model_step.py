@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mrv2_jax.models.attention import PagedAttention
-from mrv2_jax.sample.features import SamplerFeatures, skipped_conditionals
+from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
 from mrv2_jax.sample.penalties import PenaltyData
 from mrv2_jax.sample.sampler import SamplerOutput, sample
@@ -40,11 +40,12 @@ PROMPT_LOGPROBS_CHUNK = 256
 PROMPT_LOGPROBS_TOP = 20  # sampling_params.MAX_LOGPROBS: the host keeps each request's first n
 
 
-def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True):
+def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True, kernel_mode: str = "off"):
     """Logprobs of the prompt tokens: `targets` i32[T] holds, for each scheduled token whose
     row asked for prompt logprobs, 1 + the id of the prompt token that follows it (0 = none).
     -> Logprobs over [T] (the target, then the top PROMPT_LOGPROBS_TOP), from the raw logits
-    of every token; only computed when some token has a target."""
+    of every token; only computed when some token has a target. kernel_mode:
+    SamplerKernels.logit_stats."""
     t = hidden.shape[0]
     ids = jnp.maximum(targets - 1, 0)
     n = PROMPT_LOGPROBS_TOP
@@ -52,16 +53,17 @@ def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True):
     def compute():
         chunk = PROMPT_LOGPROBS_CHUNK
         # Logits in the model's dtype: compute_logprobs reads them as f32 where it reads them.
+        def logprobs_of(h, target_ids):
+            return compute_logprobs(lm.compute_logits(h, None), target_ids, n, kernel_mode=kernel_mode)
+
         if t <= chunk or t % chunk:
-            return compute_logprobs(lm.compute_logits(hidden, None), ids, n)
-        parts = jax.lax.map(lambda a: compute_logprobs(lm.compute_logits(a[0], None), a[1], n),
+            return logprobs_of(hidden, ids)
+        parts = jax.lax.map(lambda a: logprobs_of(*a),
                             (hidden.reshape(t // chunk, chunk, -1), ids.reshape(t // chunk, chunk)))
         return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), parts)
 
     if not runtime_skip:
         return compute()
-    if "prompt" in skipped_conditionals():  # benchmarks only (features.py)
-        return empty_logprobs(t, n)
     return jax.lax.cond(jnp.any(targets > 0), compute, lambda: empty_logprobs(t, n))
 
 
@@ -78,6 +80,7 @@ def forward_and_sample(lm, kv_cache, *, input_ids, positions, attention: PagedAt
                                               attention=attention, logits_indices=logits_indices)
     out = sample(logits, sampling, positions[logits_indices] + 1, features, penalties)
     if features.prompt_logprobs and prompt_targets is not None:
-        lp = prompt_logprobs(lm, hidden, prompt_targets, runtime_skip=features.runtime_skip)
+        lp = prompt_logprobs(lm, hidden, prompt_targets, runtime_skip=features.runtime_skip,
+                             kernel_mode=features.kernels.logit_stats)
         out = out._replace(prompt_logprobs=lp.logprobs, prompt_token_ids=lp.token_ids, prompt_rank=lp.sampled_rank)
     return kv_cache, out

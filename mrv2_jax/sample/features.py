@@ -1,4 +1,5 @@
-"""Which sampler features a compiled step contains, and how unused ones are skipped.
+"""Which sampler features a compiled step contains, how unused ones are skipped, and which
+implementation (Pallas kernel or jnp) runs each whole-row pass.
 
 A feature no request in the batch uses should cost little. There are two ways to get there,
 and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allows both:
@@ -8,54 +9,62 @@ and `SamplerFeatures` (static, hashable: part of a compiled variant's key) allow
   the host, the smallest one that covers the batch (`covers`). Zero device cost; the price is
   compile time and memory for each extra variant, and a host check per step.
 
-* **Runtime skips** (`runtime_skip=True`). One variant serves every batch; the pieces that cost
-  far more than a conditional run under a `lax.cond` on "does any row need it?": the whole-row
-  threshold search (top_k > 64, or top_p on a flat row: ~2 ms at 256 x 152K on an H200), the
-  whole-row noise pass (rows the top candidates do not settle: ~0.2 ms) and prompt logprobs
-  (an lm-head pass over every scheduled token). top_p's mass above a min_p floor (rows with
-  top_p and min_p but no top_k: one pass) runs inside the search's conditional, before it.
-  Everything else compiled in runs every step: the logit edits, the one pass over the logits
-  (sample/logit_stats.py), the top 64 candidates, top_p's mass without a floor (from that
-  pass's block sums), the logprobs. Rows that do not use a feature carry neutral values, so
-  results are the same either way; only the cost differs.
+* **Rows that need nothing cost next to nothing.** Everything compiled in runs every step (the
+  logit edits, the one pass over the logits, the top 64 candidates, top_p's mass from the block
+  sums, the logprobs); rows that do not use a feature carry neutral values, so results do not
+  depend on the batch. The two whole-row passes that few rows need (the noise pass for rows
+  their top candidates do not settle, and the threshold slow path) run as Pallas kernels whose
+  programs exit at once for rows that need nothing (`SamplerKernels`: on GPUs), or as jnp over
+  every row elsewhere. With `runtime_skip=True` prompt logprobs (an lm-head pass over every
+  scheduled token) run under one `lax.cond` on "does any row ask for them?".
 
-  Why not a conditional around every feature (the sampler until 2026-11-30), measured on an
-  H200 (docs/sampler.md, docs/benchmarks.md):
-    - an executed or skipped conditional costs ~20 us on its own (`bench conditionals`; the
-      same with command buffers on or off: XLA records conditionals in its CUDA graphs by
-      default, `+CONDITIONAL` changes nothing), and inside a whole decode step the three
-      cheap pieces' conditionals cost more than the pieces: every feature used, step device
-      time +16.6% over greedy without them vs +19.4% with them (one machine); the three
-      that remain cost 0.37-0.75 ms of that step (+15.1% -> +5.6% compiled out, session 8:
-      docs/benchmarks.md), which is what keeps issue 5's 15% out of reach;
-    - a conditional that holds another one two levels down, or a four-way `lax.switch`, left
-      the GPU idle 0.1-0.4 ms per call; the search's own two inner conditionals (one level
-      down) do not;
-    - a conditional returning [R, V] logits copies them in the branch that does nothing
-      (~70 us), so the logit edits cannot be skipped that way;
-    - XLA:GPU turns a conditional whose branch holds only elementwise ops and reductions into
-      unconditional code anyway (top_p's row mass was).
-  In mixed serving batches the skips rarely skip: one row using a feature turns it on.
-  With runtime_skip=False, the search and the noise pass run unconditionally too.
-
-The figures for each layout are in docs/benchmarks.md ("Sampler: fewer conditionals").
+Conditionals are kept out of the decode step on purpose: on GPUs a conditional inside the step
+cost far more than its microbenchmark, one as much as several, a nested one left the GPU idle,
+and one returning [R, V] logits copies them in the branch that does nothing (docs/sampler.md;
+figures in docs/benchmarks.md, "Sampler: fewer conditionals" and "Sampler: no conditional in the
+decode step").
 
 So on GPUs runners compile four static variants per bucket by default (`default_variants`):
 greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all), full
-(every feature but prompt logprobs: with the whole-row passes as kernels, no conditional either)
-and all (every feature, runtime skips); each step runs the first that covers its batch.
-Elsewhere the default is greedy and all (one compile fewer per bucket). `vllm bench throughput`-style runs
+(every feature but prompt logprobs: no conditional either) and all (every feature, with the
+prompt-logprobs conditional); each step runs the first that covers its batch. Elsewhere the
+default is greedy and all (one compile fewer per bucket). `vllm bench throughput`-style runs
 (temperature 1, nothing else) take the plain one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import warnings
 from dataclasses import dataclass
 
 TOP_K_TOP_P_METHODS = ("threshold", "sort")
+LOGIT_STATS_MODES = ("kernel", "interpret", "off")
+WHOLE_ROW_PASS_MODES = ("kernel", "interpret", "reference")
+
+
+@dataclass(frozen=True)
+class SamplerKernels:
+    """Which implementation runs each of the sampler's whole-row pieces, already resolved for
+    the backend (mrv2_jax/config.py KernelConfig does that); static, part of a variant's key.
+    The defaults are the jnp paths, which run anywhere.
+
+    logit_stats: the one pass over the logits and the rank count (logit_stats.py): "kernel"
+    (compiled Pallas kernels), "interpret" (the same in the Pallas interpreter: CPU tests) or
+    "off" (jnp). noise_pass, slow_path: the whole-row noise pass (noise_pass.py) and the
+    threshold slow path (slow_path.py): "kernel", "interpret" or "reference" (jnp over every row)."""
+
+    logit_stats: str = "off"
+    noise_pass: str = "reference"
+    slow_path: str = "reference"
+
+    def __post_init__(self):
+        if self.logit_stats not in LOGIT_STATS_MODES:
+            raise ValueError(f"SamplerKernels.logit_stats must be one of {LOGIT_STATS_MODES}, "
+                             f"got {self.logit_stats!r}")
+        for name in ("noise_pass", "slow_path"):
+            if getattr(self, name) not in WHOLE_ROW_PASS_MODES:
+                raise ValueError(f"SamplerKernels.{name} must be one of {WHOLE_ROW_PASS_MODES}, "
+                                 f"got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -77,10 +86,10 @@ class SamplerFeatures:
     # "threshold": k-ary search for the top-k / top-p cut-offs (a fixed number of passes over
     # the logits, no sort); "sort": one full sort per row (reference; for speed comparisons).
     top_k_top_p: str = "threshold"
-    # Candidates per search pass: passes = ceil(32 / log2(arity)), arity - 1 accumulators per
-    # pass. Measured on an H200 (256 x 152K, top_k + top_p): arity 4 (16 passes) 2.6 ms,
-    # 16 (8 passes) 3.3 ms, 64 45 ms: XLA's reduction slows down with many accumulators.
+    # Candidates per pass of the jnp search: passes = ceil(32 / log2(arity)), arity - 1
+    # accumulators per pass; XLA's reduction slows down with many accumulators (docs/sampler.md).
     search_arity: int = 4
+    kernels: SamplerKernels = SamplerKernels()
 
     def __post_init__(self):
         if self.top_k_top_p not in TOP_K_TOP_P_METHODS:
@@ -103,7 +112,7 @@ class SamplerFeatures:
         """Every feature but prompt logprobs. Placed before "all" (`--sampler-variants
         greedy,plain,full,all`), it runs the steps that compute no prompt logprobs, which then
         carry no prompt-logprobs conditional; steps with prompt-logprob spans run "all". One more
-        compile per bucket; not a default until measured (docs/benchmarks.md)."""
+        compile per bucket; a default on GPUs (default_variant_names)."""
         return cls.all(prompt_logprobs=False)
 
     @classmethod
@@ -141,65 +150,21 @@ VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sam
             "all": SamplerFeatures.all}
 
 
-# Benchmarks only: conditionals compiled as their skip branch, named in this variable
-# (comma-separated). A step then costs what it would without them, and rows that need a
-# skipped path get the fast path's answer instead: results can be wrong. It is how the cost of
-# each conditional inside a real step is measured (gpu_check.sh ab-s1-conditionals).
-SKIP_CONDITIONALS_ENV = "MRV2_BENCH_SKIP_CONDITIONALS"
-CONDITIONALS = ("noise", "slow", "search", "prompt")  # whole-row noise pass, slow path, its searches, prompt logprobs
-
-
-def skipped_conditionals() -> frozenset[str]:
-    """The names in MRV2_BENCH_SKIP_CONDITIONALS (read at trace time)."""
-    names = frozenset(n.strip() for n in os.environ.get(SKIP_CONDITIONALS_ENV, "").split(",") if n.strip())
-    if names - set(CONDITIONALS):
-        raise ValueError(f"{SKIP_CONDITIONALS_ENV} names conditionals from {CONDITIONALS}, got {sorted(names)}")
-    if names:
-        warnings.warn(f"{SKIP_CONDITIONALS_ENV}={','.join(sorted(names))}: those paths are compiled out; "
-                      "sampling results can be wrong (benchmarks only)", stacklevel=2)
-    return names
-
-
-def run_if_used(runtime_skip: bool, used, compute, skip, name: str):
+def run_if_used(runtime_skip: bool, used, compute, skip):
     """compute() if any row uses the piece (`used`: a traced bool), else skip(), by one
-    `lax.cond`; with runtime skips off, always compute(). `name`: which conditional this is
-    (CONDITIONALS), for MRV2_BENCH_SKIP_CONDITIONALS."""
+    `lax.cond`; with runtime skips off, always compute()."""
     if not runtime_skip:
         return compute()
-    if name in skipped_conditionals():
-        return skip()
     import jax
 
     return jax.lax.cond(used, compute, skip)
 
 
-PASS_MODES = ("auto", "cond", "kernel", "interpret")
-
-
-def whole_row_pass_mode(env: str) -> str:
-    """How a whole-row pass that few rows need skips the others, from environment variable
-    `env` (read at trace time): "cond" (one `lax.cond` around it, skipped when no row needs it),
-    "kernel" (a Pallas kernel whose programs skip the rows that need nothing, no conditional; on
-    other backends the jnp pass over every row), "interpret" (that kernel in the Pallas
-    interpreter: CPU tests) or "auto" (the default: "kernel" on GPUs, "cond" elsewhere). On an
-    H200 a conditional inside the step cost far more than its microbenchmark; with the kernels
-    and the `full` variant the every-feature step went from +15-21% over greedy to +9.1%
-    (docs/benchmarks.md, "Sampler: no conditional in the decode step")."""
-    mode = os.environ.get(env, "auto")
-    if mode not in PASS_MODES:
-        raise ValueError(f"{env} must be one of {PASS_MODES}, got {mode!r}")
-    if mode == "auto":
-        import jax
-
-        return "kernel" if jax.default_backend() == "gpu" else "cond"
-    return mode
-
-
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
     """greedy, plain, full, all on GPUs; greedy, all elsewhere (default: JAX's default backend).
-    On GPUs a conditional inside the step costs ~0.3 ms, one as much as several (docs/benchmarks.md):
-    plain has none, and full has none once the whole-row passes run as kernels (prompt
-    logprobs' is the last). A CPU runs them cheaply, and each variant is one compile per bucket."""
+    On GPUs a conditional inside the step costs far more than its microbenchmark (docs/benchmarks.md):
+    plain and full hold none (prompt logprobs' is the last, in all). A CPU runs conditionals
+    cheaply, and each variant is one compile per bucket."""
     if backend is None:
         import jax
 
@@ -207,13 +172,14 @@ def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
     return ("greedy", "plain", "full", "all") if backend == "gpu" else ("greedy", "all")
 
 
-def variants_by_name(names) -> tuple[SamplerFeatures, ...]:
-    """("greedy", "plain", "all") or a comma-separated string of them -> feature sets. The last
-    must be "all" (a step with any feature falls back on it)."""
+def variants_by_name(names, kernels: SamplerKernels | None = None) -> tuple[SamplerFeatures, ...]:
+    """("greedy", "plain", "all") or a comma-separated string of them -> feature sets, each with
+    `kernels` (None: the jnp defaults). The last must be "all" (a step with any feature falls
+    back on it)."""
     names = tuple(n.strip() for n in names.split(",")) if isinstance(names, str) else tuple(names)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
         raise ValueError(f"sampler variants must be names from {sorted(VARIANTS)}, got {names!r}")
     if names[-1] != "all" or len(set(names)) != len(names):
         raise ValueError(f"sampler variants must be distinct and end with 'all', got {names!r}")
-    return tuple(VARIANTS[n]() for n in names)
+    return tuple(VARIANTS[n]().replace(kernels=kernels or SamplerKernels()) for n in names)

@@ -3,11 +3,11 @@
 Per row, the sampler needs the penalised logits, the maxima of blocks of `BLOCK` ids (of the
 penalised logits, for the top candidates: block_top.py; of the raw logits, for the top-n
 logprobs), the raw row's logsumexp (logprobs.py) and top_p's mass, the sum of
-exp((x - max) / temperature) over the penalised row (sampler.py). As separate XLA fusions
-these were five passes over [R, V] on an H200 (256 x 151,936): the penalty pass with the
-penalised block maxima fused in (108 us), the raw block maxima (44 us), top_p's mass (45 us)
-and logsumexp with the sampled token's rank (44 us). `logit_stats` computes them in one pass: a Pallas kernel on GPUs
-(pallas_kernels/logit_stats.py), the jnp reference below elsewhere.
+exp((x - max) / temperature) over the penalised row (sampler.py). As separate XLA fusions these
+were five passes over [R, V] (docs/benchmarks.md, "Sampler: one pass over the logits");
+`logit_stats` computes them in one: the Pallas kernel of pallas_kernels/logit_stats.py, or its
+jnp reference. This module adapts the engine's types (SamplingTensors, PenaltyData) to the
+kernel's arrays.
 
 logsumexp comes from per-block partial sums: with m_b the block maximum and
 s_b = sum over the block of exp(x - m_b), logsumexp = M + log(sum_b exp(m_b - M) * s_b),
@@ -18,106 +18,42 @@ mass likewise, with the differences divided by the row's temperature.
 the block maxima known, a block whose maximum is not above the threshold holds nothing to
 count, and the kernel skips reading it; in a decode step nearly every block is skipped.
 
-The kernels run when `kernel_mode()` says so: on GPUs by default; `MRV2_SAMPLER_KERNELS=off`
-forces the jnp reference (for A/B runs), `=interpret` runs the kernels in the Pallas
-interpreter (CPU tests).
+`mode` (static, SamplerKernels.logit_stats): "kernel" (the compiled kernels: GPUs), "interpret"
+(the kernels in the Pallas interpreter: CPU tests) or "off" (the jnp reference).
 """
 
 from __future__ import annotations
 
-import math
-import os
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
-from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
+from mrv2_jax.sample.penalties import PenaltyData, penalty_arrays
 from mrv2_jax.sample.tensors import SamplingTensors
+from pallas_kernels import logit_stats as kernels
+from pallas_kernels.logit_stats import LogitStats
+from pallas_kernels.sampler_common import BLOCK, block_max_and_sumexp, fits_int32_offsets, num_blocks, sumexp_of_blocks
 
-BLOCK = 128  # ids per block; block_top.DEFAULT_BLOCKS[0] must match
-KERNEL_MODES = ("auto", "off", "interpret")
-
-
-class LogitStats(NamedTuple):
-    processed: jax.Array  # f32[R, V]: after penalties (the raw logits when there are none)
-    block_max: jax.Array  # f32[R, NB]: max of `processed` over ids [b * BLOCK, (b + 1) * BLOCK)
-    block_sumexp: jax.Array  # f32[R, NB]: sum of exp((processed - block_max) / divisor)
-    raw_block_max: jax.Array  # f32[R, NB]: the same for the raw logits
-    raw_block_sumexp: jax.Array  # f32[R, NB]: sum of exp(raw - raw_block_max) (0: all -inf)
-
-
-def num_blocks(vocab_size: int) -> int:
-    return -(-vocab_size // BLOCK)
-
-
-def kernel_mode() -> str | None:
-    """None (jnp), "gpu" (compiled kernels) or "interpret", from MRV2_SAMPLER_KERNELS."""
-    mode = os.environ.get("MRV2_SAMPLER_KERNELS", "auto")
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"MRV2_SAMPLER_KERNELS must be one of {KERNEL_MODES}, got {mode!r}")
-    if mode == "auto":
-        return "gpu" if jax.default_backend() == "gpu" else None
-    return None if mode == "off" else "interpret"
+__all__ = ["BLOCK", "LogitStats", "block_max_and_sumexp", "count_above", "logit_stats", "logit_stats_reference",
+           "logsumexp_from_blocks", "mass_from_blocks", "num_blocks", "refresh_blocks"]
 
 
 def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: PenaltyData | None,
-                divisor: jax.Array | None = None) -> LogitStats:
+                divisor: jax.Array | None = None, mode: str = "off") -> LogitStats:
     """logits [R, V] (any float dtype); penalties None: no penalty pass; divisor f32[R] > 0
     (the rows' temperatures, 1 for greedy rows; None: 1) scales block_sumexp."""
     if divisor is None:
         divisor = jnp.ones(logits.shape[:1], jnp.float32)
-    mode = kernel_mode()
+    arrays = None if penalties is None else penalty_arrays(t, penalties)
     tables = (logits,) if penalties is None else (logits, penalties.output_counts)
-    if mode is None or not fits_int32_offsets(*tables):
-        return logit_stats_reference(logits, t, penalties, divisor)
-    from pallas_kernels.logit_stats import logit_stats as kernel
-
-    return kernel(logits, t, penalties, divisor, interpret=mode == "interpret")
-
-
-def fits_int32_offsets(*arrays) -> bool:
-    """The kernels address flattened arrays with int32 offsets; larger tables take the jnp path."""
-    return all(math.prod(a.shape) < 2**31 for a in arrays)
-
-
-def reciprocal(divisor: jax.Array) -> jax.Array:
-    """f32 1 / divisor. The sampler scales rows by multiplying with it (`scale_rows`), as XLA's
-    algebraic simplifier would turn x / divisor[:, None] into anyway, and the kernels that
-    compare their values with the sampler's (noise pass, threshold search) take it as an input:
-    Triton's own division rounds differently, and a threshold must compare exactly."""
-    return jnp.float32(1) / divisor.astype(jnp.float32)
-
-
-def scale_rows(x: jax.Array, divisor: jax.Array) -> jax.Array:
-    """x [R, V] / divisor [R], computed as x * reciprocal(divisor) (see there)."""
-    return x * reciprocal(divisor)[:, None]
+    if mode == "off" or not fits_int32_offsets(*tables):
+        return kernels.logit_stats_reference(logits, divisor, arrays)
+    return kernels.logit_stats(logits, divisor, arrays, interpret=mode == "interpret")
 
 
 def logit_stats_reference(logits: jax.Array, t: SamplingTensors | None, penalties: PenaltyData | None,
                           divisor: jax.Array) -> LogitStats:
-    raw = logits.astype(jnp.float32)
-    processed = raw if penalties is None else apply_penalties(raw, t, penalties)
-    raw_max, raw_sumexp = block_max_and_sumexp(raw)
-    block_max, block_sumexp = block_max_and_sumexp(processed, divisor)
-    return LogitStats(processed, block_max, block_sumexp, raw_max, raw_sumexp)
-
-
-def block_max_and_sumexp(x: jax.Array, divisor: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """x f32[R, V] -> per block of BLOCK ids: (max, sum of exp((x - max) / divisor)), each
-    f32[R, NB]; divisor f32[R] (None: 1)."""
-    r, v = x.shape
-    nb = num_blocks(v)
-    blocks = jnp.pad(x, ((0, 0), (0, nb * BLOCK - v)), constant_values=-jnp.inf).reshape(r, nb, BLOCK)
-    m = jnp.max(blocks, axis=-1)
-    return m, _sumexp(blocks, m, divisor)
-
-
-def _sumexp(blocks: jax.Array, block_max: jax.Array, divisor: jax.Array | None) -> jax.Array:
-    shifted = blocks - jnp.where(block_max == -jnp.inf, 0.0, block_max)[..., None]
-    if divisor is not None:
-        shifted = shifted / divisor[:, None, None]
-    return jnp.sum(jnp.exp(shifted), axis=-1)
+    """The jnp pass on the engine's types (benchmarks and tests compare the kernels with it)."""
+    return kernels.logit_stats_reference(logits, divisor, None if penalties is None else penalty_arrays(t, penalties))
 
 
 def mass_from_blocks(block_max: jax.Array, block_sumexp: jax.Array, divisor: jax.Array) -> jax.Array:
@@ -143,15 +79,12 @@ def _combine_blocks(block_max, block_sumexp, divisor):
     return shift, jnp.sum(jnp.exp(scaled) * block_sumexp, axis=-1)
 
 
-def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array) -> jax.Array:
+def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array, mode: str = "off") -> jax.Array:
     """i32[R]: the number of entries of each row of logits [R, V] greater than threshold f32[R];
     block_max f32[R, NB] are the rows' block maxima (what lets the kernel skip blocks)."""
-    mode = kernel_mode()
-    if mode is None or not fits_int32_offsets(logits):
-        return jnp.sum(logits.astype(jnp.float32) > threshold[:, None], axis=-1, dtype=jnp.int32)
-    from pallas_kernels.logit_stats import count_above as kernel
-
-    return kernel(logits, block_max, threshold, interpret=mode == "interpret")
+    if mode == "off" or not fits_int32_offsets(logits):
+        return kernels.count_above_reference(logits, block_max, threshold)
+    return kernels.count_above(logits, block_max, threshold, interpret=mode == "interpret")
 
 
 def refresh_blocks(block_max: jax.Array, block_sumexp: jax.Array, values: jax.Array, ids: jax.Array,
@@ -168,7 +101,7 @@ def refresh_blocks(block_max: jax.Array, block_sumexp: jax.Array, values: jax.Ar
     windows = jax.vmap(jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, width), (None, 0)))(values, start)
     windows = jnp.where((start[..., None] + jnp.arange(width)) // BLOCK == block[..., None], windows, -jnp.inf)
     fresh_max = jnp.max(windows, axis=-1)
-    fresh_sumexp = _sumexp(windows, fresh_max, divisor)
+    fresh_sumexp = sumexp_of_blocks(windows, fresh_max, divisor)
     rows = jnp.broadcast_to(jnp.arange(values.shape[0])[:, None], ids.shape)
     return (block_max.at[rows, block].set(fresh_max, mode="drop"),
             block_sumexp.at[rows, block].set(fresh_sumexp, mode="drop"))

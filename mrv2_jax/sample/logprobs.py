@@ -28,17 +28,18 @@ class Logprobs(NamedTuple):
 
 
 def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
-                     stats: tuple[jax.Array, jax.Array] | None = None) -> Logprobs:
+                     stats: tuple[jax.Array, jax.Array] | None = None, kernel_mode: str = "off") -> Logprobs:
     """stats: the raw logits' (block maxima, block sums of exp(x - max)) when the caller has
-    them (logit_stats.LogitStats); otherwise they are computed here."""
+    them (logit_stats.LogitStats); otherwise they are computed here. kernel_mode:
+    SamplerKernels.logit_stats, for the pass and the rank count."""
     if stats is None:
-        stats = raw_block_stats(raw_logits)
+        stats = raw_block_stats(raw_logits, kernel_mode)
     block_max, block_sumexp = stats
     lse = logsumexp_from_blocks(block_max, block_sumexp)
     # Gathers from the logits in their own dtype, converted after (exact: f32 holds any bf16):
-    # reading through an f32 copy made XLA write that copy out (56 us at 256 x 151,936).
+    # reading through an f32 copy made XLA write that copy out first (docs/benchmarks.md).
     sampled = jnp.take_along_axis(raw_logits, tokens[:, None], axis=1).astype(jnp.float32)  # [R, 1]
-    rank = 1 + count_above(raw_logits, block_max, sampled[:, 0])
+    rank = 1 + count_above(raw_logits, block_max, sampled[:, 0], kernel_mode)
     values, ids = sampled, tokens[:, None].astype(jnp.int32)
     if num_top > 0:
         top_values, top_ids = top_n_by_blocks(raw_logits, num_top, block_max=block_max)
@@ -47,10 +48,10 @@ def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
     return Logprobs(values - lse[:, None], ids, rank)
 
 
-def raw_block_stats(raw_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+def raw_block_stats(raw_logits: jax.Array, kernel_mode: str = "off") -> tuple[jax.Array, jax.Array]:
     """(block maxima, block sums of exp(x - max)) of raw logits [R, V]: logit_stats without
-    penalties (the kernel on GPUs)."""
-    stats = logit_stats(raw_logits, None, None)
+    penalties."""
+    stats = logit_stats(raw_logits, None, None, mode=kernel_mode)
     return stats.raw_block_max, stats.raw_block_sumexp
 
 

@@ -9,8 +9,10 @@ The repetition penalty looks at prompt and output; presence and frequency at the
 
 The data comes from the runner's persistent per-slot tables: output token counts `[N, V]`
 (uint16 or int32, slot_state.py) and the prompt's token set as a bit mask
-`uint32[N, ceil(V / 32)]` (32x smaller than a bool mask; token v is bit v % 32 of word v // 32). `rows[R]` maps each batch row to
-its table row, and the gather is fused into the penalty pass, so no [R, V] copy is made.
+`uint32[N, ceil(V / 32)]` (32x smaller than a bool mask; token v is bit v % 32 of word v // 32).
+`rows[R]` maps each batch row to its table row, and the gather is fused into the penalty pass, so
+no [R, V] copy is made. The formula on arrays lives in pallas_kernels/sampler_common.py, which the
+Pallas logit pass shares; this module adapts the engine's tables and SamplingTensors to it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mrv2_jax.sample.tensors import SamplingTensors
+from pallas_kernels.sampler_common import (PenaltyArrays, num_mask_words, penalize_rows, penalize_values,
+                                           unpack_token_mask)
+
+__all__ = ["PenaltyData", "apply_penalties", "num_mask_words", "pack_token_mask", "penalize", "penalize_at",
+           "penalty_arrays", "penalty_data_from_tokens", "unpack_token_mask"]
 
 
 @jax.tree_util.register_dataclass
@@ -30,10 +37,6 @@ class PenaltyData:
     output_counts: jax.Array  # [N, V] any integer dtype (slot tables: u16 or i32)
     prompt_mask: jax.Array  # u32[N, ceil(V / 32)]
     rows: jax.Array  # i32[R]: table row of each batch row
-
-
-def num_mask_words(vocab_size: int) -> int:
-    return -(-vocab_size // 32)
 
 
 def pack_token_mask(mask, xp=jnp):
@@ -45,35 +48,21 @@ def pack_token_mask(mask, xp=jnp):
     return xp.sum(bits << xp.arange(32, dtype=xp.uint32), axis=-1, dtype=xp.uint32)
 
 
-def unpack_token_mask(words: jax.Array, vocab_size: int) -> jax.Array:
-    """uint32[..., W] -> bool[..., V]. Pure shifts and a reshape: fuses into its consumer."""
-    bits = (words[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
-
-
 def penalize(logits, counts, in_prompt, t: SamplingTensors):
-    """The penalty formula, elementwise; `logits`, `counts`, `in_prompt` are [R, N] (any N)."""
+    """The penalty formula (pallas_kernels/sampler_common.py), elementwise; `logits`, `counts`,
+    `in_prompt` are [R, N] (any N)."""
     return penalize_values(logits, counts, in_prompt, t.repetition_penalty[:, None],
                            t.frequency_penalty[:, None], t.presence_penalty[:, None])
 
 
-def penalize_values(logits, counts, in_prompt, repetition, frequency, presence):
-    """The formula on broadcastable operands (also the body of the Pallas logit pass).
-
-    The counts are read through one f32 conversion that every term uses: on an H200, with
-    `counts > 0` and the frequency term each reading the gathered counts, XLA wrote the
-    comparison out as a pass of its own (52 us at 256 x 151,936) before the main one."""
-    c = counts.astype(jnp.float32)
-    in_output = jnp.minimum(c, 1.0)  # 1.0 where the token was output
-    penalized = jnp.where(logits > 0, logits / repetition, logits * repetition)
-    logits = jnp.where(in_prompt | (c > 0), penalized, logits)
-    return logits - frequency * c - presence * in_output
+def penalty_arrays(t: SamplingTensors, data: PenaltyData) -> PenaltyArrays:
+    """The penalty tables and the rows' penalty parameters, as the kernels take them."""
+    return PenaltyArrays(data.output_counts, data.prompt_mask, data.rows, t.repetition_penalty,
+                         t.frequency_penalty, t.presence_penalty)
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors, data: PenaltyData) -> jax.Array:
-    counts = data.output_counts[data.rows]
-    in_prompt = unpack_token_mask(data.prompt_mask[data.rows], logits.shape[-1])
-    return penalize(logits, counts, in_prompt, t)
+    return penalize_rows(logits, penalty_arrays(t, data))
 
 
 def penalize_at(values: jax.Array, t: SamplingTensors, data: PenaltyData, ids: jax.Array) -> jax.Array:

@@ -18,8 +18,9 @@ tokens in any batch. Logprobs come from the raw logits (logprobs.py). One pass o
 (logit_stats.py: a Pallas kernel on GPUs) writes the penalised logits and the per-block maxima
 and exp-sums that the top candidates, top_p's mass and the logprobs start from.
 
-`features` (static) says what is compiled in and whether unused features are skipped at run
-time; features.py explains the trade-off and why no [R, V] array leaves a conditional.
+`features` (static) says what is compiled in, whether prompt logprobs are skipped at run time and
+which whole-row pieces run as Pallas kernels (features.kernels); features.py explains why the
+decode step holds no conditional.
 """
 
 import dataclasses
@@ -30,16 +31,16 @@ import jax.numpy as jnp
 
 from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.block_top import top_n_by_blocks
-from mrv2_jax.sample.features import SamplerFeatures, run_if_used, skipped_conditionals
+from mrv2_jax.sample.features import SamplerFeatures, run_if_used
 from mrv2_jax.sample.gumbel import gumbel_noise, gumbel_noise_at
 from mrv2_jax.sample.logit_bias import apply_sparse_edits, edit_after_penalties, edited_ids
 from mrv2_jax.sample.logit_stats import block_max_and_sumexp, logit_stats, mass_from_blocks, refresh_blocks
-from mrv2_jax.sample.logit_stats import reciprocal, scale_rows
 from mrv2_jax.sample.logprobs import compute_logprobs
-from mrv2_jax.sample.noise_pass import noise_pass_mode, noise_pass_reference, noise_pass_rows
+from mrv2_jax.sample.noise_pass import noise_pass_reference, noise_pass_rows
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties
 from mrv2_jax.sample.slow_path import slow_thresholds
 from mrv2_jax.sample.tensors import SamplingTensors
+from pallas_kernels.sampler_common import reciprocal, scale_rows
 
 __all__ = ["SamplerOutput", "sample", "sample_tokens", "gumbel_noise"]
 
@@ -72,7 +73,7 @@ def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features
     # mass. Gathers read `logits` in their own dtype: a gather from `x` made XLA write x out.
     stats = blocks = None
     if f.penalties or f.num_logprobs is not None or _uses_candidates(f):
-        stats = logit_stats(logits, t, penalties if f.penalties else None, divisor)
+        stats = logit_stats(logits, t, penalties if f.penalties else None, divisor, f.kernels.logit_stats)
         blocks = (stats.block_max, stats.block_sumexp)
     processed = x if stats is None else stats.processed
     # The edits run whenever they are compiled in, used or not: a conditional around them would
@@ -85,8 +86,9 @@ def sample(logits: jax.Array, t: SamplingTensors, positions: jax.Array, features
     tokens = _pick_tokens(processed, blocks, t, positions, f)
     if f.num_logprobs is None:
         return SamplerOutput(tokens)
-    # Computed whenever compiled in (features.py: conditionals guard only the costly pieces).
-    lp = compute_logprobs(logits, tokens, f.num_logprobs, (stats.raw_block_max, stats.raw_block_sumexp))
+    # Computed whenever compiled in (features.py).
+    lp = compute_logprobs(logits, tokens, f.num_logprobs, (stats.raw_block_max, stats.raw_block_sumexp),
+                          f.kernels.logit_stats)
     return SamplerOutput(tokens, lp.logprobs, lp.token_ids, lp.sampled_rank)
 
 
@@ -114,26 +116,24 @@ def adjust_logits(x: jax.Array, t: SamplingTensors, f: SamplerFeatures,
 
 def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array, f: SamplerFeatures) -> jax.Array:
     """x: processed logits (after bias / penalties); blocks: their LogitStats (block_max,
-    block_sumexp) or None. -> i32[R].
-
-    With runtime skips, two conditionals guard the whole-row passes (the noise pass here, the
-    threshold search in threshold_and_top); both return [R] values and hold no conditional
-    that could run at the same level (features.py says why)."""
+    block_sumexp) or None. -> i32[R]."""
     if not f.sampling:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     is_sampled = t.temperature > 0
     divisor = jnp.where(is_sampled, t.temperature, 1.0)
 
     def whole_row(keep_from):
-        # The scaled logits are recomputed inside each conditional branch that reads them: a
+        # The scaled logits are recomputed inside the conditional branch that reads them: a
         # value handed to a conditional is written out first (one more [R, V] pass). Greedy rows
         # of a mixed batch take the argmax of their processed logits.
         return noise_pass_reference(x, divisor, keep_from, t.seeds, positions, is_sampled)
 
     if not (f.min_p or f.top_k or f.top_p):
+        # Temperature only: a batch of greedy rows skips the noise (one conditional; the plain
+        # variant has runtime skips off and none).
         no_cut = jnp.full(is_sampled.shape, NEG_INF, jnp.float32)
         return run_if_used(f.runtime_skip, jnp.any(is_sampled), lambda: whole_row(no_cut),
-                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32), "noise")
+                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
     keep_from, top = threshold_and_top(x, divisor, t, f, blocks)
     if top is None:  # the sort reference
         return whole_row(keep_from)
@@ -144,11 +144,8 @@ def _pick_tokens(x: jax.Array, blocks, t: SamplingTensors, positions: jax.Array,
     values, ids = top
     on_top = jnp.where(is_sampled, keep_from > values[:, -1], values[:, 0] > NEG_INF)
     from_top = jnp.where(is_sampled, _sample_among(top, keep_from, t.seeds, positions), ids[:, 0])
-    if f.runtime_skip and noise_pass_mode() != "cond" and "noise" not in skipped_conditionals():
-        # No conditional: a kernel whose programs skip the rows on top (noise_pass.py).
-        rest = noise_pass_rows(x, divisor, keep_from, t.seeds, positions, is_sampled, ~on_top)
-    else:
-        rest = run_if_used(f.runtime_skip, jnp.any(~on_top), lambda: whole_row(keep_from), lambda: from_top, "noise")
+    # The rows not on top: a kernel whose programs skip the others, or jnp over every row (noise_pass.py).
+    rest = noise_pass_rows(x, divisor, keep_from, t.seeds, positions, is_sampled, ~on_top, f.kernels.noise_pass)
     return jnp.where(on_top, from_top, rest)
 
 
@@ -175,9 +172,9 @@ def threshold_and_top(x: jax.Array, divisor: jax.Array, t: SamplingTensors, f: S
     maxima by a positive divisor gives those of scaled (rounded division is monotone).
 
     The top C and top_p's row mass (from the block sums) are computed whenever compiled in;
-    with runtime skips, the slow path (the mass above a min_p floor, then the whole-row
-    search) runs only when some sampled row is not settled by its top C: its cut-off is not
-    among them, or it has top_p and min_p without top_k."""
+    the slow path (the mass above a min_p floor, then the whole-row search) serves the sampled
+    rows not settled by their top C: their cut-off is not among them, or they have top_p and
+    min_p without top_k."""
     r, v = x.shape
     none = lambda: jnp.full((r,), NEG_INF, jnp.float32)  # noqa: E731
     enabled = [name for name in ("min_p", "top_k", "top_p") if getattr(f, name)]
@@ -229,7 +226,7 @@ def _sort_thresholds(scaled, t: SamplingTensors, f: SamplerFeatures, is_sampled)
     p = t.top_p if f.top_p else jnp.ones_like(t.top_p)
     cuts = (topk_topp.top_k_enabled(k, v) | topk_topp.top_p_enabled(p)) & is_sampled
     return run_if_used(f.runtime_skip, jnp.any(cuts), lambda: topk_topp.top_k_top_p_threshold_sort(scaled, floor, k, p),
-                       lambda: floor, "slow")
+                       lambda: floor)
 
 
 def sample_tokens(logits, temperature, seeds, positions) -> jax.Array:

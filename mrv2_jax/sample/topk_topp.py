@@ -22,10 +22,9 @@ bit patterns are already ordered) for the largest t with mass(e >= t) >= p * tot
 back to a logit. Floating-point sums with one reduction shape are monotone in the set summed,
 so the search invariant holds exactly in f32.
 
-Cost on an H200 (256 x 151,936, f32; docs/sampler.md): top_k + top_p 2.6 ms at arity 4,
-3.3 ms at arity 16 (top_k alone 1.8, top_p alone 2.1), vs 3.7 ms for the sort. XLA's
-reductions run at ~1/4 of memory bandwidth here (0.08 ms per pass of 155 MB); a Pallas kernel
-doing a pass per tile in registers is the way to ~0.5 ms.
+On GPUs the sampler's slow path runs the same searches as Pallas kernels
+(pallas_kernels/threshold_search.py); these jnp ones are their reference and run elsewhere.
+Costs of each: docs/sampler.md and docs/benchmarks.md.
 
 The "sort" method (one full sort per row) computes the same thresholds; it is the reference
 and the baseline for the GPU speed comparison.
@@ -37,7 +36,6 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -jnp.inf
-UNROLL = False  # search passes in a fori_loop; True unrolls them (bench: same speed, slower compile)
 
 
 def min_p_threshold(row_max: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -89,7 +87,7 @@ def _search_largest(value_at, target, lo, hi, arity: int):
         return (jnp.where(n_ok > 0, take(n_ok - 1), lo),
                 jnp.where(n_ok < arity - 1, take(n_ok) - 1, hi))
 
-    return jax.lax.fori_loop(0, num_search_passes(arity), one_pass, (lo, hi), unroll=UNROLL)[0]
+    return jax.lax.fori_loop(0, num_search_passes(arity), one_pass, (lo, hi))[0]
 
 
 def _sum_per_candidate(term, cands: jax.Array, dtype) -> jax.Array:
@@ -97,7 +95,7 @@ def _sum_per_candidate(term, cands: jax.Array, dtype) -> jax.Array:
 
     Written as ONE variadic reduction with C accumulators, so the [R, V] input is read once per
     pass for all candidates. The obvious broadcast form, sum(term over [R, C, V], axis=-1), made
-    XLA read the input once per candidate (measured on an H200: pass time ~ proportional to C).
+    XLA read the input once per candidate (pass time grew with C).
     One reduction also sums every candidate's terms in the same order, which keeps the sums
     monotone in the candidate exactly."""
     c = cands.shape[1]
@@ -172,11 +170,6 @@ def threshold_from_sorted(desc: jax.Array, floor: jax.Array, k: jax.Array, p: ja
     first = jnp.sum(cum < (p * total)[:, None], axis=-1)  # first index reaching mass p
     tau = jnp.take_along_axis(desc, jnp.minimum(first, c - 1)[:, None], 1)[:, 0]
     return jnp.where(top_p_enabled(p), jnp.maximum(tau, floor), floor)
-
-
-def row_mass(x: jax.Array, row_max: jax.Array, floor: jax.Array) -> jax.Array:
-    """f32[R]: sum of exp(x - max) over the tokens at or above floor (top_p's total)."""
-    return jnp.sum(jnp.where(x >= floor[:, None], jnp.exp(x - row_max[:, None]), 0.0), axis=-1)
 
 
 def top_holds_top_p(desc: jax.Array, floor: jax.Array, p: jax.Array, total: jax.Array) -> jax.Array:

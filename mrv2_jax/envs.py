@@ -1,0 +1,112 @@
+"""Every environment variable the project reads, in one registry, and the only module that
+touches `os.environ`.
+
+Each switch has a type, a default, its allowed values and one line of documentation; `read`
+parses and validates it, and `render_markdown` writes the table that docs/switches.md holds.
+Kernel choices are read once, when an engine's configuration is built (config.KernelConfig),
+never while a step is traced.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+BOOL_VALUES = ("0", "1")
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    kind: str  # "choice" (one of `allowed`), "bool" ("0" / "1"), "str" or "path"
+    default: str | bool | None
+    doc: str
+    allowed: tuple[str, ...] = ()
+
+    def parse(self, raw: str):
+        """The value of `raw` (the variable's text), or ValueError naming the variable."""
+        if self.kind == "choice":
+            if raw not in self.allowed:
+                raise ValueError(f"{self.name} must be one of {', '.join(self.allowed)}; got {raw!r}")
+            return raw
+        if self.kind == "bool":
+            if raw not in BOOL_VALUES:
+                raise ValueError(f"{self.name} must be one of {', '.join(BOOL_VALUES)}; got {raw!r}")
+            return raw == "1"
+        if self.kind == "path":
+            return os.path.expanduser(raw)
+        return raw
+
+
+def _choice(name, default, allowed, doc):
+    return Switch(name, "choice", default, doc, tuple(allowed))
+
+
+SAMPLER_PASS_MODES = ("auto", "kernel", "interpret", "reference")
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    _choice("MRV2_RUNNER", "v2", ("v1", "v2"), "Model runner when `--runner` is not given."),
+    Switch("MRV2_COMPILATION_CACHE", "path", "~/.cache/mrv2_jax/xla",
+           "Directory of the persistent XLA compilation cache; `off` turns it off."),
+    Switch("MRV2_CHECKPOINTS", "path", None,
+           "Directory searched for model names (default: `checkpoints/` in the repository)."),
+    Switch("MRV2_STRICT_COMPILES", "bool", False,
+           "`1`: an XLA compile inside an engine step after warm-up is an error, not a warning (tests)."),
+    Switch("MRV2_DEFAULT_XLA_FLAGS", "bool", True,
+           "`0`: leave XLA_FLAGS and the step compile options as they are (xla_flags.py)."),
+    Switch("MRV2_API_KEY", "str", None, "API key the server requires when `--api-key` is not given."),
+    _choice("MRV2_SAMPLER_KERNELS", "auto", ("auto", "kernel", "interpret", "off"),
+            "Default of KernelConfig.sampler_logit_stats: the sampler's pass over the logits and rank count."),
+    _choice("MRV2_SAMPLER_NOISE_PASS", "auto", SAMPLER_PASS_MODES,
+            "Default of KernelConfig.sampler_noise_pass: the sampler's whole-row noise pass."),
+    _choice("MRV2_SAMPLER_SLOW_PATH", "auto", SAMPLER_PASS_MODES,
+            "Default of KernelConfig.sampler_slow_path: the sampler's whole-row threshold search."),
+    _choice("MRV2_MOE_BACKEND", "auto", ("auto", "pallas", "ragged_dot", "dense"),
+            "Default of KernelConfig.moe_backend: the grouped GEMM of the MoE experts."),
+    Switch("MRV2_GIT_SHA", "str", None, "Benchmarks: the commit recorded in their reports (default: `git rev-parse`)."),
+    Switch("MRV2_VLLM_SITE", "path", None,
+           "Benchmarks: a folder put first on vLLM's PYTHONPATH (`bench compare --vllm-site`)."),
+    Switch("MRV2_VLLM_MODEL", "path", "/tmp/qwen3-0.6b",
+           "Benchmarks: the Qwen3-0.6B directory vLLM loads (`bench compare --vllm-model`)."),
+)}
+
+
+def read(name: str):
+    """The parsed value of registered variable `name`, or its default when it is unset or empty."""
+    switch = SWITCHES[name]
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return switch.parse(switch.default) if isinstance(switch.default, str) else switch.default
+    return switch.parse(raw)
+
+
+def read_external(name: str) -> str:
+    """A variable that another program owns (PYTHONPATH, XLA_FLAGS, vLLM's), as text ("": unset);
+    not a switch of this project, so not in the registry."""
+    if name in SWITCHES:
+        raise ValueError(f"{name} is a registered switch: use envs.read")
+    return os.environ.get(name, "")
+
+
+def get_xla_flags() -> str:
+    """XLA_FLAGS (XLA's own variable, read by the backend when it starts)."""
+    return read_external("XLA_FLAGS")
+
+
+def set_xla_flags(flags: str) -> None:
+    os.environ["XLA_FLAGS"] = flags
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """A copy of this process's environment with `extra` added, for a child process."""
+    return {**os.environ, **extra}
+
+
+def render_markdown() -> str:
+    """The registry as a markdown table (docs/switches.md holds this text)."""
+    lines = ["| variable | type | default | allowed values | what it does |", "|---|---|---|---|---|"]
+    for s in SWITCHES.values():
+        default = {True: "`1`", False: "`0`", None: "unset"}.get(s.default, f"`{s.default}`")
+        allowed = ", ".join(f"`{v}`" for v in (s.allowed or (BOOL_VALUES if s.kind == "bool" else ())))
+        lines.append(f"| `{s.name}` | {s.kind} | {default} | {allowed or 'any'} | {s.doc} |")
+    return "\n".join(lines) + "\n"

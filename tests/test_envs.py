@@ -1,0 +1,88 @@
+"""The registry of environment switches (mrv2_jax/envs.py), the KernelConfig built from it, and
+that no other module of the package reads the environment."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mrv2_jax import envs
+from mrv2_jax.config import KernelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPECTED = ("MRV2_RUNNER", "MRV2_COMPILATION_CACHE", "MRV2_CHECKPOINTS", "MRV2_STRICT_COMPILES",
+            "MRV2_DEFAULT_XLA_FLAGS", "MRV2_API_KEY", "MRV2_SAMPLER_KERNELS", "MRV2_SAMPLER_NOISE_PASS",
+            "MRV2_SAMPLER_SLOW_PATH", "MRV2_MOE_BACKEND", "MRV2_GIT_SHA", "MRV2_VLLM_SITE", "MRV2_VLLM_MODEL")
+
+
+def test_table_lists_every_switch_and_the_docs_hold_it():
+    assert set(envs.SWITCHES) == set(EXPECTED)
+    table = envs.render_markdown()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [re.match(r"\| `(\w+)`", row).group(1) for row in rows] == list(envs.SWITCHES)
+    assert "| `MRV2_SAMPLER_NOISE_PASS` | choice | `auto` | `auto`, `kernel`, `interpret`, `reference` |" in table
+    assert table in (ROOT / "docs" / "switches.md").read_text(), "docs/switches.md: paste envs.render_markdown()"
+
+
+def test_read_parses_defaults_and_values(monkeypatch):
+    for name in EXPECTED:
+        monkeypatch.delenv(name, raising=False)
+    assert envs.read("MRV2_RUNNER") == "v2"
+    assert envs.read("MRV2_STRICT_COMPILES") is False and envs.read("MRV2_DEFAULT_XLA_FLAGS") is True
+    assert envs.read("MRV2_API_KEY") is None
+    monkeypatch.setenv("MRV2_STRICT_COMPILES", "1")
+    monkeypatch.setenv("MRV2_COMPILATION_CACHE", "~/elsewhere")
+    monkeypatch.setenv("MRV2_API_KEY", "")  # empty: unset
+    assert envs.read("MRV2_STRICT_COMPILES") is True
+    assert envs.read("MRV2_COMPILATION_CACHE") == str(Path.home() / "elsewhere")
+    assert envs.read("MRV2_API_KEY") is None
+    assert envs.subprocess_env(EXTRA="1")["EXTRA"] == "1" and envs.subprocess_env()["MRV2_STRICT_COMPILES"] == "1"
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    assert envs.read_external("PYTHONPATH") == "/somewhere"
+    with pytest.raises(ValueError, match="envs.read"):
+        envs.read_external("MRV2_RUNNER")
+
+
+@pytest.mark.parametrize("name,value,allowed", [("MRV2_SAMPLER_KERNELS", "fast", "auto, kernel, interpret, off"),
+                                                ("MRV2_RUNNER", "v3", "v1, v2"),
+                                                ("MRV2_DEFAULT_XLA_FLAGS", "yes", "0, 1")])
+def test_bad_values_name_the_variable_and_the_allowed_values(monkeypatch, name, value, allowed):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be one of {allowed}; got '{value}'"):
+        envs.read(name)
+
+
+def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypatch):
+    monkeypatch.setenv("MRV2_SAMPLER_NOISE_PASS", "interpret")
+    monkeypatch.setenv("MRV2_MOE_BACKEND", "dense")
+    monkeypatch.delenv("MRV2_SAMPLER_KERNELS", raising=False)
+    monkeypatch.delenv("MRV2_SAMPLER_SLOW_PATH", raising=False)
+    config = KernelConfig.parse("attention=reference")
+    assert config == KernelConfig(attention="reference", sampler_noise_pass="interpret", moe_backend="dense")
+    assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense")
+    assert config.resolved("cpu") == KernelConfig("reference", "off", "interpret", "reference", "dense")
+    # "kernel" for a sampler pass: the kernel where it runs, the jnp reference elsewhere.
+    assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
+    assert KernelConfig().resolved("gpu").attention == "pallas"
+    assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
+    assert KernelConfig.parse({"moe_backend": "pallas"}).moe_backend == "pallas"
+    with pytest.raises(ValueError, match="KernelConfig.sampler_slow_path must be one of auto, kernel"):
+        KernelConfig(sampler_slow_path="cond")
+    monkeypatch.setenv("MRV2_SAMPLER_SLOW_PATH", "cond")
+    with pytest.raises(ValueError, match="MRV2_SAMPLER_SLOW_PATH"):
+        KernelConfig.from_env()
+
+
+def test_no_module_but_envs_reads_the_environment():
+    """Every read goes through envs.py, so the registry is complete (child processes' environments
+    too: envs.subprocess_env)."""
+    offenders = []
+    for folder in ("mrv2_jax", "pallas_kernels", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel == "mrv2_jax/envs.py":
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"\bos\.(environ|getenv|putenv|unsetenv)\b|\bgetenv\(|from os import .*environ", line):
+                    offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert not offenders, "read the environment through mrv2_jax/envs.py:\n" + "\n".join(offenders)
