@@ -5,7 +5,7 @@ VENV := .venv
 PROMPT ?= The king said
 PYTEST_ARGS ?=
 
-.PHONY: run test setup clean
+.PHONY: run test lint setup clean
 run: setup
 	$(VENV)/bin/mrv2-jax generate --prompt "$(PROMPT)"
 
@@ -22,6 +22,11 @@ ifeq ($(strip $(PYTEST_ARGS)),)
 else
 	$(PYTEST) $(PYTEST_ARGS)
 endif
+
+# ruff (lint + import order) and import-linter (layers point down: pyproject.toml's contract).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 setup: $(VENV)/.installed
 

@@ -24,8 +24,8 @@ from benchmarks.timing import device_ms
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.sample import SamplingTensors
 from mrv2_jax.sample import logit_stats as ls
-from pallas_kernels import logit_stats as pk
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask, penalty_arrays
+from pallas_kernels import logit_stats as pk
 
 
 def inputs(r: int, v: int, logits_dtype, counts_dtype, rng):

@@ -43,9 +43,9 @@ import numpy as np
 
 from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.bench.trace import call_timeline, profile_kernels
 from mrv2_jax.config import KernelConfig
 from mrv2_jax.engine.builder import sampler_kernels
-from mrv2_jax.bench.trace import call_timeline, profile_kernels
 from mrv2_jax.sample import SamplerFeatures, SamplingTensors, sample
 from mrv2_jax.sample.gumbel import gumbel_noise
 from mrv2_jax.sample.penalties import PenaltyData, pack_token_mask

@@ -29,8 +29,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.sampler_common import (NEG_INF, WORD, PenaltyArrays, block_max_and_sumexp, check_int32_size,
-                                           num_blocks, penalize_rows, penalize_values, row_tile)
+from pallas_kernels.sampler_common import (
+    NEG_INF,
+    WORD,
+    PenaltyArrays,
+    block_max_and_sumexp,
+    check_int32_size,
+    num_blocks,
+    penalize_rows,
+    penalize_values,
+    row_tile,
+)
 
 
 class LogitStats(NamedTuple):

@@ -173,7 +173,8 @@ def test_generate_reports_only_final_outputs_and_matches_streamed_text():
 def test_unrolled_layer_loop_gives_the_same_tokens():
     prompts = random_prompts(6, seed=5)
     want = [o.outputs[0].token_ids for o in make_llm(runner="v2").generate(prompts, GREEDY, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in make_llm(runner="v2", layer_unroll=0).generate(prompts, GREEDY, use_tqdm=False)]
+    unrolled = make_llm(runner="v2", layer_unroll=0)
+    got = [o.outputs[0].token_ids for o in unrolled.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want
     with pytest.raises(ValueError, match="layer_unroll"):
         make_llm(layer_unroll=-1)

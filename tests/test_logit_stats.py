@@ -60,7 +60,8 @@ def numpy_stats(logits, t, raw_np, divisor):
         m = np.stack([a[:, s : s + ls.BLOCK].max(axis=1) for s in edges], axis=1)
         shift = np.where(np.isneginf(m), 0.0, m)
         with np.errstate(invalid="ignore"):
-            sums = [np.exp((a[:, s : s + ls.BLOCK] - shift[:, [i]]) / d[:, None]).sum(axis=1) for i, s in enumerate(edges)]
+            sums = [np.exp((a[:, s : s + ls.BLOCK] - shift[:, [i]]) / d[:, None]).sum(axis=1)
+                    for i, s in enumerate(edges)]
         return m, np.stack(sums, axis=1)
 
     return pen, blocks(pen, np.asarray(divisor, np.float64)), blocks(x, np.ones(len(x)))

@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from mrv2_jax.sampling_params import SamplingParams
 from tests.server_harness import MODEL_NAME, make_llm, running_server, wait_until
 
-
 PROMPTS = ["The king said", "Once upon a time, in a far country,", "To be, or not to be:"]
 GREEDY = dict(max_tokens=12, temperature=0.0)
 SEEDED = dict(max_tokens=12, temperature=1.0, seed=1234)

@@ -1,6 +1,5 @@
 """The model on the paged KV cache equals the dense reference, however the prompt is chunked."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

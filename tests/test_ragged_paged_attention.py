@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels import ragged_paged_attention as rpa_mod
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference

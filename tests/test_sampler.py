@@ -364,7 +364,8 @@ def test_gumbel_noise_matches_numpy_and_is_gumbel():
     seeds, pos, v = np.array([1234, 0, 2**31 - 1]), np.array([7, 0, 99]), 20_000
     got = np.asarray(gumbel_noise(jnp.asarray(seeds), jnp.asarray(pos), v))
     with np.errstate(over="ignore"):
-        key = _np_fmix32(seeds.astype(np.uint32) ^ _np_fmix32(pos.astype(np.uint32) * np.uint32(0x9E3779B9) + np.uint32(1)))
+        golden = np.uint32(0x9E3779B9)
+        key = _np_fmix32(seeds.astype(np.uint32) ^ _np_fmix32(pos.astype(np.uint32) * golden + np.uint32(1)))
         ids = np.arange(v, dtype=np.uint32)
         bits = _np_fmix32(_np_fmix32(ids[None] * np.uint32(0x9E3779B9) ^ key[:, None]) + key[:, None])
     u = ((bits >> np.uint32(9)).astype(np.float64) + 0.5) / 2**23

@@ -156,7 +156,8 @@ def test_plain_sampling_batches_take_the_variant_without_conditionals():
     with a truncation switches the step to the full variant; tokens equal a runner compiled
     with greedy and all only."""
     quick = dict(runner="v2", num_gpu_blocks=26, max_num_batched_tokens=8, max_fused_steps=1)
-    three, two = make_llm(**quick, sampler_variants="greedy,plain,all"), make_llm(**quick, sampler_variants="greedy,all")
+    three = make_llm(**quick, sampler_variants="greedy,plain,all")
+    two = make_llm(**quick, sampler_variants="greedy,all")
     runner = three.engine.runner
     assert runner.sampler_variants == (SamplerFeatures.greedy(), SamplerFeatures.plain_sampling(),
                                        SamplerFeatures.all())

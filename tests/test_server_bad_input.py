@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from tests.server_harness import MODEL_NAME, assert_openai_error, make_llm, running_server, wait_until
 
-
 API_KEY = "test-key-7f3a"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_BODY = 64 * 1024

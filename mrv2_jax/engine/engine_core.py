@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from mrv2_jax.engine.request import Request, RequestStatus
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
-from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.compile_guard import CompileGuard, num_compiles
 from mrv2_jax.runner.interface import Runner, StepOutcome
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 
 
 class EngineCore:

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from dataclasses import dataclass
 
 
 @dataclass

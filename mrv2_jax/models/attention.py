@@ -43,7 +43,8 @@ class PagedAttention:
     interpret: bool = False
 
     def __call__(self, q, k, v, layer, kv_cache, scale):
-        from pallas_kernels import kv_write, ragged_paged_attention as rpa
+        from pallas_kernels import kv_write
+        from pallas_kernels import ragged_paged_attention as rpa
 
         k_cache, v_cache = kv_cache
         if self.use_kernels:

@@ -1,8 +1,7 @@
 """GLM-4-0414 (Glm4ForCausalLM): partial interleaved RoPE, q/k/v bias, fused gate_up,
 and two extra norms (after attention and after the MLP, before each residual add)."""
 
-from mrv2_jax.models.layers import (apply_rope_interleaved_partial, gated_mlp, rms_norm,
-                                    rope_angles, split_qkv)
+from mrv2_jax.models.layers import apply_rope_interleaved_partial, gated_mlp, rms_norm, rope_angles, split_qkv
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
 
 _LAYER = "model.layers.{i}."

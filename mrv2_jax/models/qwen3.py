@@ -1,7 +1,6 @@
 """Qwen3 (dense): per-head RMSNorm on q and k, full "halves" RoPE, SwiGLU MLP."""
 
-from mrv2_jax.models.layers import (apply_rope_halves, gated_mlp, rms_norm, rope_angles,
-                                    split_qkv)
+from mrv2_jax.models.layers import apply_rope_halves, gated_mlp, rms_norm, rope_angles, split_qkv
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
 
 _ATTN = "model.layers.{i}.self_attn."

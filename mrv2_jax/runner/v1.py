@@ -23,20 +23,26 @@ computed here on the host, as vLLM's V1 does), and the host waits for all of the
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner.base import RunnerBase
 from mrv2_jax.runner.buckets import Bucket
 from mrv2_jax.runner.model_step import forward_and_sample
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.prepare import StepInputs
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.step_result import StepResult, prompt_spans, prompt_token_logprobs
 from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.tensors import (
-    FLOAT_SCALAR_FIELDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, SCALAR_FIELDS, SamplingTable, SamplingTensors,
-    needed_features)
+    FLOAT_SCALAR_FIELDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_IDS,
+    SCALAR_FIELDS,
+    SamplingTable,
+    SamplingTensors,
+    needed_features,
+)
 
 
 class ModelRunnerV1(RunnerBase):

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.base import RunnerBase
@@ -31,13 +30,13 @@ from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, SAMPLING_FIELDS, i
 from mrv2_jax.runner.fused import device_stop_ids, fused_layout, make_fused_decode
 from mrv2_jax.runner.model_step import forward_and_sample
 from mrv2_jax.runner.packed import PackedLayout
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.step_result import StepResult, prompt_token_logprobs
 from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
 from mrv2_jax.sample.tensors import FLOAT_SCALAR_FIELDS, is_plain_greedy, row_needs
-
 
 OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buffer is too small
 

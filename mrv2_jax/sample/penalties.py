@@ -24,8 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from mrv2_jax.sample.tensors import SamplingTensors
-from pallas_kernels.sampler_common import (PenaltyArrays, num_mask_words, penalize_rows, penalize_values,
-                                           unpack_token_mask)
+from pallas_kernels.sampler_common import (
+    PenaltyArrays,
+    num_mask_words,
+    penalize_rows,
+    penalize_values,
+    unpack_token_mask,
+)
 
 __all__ = ["PenaltyData", "apply_penalties", "num_mask_words", "pack_token_mask", "penalize", "penalize_at",
            "penalty_arrays", "penalty_data_from_tokens", "unpack_token_mask"]
