@@ -12,7 +12,7 @@ run: setup
 # The speculative-decoding modules run in a pytest run of their own, in fresh worker processes:
 # XLA:CPU (jax 0.11.2) aborted compiling their steps in workers that had run much of the suite
 # before (twice on 2026-11-30), never in fresh ones (tests/conftest.py, no_persistent_compile_cache).
-SPEC_TESTS := tests/test_spec_decode.py tests/test_spec_decode_mtp.py
+SPEC_TESTS := tests/spec_decode/test_spec_decode.py tests/spec_decode/test_spec_decode_mtp.py
 PYTEST := $(VENV)/bin/python -m pytest -q -n 2 --timeout 900
 
 test: setup

@@ -45,9 +45,9 @@ run_section() {  # name, command...
 for s in $sections; do case $s in
   env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
   tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
-  sampler-tests) run_section sampler-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_logit_stats.py \
-      tests/test_sampler.py tests/test_noise_pass.py tests/test_threshold_search.py ;;
-  oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/test_model_parity.py ;;
+  sampler-tests) run_section sampler-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_logit_stats.py \
+      tests/sample/test_sampler.py tests/kernels/test_noise_pass.py tests/kernels/test_threshold_search.py ;;
+  oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/models/test_model_parity.py ;;
   load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
   attention) run_section attention python3 -m benchmarks.attention_kernel --output-json "$OUT/attention.json" ;;
   ab-s1) run_section ab-s1 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \

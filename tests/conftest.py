@@ -18,8 +18,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 # The GPU machine has no server or notebook packages (no registry there): `pytest -m gpu` must
 # still collect. CI installs the `server` and `notebook` extras, so there these modules all run.
-_NEEDS = {"fastapi": ["test_async_llm.py", "test_bench_serve.py", "test_openai_protocol.py",
-                      "test_openai_server.py", "test_serve_cli.py", "test_server_bad_input.py"],
+_NEEDS = {"fastapi": ["test_async_llm.py", "bench/test_bench_serve.py", "entrypoints/test_openai_protocol.py",
+                      "entrypoints/test_openai_server.py", "entrypoints/test_serve_cli.py",
+                      "entrypoints/test_server_bad_input.py"],
           "nbclient": ["test_notebooks.py"]}
 collect_ignore = [name for module, names in _NEEDS.items() if importlib.util.find_spec(module) is None
                   for name in names]

@@ -11,8 +11,8 @@ from mrv2_jax.runner import v1
 from mrv2_jax.sample import SamplerFeatures
 from mrv2_jax.sampling_params import SamplingParams
 from tests import sampler_reference as ref
+from tests.engine.test_engine import MODEL, make_llm, random_prompts
 from tests.engine_reference import PAD_TO, _dense_forward
-from tests.test_engine import MODEL, make_llm, random_prompts
 
 EOS = 2
 

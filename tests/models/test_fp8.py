@@ -13,7 +13,7 @@ from mrv2_jax.models.loader import load_model, save_hf_checkpoint
 from mrv2_jax.models.qwen3_moe import Qwen3MoeModelState
 from tests.parity import FIXTURES, load_expected
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "quantize_fp8.py"
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "quantize_fp8.py"
 _spec = importlib.util.spec_from_file_location("quantize_fp8", _SCRIPT)
 quantize_fp8 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(quantize_fp8)

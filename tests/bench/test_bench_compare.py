@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mrv2_jax.bench import compare
 
-MODEL = str(Path(__file__).parent / "fixtures" / "qwen3-tiny")
+MODEL = str(Path(__file__).parents[1] / "fixtures" / "qwen3-tiny")
 
 
 def test_compare_runs_mrv2_arms_and_skips_vllm(tmp_path):

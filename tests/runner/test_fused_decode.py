@@ -13,7 +13,7 @@ from mrv2_jax.runner import v2
 from mrv2_jax.runner.compile_guard import num_compiles
 from mrv2_jax.sampling_params import SamplingParams
 
-DEMO = Path(__file__).parent.parent / "checkpoints" / "demo-qwen3"
+DEMO = Path(__file__).parents[2] / "checkpoints" / "demo-qwen3"
 NEWLINE, PERIOD = 202, 17  # demo tokenizer ids of "\n" and "."
 K_VALUES = (1, 4, 16)
 

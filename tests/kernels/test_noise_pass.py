@@ -10,7 +10,7 @@ import pytest
 from mrv2_jax.sample.features import SamplerKernels
 from mrv2_jax.sample.gumbel import gumbel_noise
 from pallas_kernels import noise_pass as kernel
-from tests.test_logit_stats import every_feature_case
+from tests.kernels.test_logit_stats import every_feature_case
 from tests.triton_lowering import verify_triton_lowering
 
 

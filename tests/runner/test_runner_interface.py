@@ -16,9 +16,10 @@ from mrv2_jax.sampling_params import SamplingParams
 from tests.parity import FIXTURES
 
 MODEL = FIXTURES / "qwen3-tiny"
-PACKAGE = Path(__file__).resolve().parent.parent / "mrv2_jax"
+PACKAGE = Path(__file__).resolve().parents[2] / "mrv2_jax"
 # The code that holds a runner: the engine and everything above it.
-ENGINE_FILES = sorted([*(PACKAGE / "engine").glob("*.py"), PACKAGE / "llm.py", *(PACKAGE / "entrypoints").glob("*.py")])
+ENGINE_FILES = sorted([*(PACKAGE / "engine").glob("*.py"), PACKAGE / "llm.py", PACKAGE / "async_llm.py",
+                       *(PACKAGE / "entrypoints").glob("*.py")])
 
 
 def protocol_members(protocol) -> set[str]:

@@ -11,8 +11,8 @@ import pytest
 from mrv2_jax.models.loader import load_model
 from mrv2_jax.sampling_params import SamplingParams
 from tests import sampler_reference as ref
+from tests.engine.test_engine import MODEL, make_llm, random_prompts
 from tests.engine_reference import PAD_TO
-from tests.test_engine import MODEL, make_llm, random_prompts
 
 ARMS = {"v1": dict(runner="v1"), "v2-sync": dict(runner="v2", async_scheduling=False),
         "v2-async": dict(runner="v2", async_scheduling=True)}

@@ -11,7 +11,7 @@ from mrv2_jax.sample import topk_topp
 from mrv2_jax.sample.features import SamplerKernels
 from pallas_kernels import threshold_search as kernel
 from tests import sampler_reference as ref
-from tests.test_logit_stats import every_feature_case
+from tests.kernels.test_logit_stats import every_feature_case
 from tests.triton_lowering import verify_triton_lowering
 
 

@@ -13,7 +13,7 @@ from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
 from mrv2_jax.sampling_params import SamplingParams
-from tests.test_scheduler import (
+from tests.engine.test_scheduler import (
     BLOCK_SIZE,
     EOS,
     DeviceRequest,
@@ -27,7 +27,7 @@ from tests.test_scheduler import (
     reference_generate,
 )
 
-DEMO = Path(__file__).parent.parent / "checkpoints" / "demo-qwen3"
+DEMO = Path(__file__).parents[2] / "checkpoints" / "demo-qwen3"
 
 
 class FusedFakeRunner(FakeRunner):

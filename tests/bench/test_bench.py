@@ -9,7 +9,7 @@ from pathlib import Path
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.entrypoints import cli
 
-MODEL = str(Path(__file__).parent / "fixtures" / "qwen3-tiny")
+MODEL = str(Path(__file__).parents[1] / "fixtures" / "qwen3-tiny")
 ENGINE = ["--model", MODEL, "--dtype", "float32", "--num-gpu-blocks", "256", "--block-size", "4",
           "--max-model-len", "128", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
 ENVIRONMENT_KEYS = {"date", "git_sha", "jax_version", "backend", "device"}
