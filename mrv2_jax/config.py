@@ -135,7 +135,7 @@ class KernelConfig:
 
     ``attention``: the paged attention and KV write, "pallas" or "reference".
     ``sampler_logit_stats``: the sampler's pass over the logits and rank count, "kernel",
-    "interpret" (the Pallas interpreter: tests) or "off" (jnp).
+    "interpret" (the Pallas interpreter: tests) or "reference" (jnp).
     ``sampler_noise_pass``, ``sampler_slow_path``: the sampler's whole-row noise pass and
     threshold search, "kernel", "interpret" or "reference" (jnp over every row).
     For the three sampler fields "kernel" means the kernel where it runs (GPUs), the jnp
@@ -203,7 +203,7 @@ class KernelConfig:
             return ("kernel" if gpu else reference) if value in ("auto", "kernel") else value
 
         return KernelConfig(attention=auto(self.attention, "pallas", "reference"),
-                            sampler_logit_stats=sampler(self.sampler_logit_stats, "off"),
+                            sampler_logit_stats=sampler(self.sampler_logit_stats, "reference"),
                             sampler_noise_pass=sampler(self.sampler_noise_pass, "reference"),
                             sampler_slow_path=sampler(self.sampler_slow_path, "reference"),
                             moe_backend=auto(self.moe_backend, "pallas", "ragged_dot"))

@@ -78,7 +78,7 @@ for s in $sections; do case $s in
   # all-xla: the same without the sampler's Pallas kernels (sample/logit_stats.py).
   ab-s1-sampling)
     for kind in greedy all all-xla; do
-      kernels=auto; [ $kind = all-xla ] && kernels=off
+      kernels=auto; [ $kind = all-xla ] && kernels=reference
       MRV2_SAMPLER_KERNELS=$kernels run_section ab-s1-sampling-$kind python3 -m mrv2_jax.bench.ab \
         --model qwen3-0.6b --load-format dummy --arms v2-async --sampling ${kind%-xla} --input-len 128 \
         --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \

@@ -43,7 +43,7 @@ def test_read_parses_defaults_and_values(monkeypatch):
         envs.read_external("MRV2_RUNNER")
 
 
-@pytest.mark.parametrize("name,value,allowed", [("MRV2_SAMPLER_KERNELS", "fast", "auto, kernel, interpret, off"),
+@pytest.mark.parametrize("name,value,allowed", [("MRV2_SAMPLER_KERNELS", "fast", "auto, kernel, interpret, reference"),
                                                 ("MRV2_RUNNER", "v3", "v1, v2"),
                                                 ("MRV2_DEFAULT_XLA_FLAGS", "yes", "0, 1")])
 def test_bad_values_name_the_variable_and_the_allowed_values(monkeypatch, name, value, allowed):
@@ -60,7 +60,7 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     config = KernelConfig.parse("attention=reference")
     assert config == KernelConfig(attention="reference", sampler_noise_pass="interpret", moe_backend="dense")
     assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense")
-    assert config.resolved("cpu") == KernelConfig("reference", "off", "interpret", "reference", "dense")
+    assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense")
     # "kernel" for a sampler pass: the kernel where it runs, the jnp reference elsewhere.
     assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
     assert KernelConfig().resolved("gpu").attention == "pallas"

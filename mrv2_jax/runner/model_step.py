@@ -40,7 +40,7 @@ PROMPT_LOGPROBS_CHUNK = 256
 PROMPT_LOGPROBS_TOP = 20  # sampling_params.MAX_LOGPROBS: the host keeps each request's first n
 
 
-def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True, kernel_mode: str = "off"):
+def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True, kernel_mode: str = "reference"):
     """Logprobs of the prompt tokens: `targets` i32[T] holds, for each scheduled token whose
     row asked for prompt logprobs, 1 + the id of the prompt token that follows it (0 = none).
     -> Logprobs over [T] (the target, then the top PROMPT_LOGPROBS_TOP), from the raw logits

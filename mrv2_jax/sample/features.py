@@ -38,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 TOP_K_TOP_P_METHODS = ("threshold", "sort")
-LOGIT_STATS_MODES = ("kernel", "interpret", "off")
+LOGIT_STATS_MODES = ("kernel", "interpret", "reference")
 WHOLE_ROW_PASS_MODES = ("kernel", "interpret", "reference")
 
 
@@ -50,10 +50,10 @@ class SamplerKernels:
 
     logit_stats: the one pass over the logits and the rank count (logit_stats.py): "kernel"
     (compiled Pallas kernels), "interpret" (the same in the Pallas interpreter: CPU tests) or
-    "off" (jnp). noise_pass, slow_path: the whole-row noise pass (noise_pass.py) and the
+    "reference" (jnp). noise_pass, slow_path: the whole-row noise pass (noise_pass.py) and the
     threshold slow path (slow_path.py): "kernel", "interpret" or "reference" (jnp over every row)."""
 
-    logit_stats: str = "off"
+    logit_stats: str = "reference"
     noise_pass: str = "reference"
     slow_path: str = "reference"
 

@@ -19,7 +19,7 @@ the block maxima known, a block whose maximum is not above the threshold holds n
 count, and the kernel skips reading it; in a decode step nearly every block is skipped.
 
 `mode` (static, SamplerKernels.logit_stats): "kernel" (the compiled kernels: GPUs), "interpret"
-(the kernels in the Pallas interpreter: CPU tests) or "off" (the jnp reference).
+(the kernels in the Pallas interpreter: CPU tests) or "reference" (the jnp reference).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ __all__ = ["BLOCK", "LogitStats", "block_max_and_sumexp", "count_above", "logit_
 
 
 def logit_stats(logits: jax.Array, t: SamplingTensors | None, penalties: PenaltyData | None,
-                divisor: jax.Array | None = None, mode: str = "off") -> LogitStats:
+                divisor: jax.Array | None = None, mode: str = "reference") -> LogitStats:
     """logits [R, V] (any float dtype); penalties None: no penalty pass; divisor f32[R] > 0
     (the rows' temperatures, 1 for greedy rows; None: 1) scales block_sumexp."""
     if divisor is None:
         divisor = jnp.ones(logits.shape[:1], jnp.float32)
     arrays = None if penalties is None else penalty_arrays(t, penalties)
     tables = (logits,) if penalties is None else (logits, penalties.output_counts)
-    if mode == "off" or not fits_int32_offsets(*tables):
+    if mode == "reference" or not fits_int32_offsets(*tables):
         return kernels.logit_stats_reference(logits, divisor, arrays)
     return kernels.logit_stats(logits, divisor, arrays, interpret=mode == "interpret")
 
@@ -79,10 +79,10 @@ def _combine_blocks(block_max, block_sumexp, divisor):
     return shift, jnp.sum(jnp.exp(scaled) * block_sumexp, axis=-1)
 
 
-def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array, mode: str = "off") -> jax.Array:
+def count_above(logits: jax.Array, block_max: jax.Array, threshold: jax.Array, mode: str = "reference") -> jax.Array:
     """i32[R]: the number of entries of each row of logits [R, V] greater than threshold f32[R];
     block_max f32[R, NB] are the rows' block maxima (what lets the kernel skip blocks)."""
-    if mode == "off" or not fits_int32_offsets(logits):
+    if mode == "reference" or not fits_int32_offsets(logits):
         return kernels.count_above_reference(logits, block_max, threshold)
     return kernels.count_above(logits, block_max, threshold, interpret=mode == "interpret")
 

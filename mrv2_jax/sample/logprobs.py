@@ -28,7 +28,7 @@ class Logprobs(NamedTuple):
 
 
 def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
-                     stats: tuple[jax.Array, jax.Array] | None = None, kernel_mode: str = "off") -> Logprobs:
+                     stats: tuple[jax.Array, jax.Array] | None = None, kernel_mode: str = "reference") -> Logprobs:
     """stats: the raw logits' (block maxima, block sums of exp(x - max)) when the caller has
     them (logit_stats.LogitStats); otherwise they are computed here. kernel_mode:
     SamplerKernels.logit_stats, for the pass and the rank count."""
@@ -48,7 +48,7 @@ def compute_logprobs(raw_logits: jax.Array, tokens: jax.Array, num_top: int,
     return Logprobs(values - lse[:, None], ids, rank)
 
 
-def raw_block_stats(raw_logits: jax.Array, kernel_mode: str = "off") -> tuple[jax.Array, jax.Array]:
+def raw_block_stats(raw_logits: jax.Array, kernel_mode: str = "reference") -> tuple[jax.Array, jax.Array]:
     """(block maxima, block sums of exp(x - max)) of raw logits [R, V]: logit_stats without
     penalties."""
     stats = logit_stats(raw_logits, None, None, mode=kernel_mode)

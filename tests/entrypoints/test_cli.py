@@ -35,7 +35,7 @@ def test_kernels_flag_parses_into_the_engine_kernel_config(monkeypatch):
     args = build_parser().parse_args(["generate", "--prompt", "x", "--kernels",
                                       "attention=pallas, sampler_slow_path=interpret"])
     kernels = EngineConfig(**engine_kwargs(args)).kernels
-    assert kernels == KernelConfig(attention="pallas", sampler_logit_stats="off", sampler_noise_pass="reference",
+    assert kernels == KernelConfig(attention="pallas", sampler_logit_stats="reference", sampler_noise_pass="reference",
                                    sampler_slow_path="interpret", moe_backend="dense")  # the CPU's resolution
     for bad, named in (("attention=fast", "KernelConfig.attention"), ("sampler=kernel", "unknown kernel fields"),
                        ("attention", "field=value")):

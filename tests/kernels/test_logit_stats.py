@@ -136,7 +136,7 @@ def test_count_above_matches_numpy(impl):
         got = pk.count_above(jnp.asarray(x, jnp.bfloat16), block_max, jnp.asarray(threshold), interpret=True,
                              tile_blocks=2)
     else:
-        got = ls.count_above(jnp.asarray(x), block_max, jnp.asarray(threshold), mode="off")
+        got = ls.count_above(jnp.asarray(x), block_max, jnp.asarray(threshold), mode="reference")
     np.testing.assert_array_equal(got, (x > threshold[:, None]).sum(axis=1))
 
 
@@ -196,8 +196,7 @@ def test_sampler_with_kernels_matches_without():
     logprobs as numpy's log_softmax."""
     logits, t, data, step = every_feature_case()
     r = logits.shape[0]
-    outs = {mode: step(logits, t, data, kernels=SamplerKernels(logit_stats=mode)) for mode in ("off", "interpret")}
-    off, kern = outs["off"], outs["interpret"]
+    off, kern = (step(logits, t, data, kernels=SamplerKernels(logit_stats=mode)) for mode in ("reference", "interpret"))
     np.testing.assert_array_equal(kern.tokens, off.tokens)
     np.testing.assert_array_equal(kern.logprob_token_ids, off.logprob_token_ids)
     np.testing.assert_array_equal(kern.sampled_rank, off.sampled_rank)
@@ -211,7 +210,7 @@ def test_sampler_with_kernels_matches_without():
     np.testing.assert_array_equal(kern.sampled_rank, 1 + (x > sampled[:, None]).sum(axis=1))
 
 
-@pytest.mark.parametrize("mode", ["off", "interpret"])
+@pytest.mark.parametrize("mode", ["reference", "interpret"])
 def test_sampler_reads_bf16_logits_as_their_f32_values(mode):
     """The step hands the sampler bf16 logits (runner/model_step.py): every output equals the
     one from the same logits converted to f32 first."""
