@@ -40,14 +40,18 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
-# Test modules that must run on one xdist worker, each group as one unit of work: the server
-# modules each build a model + a live server in a module-scoped fixture, and running them one
-# after the other on one worker lets every build after the first load its compiled steps from
-# the persistent compilation cache instead of compiling them again. (The `xdist_group` marker
-# would say this, but pytest-xdist 3.8's loadgroup does not work with pytest 9: it renames
-# `item._nodeid`, which pytest 9 no longer reads. So the grouping is done here, by file name.)
+# Tests are handed to the xdist workers a module at a time (pytest-xdist's `loadfile`), so that a
+# module-scoped fixture (a compiled engine, a live server) is built once, not once per worker; and
+# the modules of a group in ONE_WORKER_GROUPS form a single unit: the server modules each build a
+# model + a live server, and one after the other on one worker every build after the first loads
+# its compiled steps from the persistent compilation cache. (The `xdist_group` marker would say
+# this, but pytest-xdist 3.8's loadgroup does not work with pytest 9: it renames `item._nodeid`,
+# which pytest 9 no longer reads. So the grouping is done here, by file name.)
 ONE_WORKER_GROUPS = {"test_openai_server.py": "server", "test_server_bad_input.py": "server",
                      "test_serve_cli.py": "server"}
+# Modules whose tests each build their own engines (no module fixture): split test by test, so that
+# both workers share them.
+SPLIT_BY_TEST = {"test_spec_decode.py", "test_spec_decode_mtp.py"}
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent when xdist is not loaded
@@ -57,12 +61,16 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class LoadWithGroups(LoadScopeScheduling):
-        """`--dist load` (each test its own unit), except that the modules of a group in
-        ONE_WORKER_GROUPS form a single unit."""
+        """Each module one unit (each test in SPLIT_BY_TEST's modules), and the modules of a group
+        in ONE_WORKER_GROUPS one unit."""
 
         def _split_scope(self, nodeid: str) -> str:
-            group = ONE_WORKER_GROUPS.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
-            return f"group:{group}" if group else nodeid
+            module = nodeid.split("::", 1)[0]
+            name = module.rsplit("/", 1)[-1]
+            if name in SPLIT_BY_TEST:
+                return nodeid
+            group = ONE_WORKER_GROUPS.get(name)
+            return f"group:{group}" if group else module
 
     return LoadWithGroups(config, log)
 

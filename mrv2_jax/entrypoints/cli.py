@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
-    gen.set_defaults(func=cmd_generate, max_num_seqs=8, max_num_batched_tokens=256)
+    # One prompt runs at a time: an engine of one row compiles the fewest step variants.
+    gen.set_defaults(func=cmd_generate, max_num_seqs=1, max_num_batched_tokens=256)
 
     srv = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",

@@ -1,6 +1,8 @@
 """Model Runner V2: device-side input preparation, identical outputs across the three arms
 (v1, v2-sync, v2-async), a provably asynchronous pipeline, and no compiles after warm-up."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,20 @@ def make_llm(runner, async_scheduling, **overrides):
     args = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96,
                 num_gpu_blocks=48, block_size=4, show_progress=False)
     return LLM(str(MODEL), runner=runner, async_scheduling=async_scheduling, **(args | overrides))
+
+
+@functools.cache
+def _engine_of(runner):
+    return make_llm(runner, runner == "v2")
+
+
+def arm_llm(runner, async_scheduling):
+    """The arm's engine: one per runner, shared by the arm tests; v2-sync and v2-async are the same
+    engine with its loop switched (the loop is all that differs, and it holds no step in flight
+    between two generate() calls)."""
+    llm = _engine_of(runner)
+    llm.engine.async_scheduling = async_scheduling
+    return llm
 
 
 # --- input preparation against a plain loop ----------------------------------------------------
@@ -147,12 +163,14 @@ def arm_outputs():
         params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop_token_ids=stop))
     outputs = {}
     for runner, async_scheduling in ARMS:
-        llm = make_llm(runner, async_scheduling)
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm = arm_llm(runner, async_scheduling)
         scheduler = llm.engine.scheduler
+        preemptions, hits = scheduler.num_preemptions, scheduler.kv_cache_manager.prefix_cache_hits
+        outs = llm.generate(prompts, params, use_tqdm=False)
         outputs[(runner, async_scheduling)] = dict(
             tokens=[o.outputs[0].token_ids for o in outs], reasons=[o.outputs[0].finish_reason for o in outs],
-            preemptions=scheduler.num_preemptions, hits=scheduler.kv_cache_manager.prefix_cache_hits,
+            preemptions=scheduler.num_preemptions - preemptions,
+            hits=scheduler.kv_cache_manager.prefix_cache_hits - hits,
             free=scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks)
     return prompts, params, outputs
 
@@ -180,7 +198,7 @@ def test_greedy_outputs_match_plain_loop(arm_outputs):
 def test_seeded_sampling_identical_across_arms():
     prompts = mixed_workload()[:12]
     params = [SamplingParams(max_tokens=8, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(12)]
-    results = [[o.outputs[0].token_ids for o in make_llm(r, a).generate(prompts, params, use_tqdm=False)]
+    results = [[o.outputs[0].token_ids for o in arm_llm(r, a).generate(prompts, params, use_tqdm=False)]
                for r, a in ARMS]
     assert results[0] == results[1] == results[2]
 
