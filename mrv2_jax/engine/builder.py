@@ -56,7 +56,7 @@ class EngineConfig:
     max_fused_rows: int = DEFAULT_MAX_FUSED_ROWS
     # Sampler variants compiled per bucket, cheapest first, e.g. "greedy,plain,all"; each step
     # runs the first that covers its batch (sample/features.py). Default: greedy,plain,full,all on
-    # GPUs, greedy,all elsewhere. Fewer variants: faster start, slower steps for some batches.
+    # GPUs, all elsewhere. Fewer variants: faster start, slower steps for some batches.
     sampler_variants: str | None = None
     seed: int = 0
     show_progress: bool = True

@@ -40,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sampler-variants", default=None,
                    help="sampler variants compiled per bucket, cheapest first, ending with 'all' "
                         "(names: greedy, plain, full, all; default greedy,plain,full,all on GPUs, "
-                        "greedy,all elsewhere); "
+                        "all elsewhere); "
                         "each step runs the first that covers its batch; full: all but prompt logprobs")
     g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")
     g.add_argument("--kernels", default=None, metavar="FIELD=VALUE,...", help=KERNELS_HELP)

@@ -28,8 +28,8 @@ So on GPUs runners compile four static variants per bucket by default (`default_
 greedy (an argmax), plain sampling (temperature + seeded noise, no conditional at all), full
 (every feature but prompt logprobs: no conditional either) and all (every feature, with the
 prompt-logprobs conditional); each step runs the first that covers its batch. Elsewhere the
-default is greedy and all (one compile fewer per bucket). `vllm bench throughput`-style runs
-(temperature 1, nothing else) take the plain one.
+default is all alone: there compiling is what a user waits for, and a step costs little either
+way. On GPUs, `vllm bench throughput`-style runs (temperature 1, nothing else) take the plain one.
 """
 
 from __future__ import annotations
@@ -161,15 +161,16 @@ def run_if_used(runtime_skip: bool, used, compute, skip):
 
 
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
-    """greedy, plain, full, all on GPUs; greedy, all elsewhere (default: JAX's default backend).
+    """greedy, plain, full, all on GPUs; all alone elsewhere (default: JAX's default backend).
     On GPUs a conditional inside the step costs far more than its microbenchmark (docs/benchmarks.md):
-    plain and full hold none (prompt logprobs' is the last, in all). A CPU runs conditionals
-    cheaply, and each variant is one compile per bucket."""
+    plain and full hold none (prompt logprobs' is the last, in all). Elsewhere (CPUs: development,
+    tests, notebooks) each variant is one more compile per bucket, which costs more than the steps
+    it would speed up; greedy alone compiles in a third of all's time but is one compile more."""
     if backend is None:
         import jax
 
         backend = jax.default_backend()
-    return ("greedy", "plain", "full", "all") if backend == "gpu" else ("greedy", "all")
+    return ("greedy", "plain", "full", "all") if backend == "gpu" else ("all",)
 
 
 def variants_by_name(names, kernels: SamplerKernels | None = None) -> tuple[SamplerFeatures, ...]:
