@@ -15,15 +15,10 @@ run: setup
 SPEC_TESTS := tests/spec_decode/test_spec_decode.py tests/spec_decode/test_spec_decode_mtp.py
 PYTEST := $(VENV)/bin/python -m pytest -q -n 2 --timeout 900
 
-# The two runs go side by side (the spec run's log is printed after the other's), and the target
-# fails if either fails.
 test: setup
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@$(PYTEST) $(SPEC_TESTS) > .pytest-spec.log 2>&1 & spec=$$!; \
-	$(PYTEST) $(foreach t,$(SPEC_TESTS),--ignore=$(t)); rest=$$?; \
-	wait $$spec; spec_rc=$$?; \
-	echo "--- $(SPEC_TESTS), run beside the rest ---"; cat .pytest-spec.log; rm -f .pytest-spec.log; \
-	exit $$(( rest || spec_rc ))
+	$(PYTEST) $(foreach t,$(SPEC_TESTS),--ignore=$(t))
+	$(PYTEST) $(SPEC_TESTS)
 else
 	$(PYTEST) $(PYTEST_ARGS)
 endif

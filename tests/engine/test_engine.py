@@ -119,10 +119,16 @@ def test_bad_requests_raise_and_leave_nothing_behind(llm):
         LLM(str(MODEL), no_such_arg=1)
 
 
+def demo_llm() -> LLM:
+    """The demo model (a real tokenizer), one shape for the tests that need it: the second build
+    loads its compiled steps from the persistent compilation cache."""
+    return LLM("demo", dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=64,
+               max_model_len=256, num_gpu_blocks=96, block_size=16, show_progress=False)
+
+
 def test_stop_string_spanning_tokens_with_the_demo_model():
     """Text stops exactly before a stop string that does not sit on token boundaries."""
-    llm = LLM("demo", dtype="float32", runner="v2", max_num_seqs=4, max_num_batched_tokens=64,
-              max_model_len=256, num_gpu_blocks=64, block_size=16, show_progress=False)
+    llm = demo_llm()
     prompt = "The king said"
     full = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)[0].outputs[0]
     tokens = llm.tokenizer.convert_ids_to_tokens(full.token_ids)
@@ -141,8 +147,7 @@ def test_stop_string_spanning_tokens_with_the_demo_model():
 def test_generate_reports_only_final_outputs_and_matches_streamed_text():
     """`generate` detokenizes once per request at the end (no stop strings) or every step (stop
     strings): its text must equal the concatenated deltas of the same requests streamed."""
-    llm = LLM("demo", dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=64,
-              max_model_len=256, num_gpu_blocks=96, block_size=16, show_progress=False)
+    llm = demo_llm()
     prompts = ["The king said", "O Romeo", "Good morrow, sir", "What"]
     params = [SamplingParams(max_tokens=n, temperature=0.9, seed=s) for n, s in [(25, 1), (7, 2), (40, 3), (1, 4)]]
     params.append(SamplingParams(max_tokens=30, temperature=0.8, seed=5, stop=["e t", "ng,"]))
