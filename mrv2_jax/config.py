@@ -199,11 +199,11 @@ class KernelConfig:
         def auto(value: str, on_gpu: str, elsewhere: str) -> str:
             return (on_gpu if gpu else elsewhere) if value == "auto" else value
 
-        def sampler(value: str, reference: str) -> str:
-            return ("kernel" if gpu else reference) if value in ("auto", "kernel") else value
+        def sampler(value: str) -> str:
+            return ("kernel" if gpu else "reference") if value in ("auto", "kernel") else value
 
         return KernelConfig(attention=auto(self.attention, "pallas", "reference"),
-                            sampler_logit_stats=sampler(self.sampler_logit_stats, "reference"),
-                            sampler_noise_pass=sampler(self.sampler_noise_pass, "reference"),
-                            sampler_slow_path=sampler(self.sampler_slow_path, "reference"),
+                            sampler_logit_stats=sampler(self.sampler_logit_stats),
+                            sampler_noise_pass=sampler(self.sampler_noise_pass),
+                            sampler_slow_path=sampler(self.sampler_slow_path),
                             moe_backend=auto(self.moe_backend, "pallas", "ragged_dot"))

@@ -42,7 +42,7 @@ def _choice(name, default, allowed, doc):
     return Switch(name, "choice", default, doc, tuple(allowed))
 
 
-SAMPLER_PASS_MODES = ("auto", "kernel", "interpret", "reference")
+SAMPLER_PASS_MODES = ("auto", "kernel", "interpret", "reference")  # the three MRV2_SAMPLER_* switches
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     _choice("MRV2_RUNNER", "v2", ("v1", "v2"), "Model runner when `--runner` is not given."),
@@ -55,7 +55,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("MRV2_DEFAULT_XLA_FLAGS", "bool", True,
            "`0`: leave XLA_FLAGS and the step compile options as they are (xla_flags.py)."),
     Switch("MRV2_API_KEY", "str", None, "API key the server requires when `--api-key` is not given."),
-    _choice("MRV2_SAMPLER_KERNELS", "auto", ("auto", "kernel", "interpret", "reference"),
+    _choice("MRV2_SAMPLER_KERNELS", "auto", SAMPLER_PASS_MODES,
             "Default of KernelConfig.sampler_logit_stats: the sampler's pass over the logits and rank count."),
     _choice("MRV2_SAMPLER_NOISE_PASS", "auto", SAMPLER_PASS_MODES,
             "Default of KernelConfig.sampler_noise_pass: the sampler's whole-row noise pass."),

@@ -6,7 +6,6 @@ persistent device tables), so each keeps its own step function, packed layout an
 """
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +15,12 @@ from mrv2_jax.runner.buckets import BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.model_step import FlatParams
 from mrv2_jax.runner.precompile import compile_all
+from mrv2_jax.runner.scheduler_output import NewRequestData
 from mrv2_jax.runner.slots import SlotAllocator
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.tensors import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingRow, sampling_row
 from mrv2_jax.xla_flags import step_compiler_options
-
-if TYPE_CHECKING:  # named for annotations only (the engine owns the scheduler's types)
-    from mrv2_jax.runner.scheduler_output import NewRequestData
 
 
 class RunnerBase:
@@ -66,7 +63,7 @@ class RunnerBase:
         """Prompt logprobs come from the full variant's plain step (not a spec step)."""
         return self.spec is None and self.sampler_variants[-1].prompt_logprobs
 
-    def _new_sampling_row(self, new: "NewRequestData", slot: int) -> tuple[SamplingRow, bool]:
+    def _new_sampling_row(self, new: NewRequestData, slot: int) -> tuple[SamplingRow, bool]:
         """A new request's sampler values, with its per-slot device rows written if it needs them
         -> (its SamplingRow, whether slot's device rows now hold this request's data)."""
         row = sampling_row(new.sampling_params, eos_token_ids=self.eos_token_ids, seed_rng=self._seed_rng)

@@ -6,12 +6,10 @@ returns only through `StepOutcome`. Both are `runtime_checkable`, so a test can 
 runner (or a stand-in one) provides every member; anything else a runner holds is its own.
 """
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.token_logprobs import LogprobRow, TokenLogprobs
-
-if TYPE_CHECKING:  # the scheduler's output type, named for annotations only (the engine owns it)
-    from mrv2_jax.runner.scheduler_output import SchedulerOutput
 
 
 @runtime_checkable
@@ -48,6 +46,6 @@ class Runner(Protocol):
     # Fused decode calls run so far (benchmarks report it); always 0 when max_fused_rows is 0.
     num_fused_calls: int
 
-    def execute(self, out: "SchedulerOutput") -> StepOutcome:
+    def execute(self, out: SchedulerOutput) -> StepOutcome:
         """Apply the scheduler's changes (finished, new and continuing requests) and run the step it
         scheduled. Called for every schedule, even one with no tokens (it may free slots)."""

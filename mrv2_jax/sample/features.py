@@ -38,8 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 
 TOP_K_TOP_P_METHODS = ("threshold", "sort")
-LOGIT_STATS_MODES = ("kernel", "interpret", "reference")
-WHOLE_ROW_PASS_MODES = ("kernel", "interpret", "reference")
+KERNEL_MODES = ("kernel", "interpret", "reference")  # each of SamplerKernels' fields
 
 
 @dataclass(frozen=True)
@@ -58,13 +57,9 @@ class SamplerKernels:
     slow_path: str = "reference"
 
     def __post_init__(self):
-        if self.logit_stats not in LOGIT_STATS_MODES:
-            raise ValueError(f"SamplerKernels.logit_stats must be one of {LOGIT_STATS_MODES}, "
-                             f"got {self.logit_stats!r}")
-        for name in ("noise_pass", "slow_path"):
-            if getattr(self, name) not in WHOLE_ROW_PASS_MODES:
-                raise ValueError(f"SamplerKernels.{name} must be one of {WHOLE_ROW_PASS_MODES}, "
-                                 f"got {getattr(self, name)!r}")
+        for name in ("logit_stats", "noise_pass", "slow_path"):
+            if getattr(self, name) not in KERNEL_MODES:
+                raise ValueError(f"SamplerKernels.{name} must be one of {KERNEL_MODES}, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
