@@ -192,6 +192,16 @@ for s in $sections; do case $s in
   spec) run_section spec python3 -m mrv2_jax.bench.spec_decode --suites demo,qwen3-0.6b --runners v1,v2-async \
       --num-speculative-tokens 3 --acceptance-rates 0.6,0.8 --num-prompts 128 --input-len 128 --output-len 256 \
       --max-num-seqs 32 --output-json "$OUT/spec_decode.json" ;;
+  # Issue 25: where the host time of one XLA step call goes. HOST_PROFILE_VARIANTS: lines of
+  # "name|XLA flags|extra engine args"; each runs benchmarks.host_profile at 1 and 256 rows.
+  host-profile)
+    while IFS='|' read -r name flags extra; do
+      [ -z "$name" ] && continue
+      run_section "hp-$name" env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" python3 -m benchmarks.host_profile \
+          --model qwen3-0.6b --load-format dummy --rows 1 256 --sampler-variants greedy --max-model-len 1024 \
+          $extra --output-json "$OUT/host_profile_$name.json"
+    done <<< "${HOST_PROFILE_VARIANTS:-defaults||}"
+    python3 -m benchmarks.host_profile_table "$OUT"/host_profile_*.json ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;
