@@ -84,22 +84,27 @@ def host_split(trace: dict, calls_expected: int) -> dict:
                 key = thread.get((e["pid"], e.get("tid")), str(e.get("tid")))
                 per_call[i].setdefault(key, []).append((max(start, lo), min(end, hi), event_family(e.get("name", ""))))
                 break
-    splits = []
+    splits, counts = [], []
     for threads in per_call:
-        split = {}
+        split, count = {}, {}
         for name, evs in threads.items():
             for family, us in self_times(evs).items():
                 split[f"{name} | {family}"] = split.get(f"{name} | {family}", 0.0) + us
+            for _, _, family in evs:
+                count[f"{name} | {family}"] = count.get(f"{name} | {family}", 0) + 1
         splits.append(split)
+        counts.append(count)
     names = {k for split in splits for k in split}
     median = {k: statistics.median(split.get(k, 0.0) for split in splits) for k in names}
     wall = [hi - lo for lo, hi in calls]
     return {"calls": len(calls), "calls_expected": calls_expected, "call_us": statistics.median(wall),
-            "self_us": dict(sorted(median.items(), key=lambda kv: -kv[1]))}
+            "self_us": dict(sorted(median.items(), key=lambda kv: -kv[1])),
+            "count": {k: statistics.median(c.get(k, 0) for c in counts) for k in median}}
 
 
-def traced_calls(runner, compiled, packed, calls: int) -> dict:
-    """Run `calls` calls under the profiler (verbose host tracing) -> host_split of the trace."""
+def traced_calls(call, calls: int) -> dict:
+    """Run `calls` calls of `call()` (it returns device arrays) under the profiler, verbose host
+    tracing, each waited for -> host_split of the trace."""
     import jax
 
     from mrv2_jax.bench.trace import find_trace
@@ -112,7 +117,7 @@ def traced_calls(runner, compiled, packed, calls: int) -> dict:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True, profiler_options=options):
             for _ in range(calls):
                 with jax.profiler.TraceAnnotation(CALL_ANNOTATION):
-                    result = runner.call_step(compiled, packed)
+                    result = call()
                 jax.block_until_ready(result)
                 time.sleep(0.0005)  # keeps the calls apart in the trace
         path = find_trace(trace_dir)
@@ -162,7 +167,7 @@ def main(argv=None, prog=None):
         compiled, packed = capture_decode_dispatch(llm, rows, args.output_len, args.input_len)
         on_device = jax.device_put(packed)
         timed = time_calls(runner, compiled, lambda: on_device, args.calls)
-        split = traced_calls(runner, compiled, on_device, args.traced_calls)
+        split = traced_calls(lambda: runner.call_step(compiled, on_device), args.traced_calls)
         results[rows] = {"untraced": timed, "traced": split}
         print(f"\nrows {rows}: call {timed['call_ms']:.3f} ms untraced, {split['call_us'] / 1e3:.3f} ms traced "
               f"({split['calls']} calls); host self time per call:")

@@ -192,13 +192,19 @@ for s in $sections; do case $s in
   spec) run_section spec python3 -m mrv2_jax.bench.spec_decode --suites demo,qwen3-0.6b --runners v1,v2-async \
       --num-speculative-tokens 3 --acceptance-rates 0.6,0.8 --num-prompts 128 --input-len 128 --output-len 256 \
       --max-num-seqs 32 --output-json "$OUT/spec_decode.json" ;;
+  # Issue 25: which address changes make XLA update a recorded command buffer, per update mode.
+  cb-updates)
+    for mode in ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED; do
+      run_section "cb-$mode" env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_command_buffer_update_mode=$mode" \
+          python3 -m benchmarks.command_buffer_updates --output-json "$OUT/cb_updates_$mode.json"
+    done ;;
   # Issue 25: where the host time of one XLA step call goes. HOST_PROFILE_VARIANTS: lines of
   # "name|XLA flags|extra engine args"; each runs benchmarks.host_profile at 1 and 256 rows.
   host-profile)
     while IFS='|' read -r name flags extra; do
       [ -z "$name" ] && continue
       run_section "hp-$name" env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" python3 -m benchmarks.host_profile \
-          --model qwen3-0.6b --load-format dummy --rows 1 256 --sampler-variants greedy --max-model-len 1024 \
+          --model qwen3-0.6b --load-format dummy --rows 1 256 --sampler-variants greedy,all --max-model-len 1024 \
           $extra --output-json "$OUT/host_profile_$name.json"
     done <<< "${HOST_PROFILE_VARIANTS:-defaults||}"
     python3 -m benchmarks.host_profile_table "$OUT"/host_profile_*.json ;;

@@ -63,4 +63,5 @@ def test_host_split_counts_each_call_on_its_own():
     split = host_split({"traceEvents": events}, 2)
     assert split["calls"] == 2 and split["call_us"] == 200.0
     # Medians over the two calls: Execute self 50 and 270, Alloc 30 and 10, annotation 20 and 20.
+    assert split["count"] == {"python | Execute": 1, "python | Alloc": 1, f"python | {CALL_ANNOTATION}": 1}
     assert split["self_us"] == {"python | Execute": 160.0, "python | Alloc": 20.0, f"python | {CALL_ANNOTATION}": 20.0}
