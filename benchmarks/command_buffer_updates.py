@@ -4,7 +4,8 @@
     XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python -m benchmarks.command_buffer_updates
 
 A toy decode step: a `lax.scan` over L stacked [H, H] layers applied to a donated state, so the
-whole step is one command buffer with a while loop in it (`+WHILE`, as the engine compiles). Four
+whole step is one command buffer with a while loop in it (`+WHILE`, as the engine compiles), or
+with `--unroll` a Python loop over the layers (one flat program). Four
 ways to call it, which differ only in which buffer addresses can change between calls:
 
   aliased only        every output aliases a donated input; the input is the same device array
@@ -25,7 +26,7 @@ import time
 from benchmarks.host_profile import enable_command_buffers_while_profiling, traced_calls
 
 
-def build(layers: int, hidden: int, rows: int):
+def build(layers: int, hidden: int, rows: int, unroll: bool):
     import jax
     import jax.numpy as jnp
 
@@ -33,6 +34,10 @@ def build(layers: int, hidden: int, rows: int):
     x0 = jnp.ones((rows, hidden), jnp.bfloat16)
 
     def forward(w, h):
+        if unroll:  # one static slice per layer: no loop in the program
+            for i in range(layers):
+                h = jnp.tanh(h @ w[i])
+            return h
         return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]
 
     def aliased(w, h, x):
@@ -85,6 +90,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--unroll", action="store_true", help="a Python loop over the layers instead of lax.scan")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--traced-calls", type=int, default=10)
     p.add_argument("--output-json", default=None)
@@ -95,7 +101,7 @@ def main(argv=None):
     from mrv2_jax.xla_flags import apply_default_xla_flags
 
     apply_default_xla_flags()  # +WHILE, as the engine runs
-    weights, x0, compiled = build(args.layers, args.hidden, args.rows)
+    weights, x0, compiled = build(args.layers, args.hidden, args.rows, args.unroll)
     cases = {"aliased only": (False, False), "+ fresh output": (True, False), "+ fresh input": (False, True),
              "+ both": (True, True)}
     results = {name: run_case(compiled, weights, x0, *how, args.calls, args.traced_calls)

@@ -194,10 +194,13 @@ for s in $sections; do case $s in
       --max-num-seqs 32 --output-json "$OUT/spec_decode.json" ;;
   # Issue 25: which address changes make XLA update a recorded command buffer, per update mode.
   cb-updates)
-    for mode in ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED; do
-      run_section "cb-$mode" env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_command_buffer_update_mode=$mode" \
-          python3 -m benchmarks.command_buffer_updates --output-json "$OUT/cb_updates_$mode.json"
-    done ;;
+    # CB_UPDATES_VARIANTS: lines of "name|XLA flags|extra benchmark args".
+    while IFS='|' read -r name flags extra; do
+      [ -z "$name" ] && continue
+      run_section "cb-$name" env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" \
+          python3 -m benchmarks.command_buffer_updates $extra --output-json "$OUT/cb_updates_$name.json"
+    done <<< "${CB_UPDATES_VARIANTS:-scan||
+unrolled||--unroll}" ;;
   # Issue 25: where the host time of one XLA step call goes. HOST_PROFILE_VARIANTS: lines of
   # "name|XLA flags|extra engine args"; each runs benchmarks.host_profile at 1 and 256 rows.
   host-profile)
