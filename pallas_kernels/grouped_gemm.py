@@ -61,7 +61,7 @@ def _tile_schedule(group_sizes, num_rows: int, block_m: int):
     tile_end = jnp.cumsum(tiles)
     max_tiles = pl.cdiv(num_rows, block_m) + G + 1
     t = jnp.arange(max_tiles, dtype=jnp.int32)
-    owner = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)  # G + 1 past the end
+    owner = jnp.searchsorted(tile_end, t, side="right", method="scan_unrolled").astype(jnp.int32)  # G + 1 past the end
     g = jnp.minimum(owner, G)
     row0 = starts[g] + (t - (tile_end[g] - tiles[g])) * block_m
     group = jnp.where(owner < G, owner, jnp.where(owner == G, -1, -2))

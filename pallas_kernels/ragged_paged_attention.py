@@ -420,7 +420,7 @@ def _token_metadata(T, block_tables, seq_lens, query_start_loc, num_seqs):
     num_seqs = jnp.clip(jnp.asarray(num_seqs, jnp.int32), 0, R)
     valid = t < query_start_loc[num_seqs]
     # Largest row whose start is <= t; empty rows (repeated starts) are skipped over.
-    row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right") - 1, 0, R - 1)
+    row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right", method="scan_unrolled") - 1, 0, R - 1)
     q_len = query_start_loc[row + 1] - query_start_loc[row]
     pos = seq_lens[row] - q_len + (t - query_start_loc[row])
     return row, pos, valid

@@ -86,7 +86,8 @@ def prepare_inputs(state: DeviceState, idx_mapping, num_scheduled, num_reqs, chu
     start = state.num_computed[idx_mapping]  # first position computed this step, per row
 
     t = jnp.arange(num_tokens_padded, dtype=jnp.int32)
-    row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right") - 1, 0, num_rows - 1)
+    # Unrolled: a while loop in a step makes XLA re-record its CUDA graphs on every call.
+    row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right", method="scan_unrolled") - 1, 0, num_rows - 1)
     valid = t < total
     slot = idx_mapping[row]
     positions = jnp.where(valid, start[row] + t - query_start_loc[row], 0)

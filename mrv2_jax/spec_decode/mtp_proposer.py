@@ -98,7 +98,7 @@ class MtpProposer(Proposer):
         t, r = x.input_ids.shape[0], x.last_token.shape[0]
         qsl = x.query_start_loc
         index = jnp.arange(t, dtype=jnp.int32)
-        row = jnp.minimum(jnp.searchsorted(qsl[1:], index, side="right"), r - 1)
+        row = jnp.minimum(jnp.searchsorted(qsl[1:], index, side="right", method="scan_unrolled"), r - 1)
         is_last = index == qsl[row + 1] - 1
         following = jnp.concatenate([x.input_ids[1:], x.input_ids[:1]])
         next_prompt = (jnp.full((r,), -1, jnp.int32) if x.next_prompt_token is None
