@@ -96,8 +96,7 @@ class RunnerBase:
                     continue
                 result = jax.eval_shape(fn, *args)[num_state]
                 shapes[key, i] = (packed, result)
-                # keep_unused: the result slot is never read, only written through its alias.
-                lowered[key, i] = jax.jit(stable_step.with_result_slot(fn, num_state), keep_unused=True,
+                lowered[key, i] = jax.jit(stable_step.with_result_slot(fn, num_state),
                                           donate_argnums=stable_step.donated_argnums(num_state)).lower(
                     self.params.leaves, *device_state, result, packed, self.spec_params, self.spec_state)
                 small[key, i, "upload"], small[key, i, "copy"] = stable_step.lower_small_calls(packed, result)
