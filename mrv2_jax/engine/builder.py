@@ -47,9 +47,6 @@ class EngineConfig:
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
-    # V2: keep every buffer a step's CUDA graphs use at a fixed address, so XLA never re-records
-    # them (runner/stable_step.py); None: on GPUs.
-    stable_addresses: bool | None = None
     # V2: up to this many decode steps in one compiled call for small, stable batches
     # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
     max_fused_steps: int | None = None
@@ -153,8 +150,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
         return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps,
-                             fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows,
-                             stable_addresses=config.stable_addresses, **kwargs)
+                             fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)

@@ -47,9 +47,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
-    g.add_argument("--stable-addresses", default=None, type=lambda v: {"on": True, "off": False}[v],
-                   metavar="{on,off}", help="V2: keep the buffers a step's CUDA graphs use at fixed "
-                   "addresses, so XLA never re-records them (default: on GPUs)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
                         "methods: ngram (prompt_lookup_min/max), draft_model (model), mtp, "

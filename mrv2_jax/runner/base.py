@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.runner import stable_step
 from mrv2_jax.runner.buckets import BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.model_step import FlatParams
@@ -72,7 +71,7 @@ class RunnerBase:
             self.slot_state, slot, row, new.token_ids, new.num_prompt_tokens)
         return row, owns_rows
 
-    def _compile_steps(self, steps: dict, device_state: tuple, show_progress: bool, stable: bool = False) -> dict:
+    def _compile_steps(self, steps: dict, device_state: tuple, show_progress: bool) -> dict:
         """Lower and compile every step ahead of time, one program per sampler variant, so a step
         outside them is an error, never a silent recompile.
 
@@ -80,31 +79,15 @@ class RunnerBase:
             fn(param_leaves, *device_state, packed, spec_params, spec_state)
                 -> (*device_state, sampler output, spec_state);
         `device_state`: the arrays the step updates (donated, like the spec state).
-        `stable`: wrap each program in a StableStep (runner/stable_step.py: buffer addresses that
-        never move between calls, so XLA never re-records its command buffers).
-        -> {key: (layout, [compiled program per sampler variant])}, each program called as fn."""
+        -> {key: (layout, [compiled program per sampler variant])}."""
         num_state = len(device_state)
         donate = (*range(1, 1 + num_state), num_state + 3)
-        lowered, small, shapes = {}, {}, {}
+        lowered = {}
         for key, (layout, make_fn) in steps.items():
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            args = (self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
             for i, features in enumerate(self.sampler_variants):
-                fn = make_fn(layout, features)
-                if not stable:
-                    lowered[key, i] = jax.jit(fn, donate_argnums=donate).lower(*args)
-                    continue
-                result = jax.eval_shape(fn, *args)[num_state]
-                shapes[key, i] = (packed, result)
-                lowered[key, i] = jax.jit(stable_step.with_result_slot(fn, num_state),
-                                          donate_argnums=stable_step.donated_argnums(num_state)).lower(
-                    self.params.leaves, *device_state, result, packed, self.spec_params, self.spec_state)
-                small[key, i, "upload"], small[key, i, "copy"] = stable_step.lower_small_calls(packed, result)
+                lowered[key, i] = jax.jit(make_fn(layout, features), donate_argnums=donate).lower(
+                    self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
         compiled = compile_all(lowered, show_progress, compiler_options=step_compiler_options(self.params.leaves))
-        if stable:
-            on_gpu = jax.default_backend() == "gpu"
-            small = compile_all(small, False, compiler_options=stable_step.SMALL_CALL_GPU_OPTIONS if on_gpu else None)
-            compiled = {k: stable_step.StableStep(program, small[(*k, "upload")], small[(*k, "copy")], *shapes[k])
-                        for k, program in compiled.items()}
         return {key: (layout, [compiled[key, i] for i in range(len(self.sampler_variants))])
                 for key, (layout, _) in steps.items()}

@@ -109,13 +109,11 @@ class ModelRunnerV2(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
-                 fused_unroll: int = 1, stable_addresses: bool | None = None):
+                 fused_unroll: int = 1):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
-        to `max_fused_rows` rows; it cannot be combined with a spec decoder.
-        `stable_addresses`: call every program through a StableStep (runner/stable_step.py), so
-        that XLA never re-records its command buffers; default: on GPUs, where they exist."""
+        to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
         if spec_decoder is not None and max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
@@ -143,7 +141,6 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_rows = max(by_rows, default=0)
         self.num_fused_calls = 0
         self.hooks = None  # benchmarks' instrumentation (runner/step_hooks.py); None: nothing is called
-        self.stable_addresses = jax.default_backend() == "gpu" if stable_addresses is None else stable_addresses
         self._compile_all(show_progress)
 
     # --- compilation ---------------------------------------------------------------------
@@ -220,8 +217,7 @@ class ModelRunnerV2(RunnerBase):
         steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
                                  lambda layout, features, b=b: self._fused_fn(b, layout, features))
                   for b in self.fused_buckets}
-        compiled = self._compile_steps(steps, (self.kv_cache, self.state, self.slot_state), show_progress,
-                                       stable=self.stable_addresses)
+        compiled = self._compile_steps(steps, (self.kv_cache, self.state, self.slot_state), show_progress)
         self.compiled = {b: programs for (kind, b), programs in compiled.items() if kind == "step"}
         self.fused = {b: programs for (kind, b), programs in compiled.items() if kind == "fused"}
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
