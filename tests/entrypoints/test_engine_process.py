@@ -33,6 +33,7 @@ CONCURRENT_PARAMS = [dict(max_tokens=10, temperature=0.0, ignore_eos=True) if i 
                      dict(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(CONCURRENT))]
 LONG_PROMPT = "Once upon a time, in a far country,"
 FUSED = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+STOP = dict(max_tokens=200, temperature=0.0, ignore_eos=True, stop=["\n"])  # the API process finds the stop
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def engine_and_reference():
         params = [SamplingParams(**kw) for kw in CONCURRENT_PARAMS]
         reference = {
             "concurrent": [o.outputs[0].text for o in llm.generate(CONCURRENT, params, use_tqdm=False)],
-            "fused": llm.generate([LONG_PROMPT], SamplingParams(**FUSED), use_tqdm=False)[0].outputs[0].text}
+            "fused": llm.generate([LONG_PROMPT], SamplingParams(**FUSED), use_tqdm=False)[0].outputs[0].text,
+            "stop": llm.generate([LONG_PROMPT], SamplingParams(**STOP), use_tqdm=False)[0].outputs[0].text}
         return starting.result(), reference
 
 
@@ -129,6 +131,15 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     calls = engine.stats.num_fused_calls - before
     # Alone and not streaming, the request decodes up to max_fused_steps (16) tokens per call.
     assert 1 <= calls < (FUSED["max_tokens"] - 1) / STREAM_INTERVAL, calls
+
+
+def test_stop_strings_finish_the_request_in_the_engine(server, reference):
+    body = {"prompt": LONG_PROMPT, **STOP}
+    events = asyncio.run(_stream_with_client(server, body))
+    assert _text(events) == reference["stop"] and events[-1]["choices"][0]["finish_reason"] == "stop"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, **body}, timeout=60)
+    assert r.json()["choices"][0]["text"] == reference["stop"] != "" and "\n" not in reference["stop"]
+    wait_until(lambda: _all_blocks_free(server.engine), what="the stopped requests to free their blocks")
 
 
 async def _stream_with_client(server, body):
