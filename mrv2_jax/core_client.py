@@ -57,7 +57,8 @@ class CoreClient:
         self._output.bind(output_addr)
         self._encoder = M.encoder()
         self._decoder = M.from_engine_decoder()
-        self._send_lock = threading.Lock()
+        # Re-entrant: a stream dropped during a send may abort its request (garbage collection).
+        self._send_lock = threading.RLock()
         self._closed = False
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(dict(engine_args), input_addr, output_addr),
