@@ -45,14 +45,12 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> Non
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(input_addr)
     encoder = M.encoder()
-    code = 0
     try:
-        try:
-            engine, tokenizer, model_state = build_engine(EngineConfig(**engine_args))
-        except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported the same way
-            out.send(encoder.encode(M.StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
-            code = 1
-            return
+        engine, tokenizer, model_state = build_engine(EngineConfig(**engine_args))
+    except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported the same way
+        out.send(encoder.encode(M.StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        code = 1
+    else:
         proc = EngineCoreProc(engine, model_state, inp, out)
         out.send(encoder.encode(M.Ready(
             pid=os.getpid(), tokenizer_path=getattr(tokenizer, "name_or_path", None),
@@ -60,11 +58,10 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> Non
             num_eos=len(model_state.eos_token_ids or ()),
             supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats())))
         code = proc.run()
-    finally:
-        inp.close()
-        out.close()
-        ctx.term()
-        sys.exit(code)
+    inp.close()
+    out.close()
+    ctx.term()
+    sys.exit(code)
 
 
 class EngineCoreProc:
@@ -81,7 +78,15 @@ class EngineCoreProc:
         self._errors: list[tuple[str, str]] = []
 
     def run(self) -> int:
-        """Serve until told to stop (0), the parent died (0) or a step failed (1)."""
+        """Serve until told to stop (0), the parent died (0) or a step or command failed (1,
+        after telling the API process why: the scheduler and device state may disagree now)."""
+        try:
+            return self._loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, this engine is done
+            self.out.send(self.encoder.encode(M.EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+            return 1
+
+    def _loop(self) -> int:
         poller = zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
         parent = multiprocessing.parent_process()
@@ -98,12 +103,7 @@ class EngineCoreProc:
                     return 0
                 changed = True
             if engine.has_work():
-                try:
-                    outputs = engine.step()
-                except BaseException as exc:  # noqa: BLE001 - the engine state is unknown now
-                    self.out.send(self.encoder.encode(
-                        M.EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
-                    return 1
+                outputs = engine.step()
                 self.num_steps += 1
                 self._send(outputs)
             elif changed:
