@@ -1,4 +1,10 @@
-"""The engine on its own thread, with an asyncio-facing API (what the server talks to).
+"""The engine behind an asyncio-facing API (what the server talks to), in one of two places:
+
+* in its own process (the server's default, `AsyncLLM.from_engine_args`): a `CoreClient`
+  (core_client.py) runs the engine core in a process of its own; this process keeps
+  tokenizing, detokenizing and stop strings (an `OutputProcessor`), and one thread here reads
+  the engine's per-step messages and hands the outputs to the streams;
+* on a thread of this process (`AsyncLLM(llm)`, `--engine-in-process`): the thread owns the `LLM`.
 
 `LLM` is not thread-safe, so exactly one thread -- the engine thread -- ever touches it. The
 loop on that thread is:
@@ -31,9 +37,17 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
+from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
+from mrv2_jax.core_client import CoreClient, EngineProcessDied
+from mrv2_jax.engine import core_messages as M
+from mrv2_jax.engine.engine_core import check_request
 from mrv2_jax.engine.output import RequestOutput
+from mrv2_jax.engine.output_processor import OutputProcessor
+from mrv2_jax.engine.request import Request
 from mrv2_jax.llm import LLM
+from mrv2_jax.sample.tensors import check_request_fits
 from mrv2_jax.sampling_params import SamplingParams
+from mrv2_jax.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +61,7 @@ class RequestRejected(ValueError):
     machine-readable reason, e.g. ``"context_length_exceeded"``; ``param`` the request part
     at fault: ``"prompt"`` or ``"max_tokens"``."""
 
-    def __init__(self, message: str, code: str | None = None, param: str = "prompt"):
+    def __init__(self, message: str, code: str | None = None, param: str | None = "prompt"):
         super().__init__(message)
         self.code = code
         self.param = param
@@ -68,6 +82,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_aborted_reqs: int = 0
     num_steps: int = 0
+    num_fused_calls: int = 0  # runner calls that ran several decode steps
     # Speculative decoding (spec_decode.metrics.SpecDecodeStats), None when off.
     spec_decode: object = None
 
@@ -83,6 +98,7 @@ class _Add:
     token_ids: list[int]
     params: SamplingParams
     sink: _Sink
+    streaming: bool = False
 
 
 @dataclass
@@ -180,9 +196,10 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """Runs an `LLM` on a dedicated thread. Build it with `AsyncLLM.from_engine_args(...)` or
-    around an existing `LLM` (which then belongs to the engine thread: do not use it
-    directly any more).
+    """Runs an engine behind an asyncio API: in its own process with
+    `AsyncLLM.from_engine_args(...)` (or `AsyncLLM(client=CoreClient(...))`), or on a thread of
+    this process around an existing `LLM` with `AsyncLLM(llm)` (the `LLM` then belongs to the
+    engine thread: do not use it directly any more).
 
         stream = await engine.generate("The king said", SamplingParams(max_tokens=8))
         async for out in stream:
@@ -192,11 +209,19 @@ class AsyncLLM:
     or EngineDeadError) before any output is expected.
     """
 
-    def __init__(self, llm: LLM, *, thread_name: str = "mrv2-engine"):
-        self._llm = llm
-        self.tokenizer = llm.tokenizer
-        self.max_model_len: int = llm.engine.scheduler.max_model_len
-        self.vocab_size: int = llm.model_state.vocab_size
+    def __init__(self, llm: LLM | None = None, *, client: CoreClient | None = None,
+                 thread_name: str = "mrv2-engine"):
+        if (llm is None) == (client is None):
+            raise ValueError("AsyncLLM runs either an LLM on a thread or a CoreClient's engine process: give one")
+        self._llm, self._client = llm, client
+        if client is None:
+            self.tokenizer = llm.tokenizer
+            self.max_model_len: int = llm.engine.scheduler.max_model_len
+            self.vocab_size: int = llm.model_state.vocab_size
+        else:
+            self.tokenizer = client.tokenizer
+            self.max_model_len, self.vocab_size = client.ready.max_model_len, client.ready.vocab_size
+            self._processor = OutputProcessor(self.tokenizer)  # the reader thread only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._ids = itertools.count()
@@ -210,13 +235,27 @@ class AsyncLLM:
         self._num_aborted = 0
         self._num_steps = 0
         self._stats = EngineStats()
-        self._publish_stats()
-        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        if client is None:
+            self._publish_stats()
+        else:
+            self._publish_core_stats(client.ready.stats)
+        self._thread = threading.Thread(target=self._run if client is None else self._run_client,
+                                        name=thread_name, daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args) -> AsyncLLM:
-        return cls(LLM(model, **engine_args))
+    def from_engine_args(cls, model: str | None = None, *, engine_in_process: bool = False,
+                         startup_timeout: float = ENGINE_STARTUP_TIMEOUT, **engine_args) -> AsyncLLM:
+        """The engine in its own process (waits until it is ready), or with `engine_in_process`
+        on a thread of this one."""
+        if engine_in_process:
+            return cls(LLM(model, **engine_args))
+        return cls(client=CoreClient(dict(model=model, **engine_args), startup_timeout))
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's id (None when the engine runs on a thread here)."""
+        return None if self._client is None else self._client.process.pid
 
     # --- public API (any thread / the event loop) -------------------------------------------
     @property
@@ -237,10 +276,21 @@ class AsyncLLM:
         n = len(token_ids)
         if n == 0:
             raise RequestRejected("the prompt is empty (it must have at least one token)")
-        try:
-            self._llm.engine.check_request(params)
-        except ValueError as e:
-            raise RequestRejected(str(e), param="prompt_logprobs") from None
+        if self._client is None:
+            try:
+                self._llm.engine.check_request(params)
+            except ValueError as e:
+                raise RequestRejected(str(e), param="prompt_logprobs") from None
+        else:  # what LLM.add_request and EngineCore check, here before the request is sent
+            ready = self._client.ready
+            try:
+                check_request(params, ready.supports_prompt_logprobs)
+            except ValueError as e:
+                raise RequestRejected(str(e), param="prompt_logprobs") from None
+            try:
+                check_request_fits(params, self.vocab_size, num_eos=ready.num_eos)
+            except ValueError as e:
+                raise RequestRejected(str(e), param=None) from None
         for t in token_ids:
             if not 0 <= t < self.vocab_size:
                 raise RequestRejected(f"prompt token id {t} is out of range [0, {self.vocab_size})",
@@ -264,9 +314,10 @@ class AsyncLLM:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> RequestStream:
+                       request_id: str | None = None, streaming: bool = False) -> RequestStream:
         """Validate and submit one request; returns the stream of its outputs. A str prompt is
-        tokenized as the offline `LLM` does it (`tokenizer.encode(prompt)`)."""
+        tokenized as the offline `LLM` does it (`tokenizer.encode(prompt)`). `streaming`: the
+        client reads the outputs as they come (the engine bounds the gap between them)."""
         if isinstance(prompt, str):
             token_ids = await self.tokenize(prompt)
         else:
@@ -274,7 +325,7 @@ class AsyncLLM:
         self.check_prompt(token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(_Add(request_id, token_ids, params, sink))
+        self._submit(_Add(request_id, token_ids, params, sink, streaming))
         return RequestStream(self, request_id, sink)
 
     def abort(self, request_id: str) -> None:
@@ -282,23 +333,34 @@ class AsyncLLM:
         with self._lock:
             if self._error is None and not self._stopped:
                 self._inbox.put(_Abort(request_id))
+                if self._client is not None:
+                    self._client.send(M.AbortRequests([request_id]))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; open streams end with `EngineDeadError`."""
+        """Stop the engine (thread or process); open streams end with `EngineDeadError`."""
         with self._lock:
             if not self._stopped:
                 self._stopped = True
                 self._inbox.put(_Stop())
+        if self._client is not None:
+            self._client.stop(timeout)  # the reader thread sees the exit and ends
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self._client is not None and not self._thread.is_alive():
+            self._client.close()
 
     def _submit(self, command: _Add) -> None:
         with self._lock:
             if self._error is not None or self._stopped:
                 raise EngineDeadError(self._dead_message())
-            self._inbox.put(command)
+            self._inbox.put(command)  # (before the engine can answer: the reader registers it first)
+            if self._client is not None:
+                self._client.send(M.AddRequest(command.request_id, command.token_ids, command.params,
+                                               command.streaming))
 
     def _dead_message(self) -> str:
+        if isinstance(self._error, EngineDeadError):
+            return str(self._error)
         if self._error is not None:
             return f"the engine stopped after an internal error: {self._error!r}"
         return "the engine has been shut down"
@@ -340,9 +402,13 @@ class AsyncLLM:
                 return True
 
     def _add(self, cmd: _Add) -> None:
+        if self._client is not None:  # sent to the engine already; its outputs come here
+            self._processor.add(Request(cmd.request_id, cmd.token_ids, cmd.params, streaming=cmd.streaming))
+            self._sinks[cmd.request_id] = cmd.sink
+            return
         try:
             # Token ids, not text: the caller has tokenized already (the same way LLM would).
-            self._llm.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id)
+            self._llm.add_request(cmd.token_ids, cmd.params, request_id=cmd.request_id, streaming=cmd.streaming)
         except Exception as exc:  # this request is bad: tell its caller, keep serving the rest
             self._llm.abort([cmd.request_id])
             self._send(cmd.sink, [exc])
@@ -351,7 +417,10 @@ class AsyncLLM:
 
     def _abort(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
-            self._llm.abort([request_id])
+            if self._client is None:
+                self._llm.abort([request_id])
+            else:
+                self._processor.remove([request_id])
             self._num_aborted += 1
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -372,6 +441,8 @@ class AsyncLLM:
                 # The caller's event loop is gone: nobody can read these requests any more.
                 for _, items in batch:
                     self._abort(items[0].request_id)
+                    if self._client is not None:
+                        self._client.send(M.AbortRequests([items[0].request_id]))
 
     def _send(self, sink: _Sink, items: list) -> None:
         self._post(sink.loop, [(sink.queue, items)])
@@ -409,6 +480,9 @@ class AsyncLLM:
             pass
 
     def _publish_stats(self) -> None:
+        if self._client is not None:  # the engine's counters come with its messages
+            self._stats = dataclasses.replace(self._stats, num_aborted_reqs=self._num_aborted)
+            return
         scheduler = self._llm.engine.scheduler
         s = scheduler.get_stats()
         kv = scheduler.kv_cache_manager
@@ -417,5 +491,58 @@ class AsyncLLM:
             num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks, kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, num_aborted_reqs=self._num_aborted, num_steps=self._num_steps,
+            num_fused_calls=getattr(getattr(self._llm.engine, "runner", None), "num_fused_calls", 0),
             spec_decode=s.spec_decode)
+
+    # --- the reader thread of an engine process ----------------------------------------------
+    def _run_client(self) -> None:
+        client = self._client
+        try:
+            while True:
+                try:
+                    msg = client.recv()
+                except EngineProcessDied as died:
+                    if not self._drain_inbox(block=False):
+                        break  # we asked it to stop
+                    raise EngineDeadError(f"the engine process died unexpectedly (exit code {died.exitcode})") from None
+                if not self._drain_inbox(block=False):
+                    break
+                if isinstance(msg, M.EngineFailed):
+                    logger.error("an engine step failed in the engine process:\n%s", msg.traceback)
+                    raise EngineDeadError(f"the engine stopped after an internal error: {msg.error}")
+                if isinstance(msg, M.StepOutputs):
+                    self._apply_step(msg)
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
+            logger.error("the engine is stopping: %s", exc)
+            with self._lock:
+                self._error = exc
+        self._close_all_streams()
+
+    def _apply_step(self, msg: M.StepOutputs) -> None:
+        """One engine step: detokenize, find stop strings (the engine finishes those requests),
+        hand the outputs to their streams, publish the engine's counters."""
+        for request_id, why in msg.errors:  # adds the engine refused: the request fails alone
+            self._processor.remove([request_id])
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                self._send(sink, [ValueError(why)])
+        for out in msg.outputs:
+            if out.new_logprobs is not None:
+                out.new_logprobs = M.logprob_rows(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                out.prompt_logprobs = M.logprob_rows(out.prompt_logprobs)
+        outputs, stopped = self._processor.process(msg.outputs)
+        if stopped:
+            self._client.send(M.FinishRequests(stopped))
+        self._deliver(outputs)
+        self._publish_core_stats(msg.stats)
+
+    def _publish_core_stats(self, s: M.CoreStats) -> None:
+        self._stats = EngineStats(
+            num_running_reqs=s.num_running_reqs, num_waiting_reqs=s.num_waiting_reqs,
+            num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, num_aborted_reqs=self._num_aborted, num_steps=s.num_steps,
+            num_fused_calls=s.num_fused_calls,
+            spec_decode=None if s.spec_decode is None else SpecDecodeStats(**s.spec_decode))
 

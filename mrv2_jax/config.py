@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from mrv2_jax import envs
 
+# The server's defaults (entrypoints/cli.py, core_client.py, entrypoints/openai_server.py).
+ENGINE_STARTUP_TIMEOUT = 1800.0  # seconds to wait for the engine process: a cold start compiles for minutes
+SERVER_SHUTDOWN_TIMEOUT = 30.0  # seconds requests in flight get to finish on SIGTERM / Ctrl-C
+
 
 def _require_positive_int(owner: str, name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
@@ -40,6 +44,8 @@ class SchedulerConfig:
     ``max_fused_steps``: up to this many decode steps in one runner call when every running
     request decodes, none is waiting for a free slot and there are at most ``max_fused_rows``
     of them (what the runner compiled); 1 turns fused decode off.
+    ``stream_interval``: while any running request is streaming, a fused call runs at most this
+    many steps, so a stream waits at most this many decode steps between chunks.
     """
 
     max_num_seqs: int = 256
@@ -51,6 +57,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     max_fused_steps: int = 1
     max_fused_rows: int = 0
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         _require_positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
@@ -66,6 +73,7 @@ class SchedulerConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
         _require_positive_int("SchedulerConfig", "max_fused_steps", self.max_fused_steps)
+        _require_positive_int("SchedulerConfig", "stream_interval", self.stream_interval)
         if not isinstance(self.max_fused_rows, int) or self.max_fused_rows < 0:
             raise ValueError(f"SchedulerConfig.max_fused_rows must be an int >= 0, got {self.max_fused_rows!r}")
         # A fused call runs K plain decode steps with no draft verification, so the scheduler

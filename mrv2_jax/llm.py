@@ -42,12 +42,13 @@ class LLM:
         return None, token_ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    final_only: bool = False) -> str:
-        """Queue one request; `final_only`: `step()` reports it only when it has finished."""
+                    final_only: bool = False, streaming: bool = False) -> str:
+        """Queue one request; `final_only`: `step()` reports it only when it has finished;
+        `streaming`: a client reads it as it goes (fused decode is capped by the stream interval)."""
         text, token_ids = self._tokenize(prompt)
         check_request_fits(params, self.model_state.vocab_size,
                            num_eos=len(self.model_state.eos_token_ids or ()))
-        request = Request(request_id or str(next(self._ids)), token_ids, params, prompt=text)
+        request = Request(request_id or str(next(self._ids)), token_ids, params, prompt=text, streaming=streaming)
         self.engine.add_request(request)  # validates lengths; raises before anything is tracked
         self.output_processor.add(request, final_only=final_only)
         return request.request_id

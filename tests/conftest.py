@@ -20,7 +20,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # still collect. CI installs the `server` and `notebook` extras, so there these modules all run.
 _NEEDS = {"fastapi": ["test_async_llm.py", "bench/test_bench_serve.py", "entrypoints/test_openai_protocol.py",
                       "entrypoints/test_openai_server.py", "entrypoints/test_serve_cli.py",
-                      "entrypoints/test_server_bad_input.py"],
+                      "entrypoints/test_server_bad_input.py", "entrypoints/test_engine_process.py"],
           "nbclient": ["test_notebooks.py"]}
 collect_ignore = [name for module, names in _NEEDS.items() if importlib.util.find_spec(module) is None
                   for name in names]
@@ -48,7 +48,7 @@ def fixtures_dir() -> Path:
 # this, but pytest-xdist 3.8's loadgroup does not work with pytest 9: it renames `item._nodeid`,
 # which pytest 9 no longer reads. So the grouping is done here, by file name.)
 ONE_WORKER_GROUPS = {"test_openai_server.py": "server", "test_server_bad_input.py": "server",
-                     "test_serve_cli.py": "server"}
+                     "test_serve_cli.py": "server", "test_engine_process.py": "server"}
 # Modules whose tests each build their own engines (no module fixture): split test by test, so that
 # both workers share them.
 SPLIT_BY_TEST = {"test_spec_decode.py", "test_spec_decode_mtp.py"}

@@ -41,7 +41,7 @@ class StubLLM:
                               kv_cache_usage=len(self.requests) / NUM_BLOCKS, prefix_cache_queries=0,
                               prefix_cache_hits=0, num_preemptions=0, num_evicted_blocks=0)
 
-    def add_request(self, token_ids, params, request_id):
+    def add_request(self, token_ids, params, request_id, streaming=False):
         if token_ids[0] == 13:
             raise ValueError("unlucky prompt")
         limit = params.max_tokens or self.scheduler.max_model_len - len(token_ids)

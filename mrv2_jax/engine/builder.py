@@ -26,6 +26,9 @@ DEFAULT_MAX_FUSED_STEPS = 16
 # Fused decode is compiled for batches of up to 256 rows: it pays at 256 rows too
 # (docs/benchmarks.md, "Sampler variants and fused decode at 256 rows").
 DEFAULT_MAX_FUSED_ROWS = 256
+# One decode step between a stream's chunks, as vLLM's default: with K > 1 a stream gets K tokens
+# at once every K steps, and its inter-chunk gap is K times its time per token.
+DEFAULT_STREAM_INTERVAL = 1
 
 
 @dataclass
@@ -54,6 +57,9 @@ class EngineConfig:
     # V2: fused decode is compiled for batches of up to this many rows (the smallest bucket
     # with at least that many). Larger batches decode one step per call.
     max_fused_rows: int = DEFAULT_MAX_FUSED_ROWS
+    # While a streaming request runs, fused decode runs at most this many steps per call, which
+    # bounds the wait between a stream's chunks (in decode steps); non-streaming requests keep K.
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
     # Sampler variants compiled per bucket, cheapest first, e.g. "greedy,plain,all"; each step
     # runs the first that covers its batch (sample/features.py). Default: greedy,plain,full,all on
     # GPUs, all elsewhere. Fewer variants: faster start, slower steps for some batches.
@@ -85,7 +91,7 @@ class EngineConfig:
             # speculative decoding turns it off (docs/architecture.md, "Speculative decoding").
             on = self.runner == "v2" and self.speculative_config is None
             self.max_fused_steps = DEFAULT_MAX_FUSED_STEPS if on else 1
-        for name in ("max_fused_steps", "fused_unroll", "max_fused_rows"):
+        for name in ("max_fused_steps", "fused_unroll", "max_fused_rows", "stream_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -215,7 +221,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
                         async_scheduling=async_scheduling,
                         num_speculative_tokens=spec_decoder.k if spec_decoder else 0,
                         num_lookahead_tokens=spec_decoder.num_lookahead_tokens if spec_decoder else 0,
-                        max_fused_steps=config.max_fused_steps if fused_rows else 1, max_fused_rows=fused_rows),
+                        max_fused_steps=config.max_fused_steps if fused_rows else 1, max_fused_rows=fused_rows,
+                        stream_interval=config.stream_interval),
         CacheConfig(block_size=config.block_size, num_gpu_blocks=num_blocks,
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),

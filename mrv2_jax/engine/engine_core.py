@@ -18,6 +18,13 @@ from mrv2_jax.runner.interface import Runner, StepOutcome
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
 
 
+def check_request(params, supports_prompt_logprobs: bool) -> None:
+    """Raise ValueError for what an engine whose runner has these abilities cannot serve."""
+    if params.prompt_logprobs is not None and not supports_prompt_logprobs:
+        raise ValueError("prompt_logprobs is not supported with this runner configuration "
+                         "(speculative decoding, or no sampler variant computing them)")
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: Runner, async_scheduling: bool):
         if async_scheduling and not runner.is_async_capable:
@@ -36,9 +43,7 @@ class EngineCore:
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this engine cannot serve."""
-        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
-            raise ValueError("prompt_logprobs is not supported with this runner configuration "
-                             "(speculative decoding, or no sampler variant computing them)")
+        check_request(params, self.runner.supports_prompt_logprobs)
 
     def add_request(self, request: Request) -> None:
         self.check_request(request.sampling_params)

@@ -60,6 +60,7 @@ class Request:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        streaming: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt must have at least one token")
@@ -86,6 +87,8 @@ class Request:
         self.max_output_tokens: int | None = sampling_params.max_tokens
         # The token id or stop string that ended the request, when it stopped on one.
         self.stop_reason: int | str | None = None
+        # A client reads its tokens as they come: fused decode is capped by the stream interval.
+        self.streaming = streaming
 
     @property
     def num_prompt_tokens(self) -> int:

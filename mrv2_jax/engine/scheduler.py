@@ -248,19 +248,24 @@ class Scheduler:
         needs the host before K more tokens (no prefill to do, blocks for every token up front,
         nothing waiting that a free slot could admit) and the batch fits the runner's fused
         variants. With every slot taken and requests waiting, the call stops when the first
-        running request can finish, so that its slot does not idle while another request waits."""
+        running request can finish, so that its slot does not idle while another request waits.
+        While any running request streams, K is at most the stream interval."""
         config = self.config
         full = len(self.running) >= config.max_num_seqs
         if (config.max_fused_steps <= 1 or not self.running or (self.waiting and not full)
                 or len(self.running) > min(config.max_fused_rows, config.max_num_batched_tokens)):
             return 1
         steps_left = []
+        streaming = False
         for request in self.running:
             if (request.num_computed_tokens < request.num_prefill_tokens
                     or request.num_tokens_with_placeholders - request.num_computed_tokens != 1):
                 return 1  # a prefill (chunk) to schedule
+            streaming = streaming or request.streaming
             steps_left.append(min(config.max_fused_steps, self._num_outputs_left(request)))
         num_steps = min(steps_left) if self.waiting else max(steps_left)
+        if streaming:  # a stream's client waits for the whole call: bound the gap between its chunks
+            num_steps = min(num_steps, config.stream_interval)
         if num_steps <= 1:
             return 1
         num_blocks = sum(self.kv_cache_manager.num_blocks_to_grow(request, min(n, num_steps))

@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from mrv2_jax import envs
-from mrv2_jax.config import KernelConfig
+from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT, SERVER_SHUTDOWN_TIMEOUT, KernelConfig
 from mrv2_jax.engine.builder import EngineConfig
 
 KERNELS_HELP = ("kernel or reference per piece, as field=value,...; fields (values): "
@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "decodes (default 16; 1 turns fused decode off; must be 1 with --speculative-config)")
     g.add_argument("--max-fused-rows", type=int, default=EngineConfig.max_fused_rows,
                    help="v2: fused decode is compiled for batches of up to this many rows")
+    g.add_argument("--stream-interval", type=int, default=EngineConfig.stream_interval, metavar="STEPS",
+                   help="most decode steps a streaming request waits between chunks: while one streams, fused "
+                        f"decode runs at most this many steps per call (default {EngineConfig.stream_interval}: "
+                        "a chunk per step; non-streaming requests keep --max-fused-steps)")
     g.add_argument("--sampler-variants", default=None,
                    help="sampler variants compiled per bucket, cheapest first, ending with 'all' "
                         "(names: greedy, plain, full, all; default greedy,plain,full,all on GPUs, "
@@ -108,10 +112,17 @@ def cmd_serve(args) -> int:
         print(f"warning: serving on {args.host} without an API key: anyone who can reach this port can "
               "use the model (set --api-key or MRV2_API_KEY)", file=sys.stderr)
     names = args.served_model_name or [args.model or "demo"]
-    engine = AsyncLLM.from_engine_args(**engine_kwargs(args))
+    from mrv2_jax.core_client import EngineStartupError
+
+    try:
+        engine = AsyncLLM.from_engine_args(**engine_kwargs(args), engine_in_process=args.engine_in_process,
+                                           startup_timeout=args.engine_startup_timeout)
+    except EngineStartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
     serve(engine, args.host, args.port, log_level=args.log_level, served_model_names=names,
-          api_key=api_key, max_body_bytes=args.max_request_body_bytes)
+          api_key=api_key, max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout)
     return 0
 
 
@@ -174,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--max-request-body-bytes", type=int, default=1 << 20, metavar="BYTES",
                       help="larger request bodies get 413 (default 1 MiB)")
     http.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    http.add_argument("--shutdown-timeout", type=float, default=SERVER_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                      help="on SIGTERM or Ctrl-C, stop accepting and give requests in flight this long to "
+                           f"finish (default {SERVER_SHUTDOWN_TIMEOUT:.0f})")
+    http.add_argument("--engine-in-process", action="store_true",
+                      help="run the engine on a thread of the server process instead of its own process "
+                           "(debugging; the server then shares one GIL with the engine)")
+    http.add_argument("--engine-startup-timeout", type=float, default=ENGINE_STARTUP_TIMEOUT, metavar="SECONDS",
+                      help=f"how long to wait for the engine process to load and compile "
+                           f"(default {ENGINE_STARTUP_TIMEOUT:.0f})")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve, show_progress=True)
 

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from mrv2_jax.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from mrv2_jax.config import SERVER_SHUTDOWN_TIMEOUT
 from mrv2_jax.entrypoints import openai_responses as R
 from mrv2_jax.entrypoints.http_guards import APIKeyMiddleware, BodySizeLimitMiddleware
 from mrv2_jax.entrypoints.openai_errors import OpenAIError, bad_request, from_value_error, install_error_handlers
@@ -82,7 +83,7 @@ def create_app(engine: AsyncLLM, served_model_names: str | list[str] = "demo", *
         params = req.to_sampling_params(engine.vocab_size)
         tracker = metrics.track()
         rid = R.new_id("cmpl")
-        stream = await _submit(engine, req.prompt, params, rid, param="prompt")
+        stream = await _submit(engine, req.prompt, params, rid, param="prompt", streaming=req.stream)
         fmt = R.LogprobFormatter(engine.tokenizer, params.logprobs) if params.logprobs is not None else None
         if req.stream:
             return _sse(_completion_events(stream, tracker, rid, model, fmt, req.include_usage_in_stream))
@@ -99,7 +100,7 @@ def create_app(engine: AsyncLLM, served_model_names: str | list[str] = "demo", *
         token_ids = await _apply_chat_template(engine, req)
         tracker = metrics.track()
         rid = R.new_id("chatcmpl")
-        stream = await _submit(engine, token_ids, params, rid, param="messages")
+        stream = await _submit(engine, token_ids, params, rid, param="messages", streaming=req.stream)
         fmt = R.LogprobFormatter(engine.tokenizer, params.logprobs) if params.logprobs is not None else None
         if req.stream:
             return _sse(_chat_events(stream, tracker, rid, model, fmt, req.include_usage_in_stream))
@@ -130,9 +131,9 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-async def _submit(engine: AsyncLLM, prompt, params, request_id: str, param: str) -> RequestStream:
+async def _submit(engine: AsyncLLM, prompt, params, request_id: str, param: str, streaming: bool) -> RequestStream:
     try:
-        return await engine.generate(prompt, params, request_id=request_id)
+        return await engine.generate(prompt, params, request_id=request_id, streaming=bool(streaming))
     except ValueError as e:  # RequestRejected: empty / too long / bad token ids
         at_fault = getattr(e, "param", "prompt")
         raise bad_request(str(e), param=param if at_fault == "prompt" else at_fault,
@@ -259,26 +260,41 @@ def _chat_events(stream, tracker, rid, model, fmt, include_usage):
 
 
 # --- running it -----------------------------------------------------------------------------
-def _uvicorn_config(app, host: str, port: int, log_level: str):
+def _uvicorn_config(app, host: str, port: int, log_level: str, shutdown_timeout: float = 5.0):
     import uvicorn
 
-    # Idle keep-alive connections close after 10 s; on Ctrl-C, open streams get 5 s to finish
-    # before they are cut (otherwise one long generation would hold the shutdown).
+    # Idle keep-alive connections close after 10 s; on SIGTERM / Ctrl-C the server stops
+    # accepting and open requests get `shutdown_timeout` s to finish before they are cut.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=10,
-                          timeout_graceful_shutdown=5, access_log=log_level == "debug")
+                          timeout_graceful_shutdown=shutdown_timeout, access_log=log_level == "debug")
+
+
+class _Terminated(Exception):
+    """SIGTERM, re-raised by uvicorn after its graceful shutdown."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
 
 
 def serve(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-          **app_kwargs) -> None:
-    """Serve until interrupted (Ctrl-C), then stop the engine."""
+          shutdown_timeout: float = SERVER_SHUTDOWN_TIMEOUT, **app_kwargs) -> None:
+    """Serve until SIGTERM or Ctrl-C; then drain the requests in flight (up to `shutdown_timeout`
+    seconds) and stop the engine (its process exits too)."""
+    import signal
+
     import uvicorn
 
     app = create_app(engine, **app_kwargs)
+    # uvicorn handles SIGTERM itself and raises it again once drained: without a handler of ours
+    # that would kill this process before the engine is stopped.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; stopping is the normal end
+        uvicorn.Server(_uvicorn_config(app, host, port, log_level, shutdown_timeout)).run()
+    except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal it handled: the normal end
         pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.shutdown()
 
 

@@ -98,10 +98,11 @@ class FusedFakeRunner(FakeRunner):
 
 
 def fused_scheduler(max_fused_steps=8, max_fused_rows=8, num_blocks=1024, max_num_seqs=8, budget=16,
-                    max_model_len=96) -> Scheduler:
+                    max_model_len=96, stream_interval=1) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                        max_fused_steps=max_fused_steps, max_fused_rows=max_fused_rows),
+                        max_fused_steps=max_fused_steps, max_fused_rows=max_fused_rows,
+                        stream_interval=stream_interval),
         CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks), eos_token_id=EOS)
 
 
@@ -181,6 +182,22 @@ def test_fused_plan_accounting():
         scheduler.add_request(Request(req_id, [1, 2, 3], SamplingParams(max_tokens=50)))
     scheduler.schedule()
     assert scheduler.schedule().num_fused_steps == 1
+
+
+def test_a_streaming_request_caps_fused_calls_at_the_stream_interval():
+    """While any running request streams, K <= stream_interval for the whole batch; once only
+    non-streaming requests run, K is max_fused_steps again."""
+    scheduler = fused_scheduler(max_fused_steps=8, max_fused_rows=2, stream_interval=3)
+    scheduler.add_request(Request("s", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), streaming=True))
+    scheduler.add_request(Request("b", [4, 5], SamplingParams(max_tokens=30, ignore_eos=True)))
+    first = scheduler.schedule()  # prefills
+    second = scheduler.schedule()
+    assert second.num_fused_steps == 3 and second.num_scheduled_tokens == {"s": 3, "b": 3}
+    scheduler.update_from_output(first, {"s": [7], "b": [8]})
+    scheduler.update_from_output(second, {"s": [7, 7, 7], "b": [8, 8, 8]})  # s reaches max_tokens
+    assert "s" not in scheduler.requests
+    third = scheduler.schedule()
+    assert third.num_fused_steps == 8 and third.num_scheduled_tokens == {"b": 8}
 
 
 def test_full_batch_with_waiting_requests_fuses_to_the_first_finish():

@@ -1,0 +1,106 @@
+"""The wire format between the API server process and the engine-core process (msgpack, msgspec).
+
+Into the engine (one socket): `AddRequest` (already tokenized and validated), `AbortRequests`,
+`FinishRequests` (stop strings, found by the API process's detokenizer) and `Shutdown`.
+Out of the engine (one socket): `Ready` or `StartupFailed` once, then one `StepOutputs` per engine
+step (every request's new tokens of that step, the adds that failed, and the engine's counters),
+and `EngineFailed` if a step raises. Logprob rows travel as `[token_ids, logprobs, ranks]` lists.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mrv2_jax.engine.scheduler_output import EngineCoreOutput
+from mrv2_jax.runner.token_logprobs import LogprobRow, TokenLogprobs
+from mrv2_jax.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    streaming: bool  # the scheduler caps fused decode by the stream interval while it runs
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class FinishRequests(msgspec.Struct, tag="finish", array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The engine's counters after a step or a command (the API process's /metrics and /health)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_fused_calls: int = 0
+    spec_decode: dict | None = None  # SpecDecodeStats' fields
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """What the API process needs to check, tokenize and detokenize requests for this engine."""
+
+    pid: int
+    tokenizer_path: str | None
+    max_model_len: int
+    vocab_size: int
+    num_eos: int
+    supports_prompt_logprobs: bool
+    stats: CoreStats
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
+    error: str  # "ExceptionType: message"
+    traceback: str
+
+
+class StepOutputs(msgspec.Struct, tag="step", array_like=True):
+    outputs: list[EngineCoreOutput]
+    errors: list[tuple[str, str]]  # (request_id, why its add failed)
+    stats: CoreStats
+
+
+class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
+    error: str
+    traceback: str
+
+
+ToEngine = AddRequest | AbortRequests | FinishRequests | Shutdown
+FromEngine = Ready | StartupFailed | StepOutputs | EngineFailed
+
+
+def _enc_hook(obj):
+    if isinstance(obj, (LogprobRow, TokenLogprobs)):
+        return [obj.token_ids, obj.logprobs, obj.ranks]
+    raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine's peer")
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def to_engine_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToEngine)
+
+
+def from_engine_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromEngine)
+
+
+def logprob_rows(entries: list | None) -> list[TokenLogprobs] | None:
+    """Logprob rows as they arrive (`[token_ids, logprobs, ranks]` lists) -> `TokenLogprobs`."""
+    return None if entries is None else [TokenLogprobs(*entry) for entry in entries]

@@ -1,0 +1,151 @@
+"""The engine core in a process of its own: schedule -> runner -> outputs, and nothing else.
+
+The API server process (mrv2_jax/core_client.py) starts this with the `spawn` method (JAX is
+not fork-safe) and talks to it over two ZMQ sockets with msgpack messages (core_messages.py).
+The loop:
+
+    poll the input socket (and the parent's liveness): without waiting while there is work,
+        blocking while idle
+    apply every queued command: add / abort / finish (stop strings) / shutdown
+    step() once, and send that step's outputs, the failed adds and the counters as ONE message
+
+The process exits when told to, when its parent dies (no orphan engine holding the device), or
+after a step raises (it reports the error first: the scheduler and device state may disagree).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from mrv2_jax.engine import core_messages as M
+from mrv2_jax.engine.builder import EngineConfig, build_engine
+from mrv2_jax.engine.engine_core import EngineCore
+from mrv2_jax.engine.request import Request
+from mrv2_jax.sample.tensors import check_request_fits
+
+# A message the engine sent just before it exits still reaches the API process.
+_LINGER_MS = 5000
+
+
+def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> None:
+    """The process's entry point: build the engine, report ready (or why not), serve commands."""
+    # Ctrl-C in a terminal reaches the whole process group; the API server decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, _LINGER_MS)
+    out.connect(output_addr)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(input_addr)
+    encoder = M.encoder()
+    try:
+        engine, tokenizer, model_state = build_engine(EngineConfig(**engine_args))
+    except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported the same way
+        out.send(encoder.encode(M.StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        code = 1
+    else:
+        proc = EngineCoreProc(engine, model_state, inp, out)
+        out.send(encoder.encode(M.Ready(
+            pid=os.getpid(), tokenizer_path=getattr(tokenizer, "name_or_path", None),
+            max_model_len=engine.scheduler.max_model_len, vocab_size=model_state.vocab_size,
+            num_eos=len(model_state.eos_token_ids or ()),
+            supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats())))
+        code = proc.run()
+    inp.close()
+    out.close()
+    ctx.term()
+    sys.exit(code)
+
+
+class EngineCoreProc:
+    """The command / step loop around one `EngineCore` (see the module docstring)."""
+
+    def __init__(self, engine: EngineCore, model_state, inp: zmq.Socket, out: zmq.Socket):
+        self.engine = engine
+        self.vocab_size = model_state.vocab_size
+        self.num_eos = len(model_state.eos_token_ids or ())
+        self.inp, self.out = inp, out
+        self.encoder = M.encoder()
+        self.decoder = M.to_engine_decoder()
+        self.num_steps = 0
+        self._errors: list[tuple[str, str]] = []
+
+    def run(self) -> int:
+        """Serve until told to stop (0), the parent died (0) or a step or command failed (1,
+        after telling the API process why: the scheduler and device state may disagree now)."""
+        try:
+            return self._loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, this engine is done
+            self.out.send(self.encoder.encode(M.EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+            return 1
+
+    def _loop(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.inp, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN)
+        engine = self.engine
+        while True:
+            events = dict(poller.poll(0 if engine.has_work() else None))
+            if parent is not None and parent.sentinel in events:
+                return 0  # nobody is left to read our outputs
+            changed = False
+            if self.inp in events:
+                if not self._apply_commands():
+                    return 0
+                changed = True
+            if engine.has_work():
+                outputs = engine.step()
+                self.num_steps += 1
+                self._send(outputs)
+            elif changed:
+                self._send([])  # e.g. an abort while idle: the freed blocks show in the counters
+
+    def _apply_commands(self) -> bool:
+        """Apply every command waiting on the socket; False on shutdown."""
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            cmd = self.decoder.decode(frame.buffer)
+            if isinstance(cmd, M.AddRequest):
+                self._add(cmd)
+            elif isinstance(cmd, M.AbortRequests):
+                self.engine.abort_requests(cmd.request_ids)
+            elif isinstance(cmd, M.FinishRequests):
+                self.engine.finish_requests(cmd.request_ids)
+            elif isinstance(cmd, M.Shutdown):
+                return False
+
+    def _add(self, cmd: M.AddRequest) -> None:
+        try:
+            check_request_fits(cmd.params, self.vocab_size, num_eos=self.num_eos)
+            self.engine.add_request(Request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                            streaming=cmd.streaming))
+        except Exception as exc:  # this request is bad: tell its caller, keep serving the rest
+            self._errors.append((cmd.request_id, str(exc)))
+
+    def _send(self, outputs) -> None:
+        errors, self._errors = self._errors, []
+        self.out.send(self.encoder.encode(M.StepOutputs(outputs, errors, self.stats())), copy=False)
+
+    def stats(self) -> M.CoreStats:
+        scheduler = self.engine.scheduler
+        s = scheduler.get_stats()
+        kv = scheduler.kv_cache_manager
+        spec = None if s.spec_decode is None else vars(s.spec_decode)
+        return M.CoreStats(
+            num_running_reqs=s.num_running_reqs, num_waiting_reqs=s.num_waiting_reqs,
+            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks, kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, num_steps=self.num_steps,
+            num_fused_calls=self.engine.runner.num_fused_calls, spec_decode=spec)

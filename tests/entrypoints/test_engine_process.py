@@ -1,0 +1,203 @@
+"""The server with its engine core in a process of its own (the default of `mrv2-jax serve`), over
+real HTTP on 127.0.0.1, on the demo model.
+
+The reference for every output is the offline `LLM.generate` (not streamed), computed in this test
+process on its own engine with the same weights. One server for the module; the last test kills its
+engine process, so it stays last.
+"""
+
+import asyncio
+import json
+import math
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mrv2_jax.async_llm import AsyncLLM
+from mrv2_jax.core_client import EngineStartupError
+from mrv2_jax.entrypoints.openai_server import ServerThread
+from mrv2_jax.sampling_params import SamplingParams
+from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, wait_until
+
+STREAM_INTERVAL = 4  # below the default max_fused_steps (16), so the cap shows
+
+NAMES = ["The king", "A soldier", "The queen", "My lord", "Romeo", "Juliet", "The duke", "A servant"]
+VERBS = ["said", "cried", "asked", "whispered", "answered", "wept", "swore", "laughed"]
+CONCURRENT = [f"{n} {v}" for n in NAMES for v in VERBS]  # 64 prompts
+# Half greedy, half seeded sampling; ignore_eos so every stream runs its whole length.
+CONCURRENT_PARAMS = [dict(max_tokens=10, temperature=0.0, ignore_eos=True) if i % 2 else
+                     dict(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(CONCURRENT))]
+LONG_PROMPT = "Once upon a time, in a far country,"
+FUSED = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+STOP = dict(max_tokens=200, temperature=0.0, ignore_eos=True, stop=["books"])  # the API process finds the stop
+
+
+@pytest.fixture(scope="module")
+def engine_and_reference():
+    # The engine process starts (and loads its compiled steps) while this process builds the reference.
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(AsyncLLM.from_engine_args, MODEL_NAME, **ENGINE_ARGS, stream_interval=STREAM_INTERVAL)
+        llm = make_llm()
+        params = [SamplingParams(**kw) for kw in CONCURRENT_PARAMS]
+        reference = {
+            "concurrent": [o.outputs[0].text for o in llm.generate(CONCURRENT, params, use_tqdm=False)],
+            "fused": llm.generate([LONG_PROMPT], SamplingParams(**FUSED), use_tqdm=False)[0].outputs[0].text,
+            "stop": llm.generate([LONG_PROMPT], SamplingParams(**STOP), use_tqdm=False)[0].outputs[0].text}
+        return starting.result(), reference
+
+
+@pytest.fixture(scope="module")
+def reference(engine_and_reference):
+    return engine_and_reference[1]
+
+
+@pytest.fixture(scope="module")
+def server(engine_and_reference):
+    engine = engine_and_reference[0]
+    try:
+        with ServerThread(engine, served_model_names=MODEL_NAME) as srv:
+            yield srv
+    finally:
+        engine.shutdown()
+    assert not engine._client.process.is_alive()
+
+
+def _all_blocks_free(engine) -> bool:
+    s = engine.stats
+    return s.num_running_reqs == 0 and s.num_waiting_reqs == 0 and s.num_free_blocks == s.num_blocks
+
+
+async def _stream(http: httpx.AsyncClient, body: dict) -> list[dict]:
+    events, done = [], False
+    async with http.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ") and not done, line  # nothing after [DONE]
+            if line == "data: [DONE]":
+                done = True
+            else:
+                events.append(json.loads(line[len("data: "):]))
+    assert done
+    return events
+
+
+def _text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["text"] for e in events)
+
+
+def test_the_engine_runs_in_another_process(server):
+    engine = server.engine
+    assert engine.engine_pid not in (None, os.getpid())
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_64_concurrent_streams_match_offline(server, reference):
+    async def run():
+        limits = httpx.Limits(max_connections=len(CONCURRENT))
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(_stream(http, {"prompt": p, **kw})
+                                          for p, kw in zip(CONCURRENT, CONCURRENT_PARAMS)))
+
+    results = asyncio.run(run())
+    assert [_text(events) for events in results] == reference["concurrent"]
+    for events in results:
+        assert len({e["id"] for e in events}) == 1  # every chunk of a stream belongs to its request
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert len({events[0]["id"] for events in results}) == len(CONCURRENT)
+    # The engine process's counters arrive with its messages: every block is free again.
+    wait_until(lambda: _all_blocks_free(server.engine), what="every KV block to be free")
+
+
+def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, reference):
+    engine = server.engine
+    # logprobs=0: each chunk lists its tokens, which shows how many tokens it carries.
+    events = asyncio.run(_stream_with_client(server, {"prompt": LONG_PROMPT, "logprobs": 0, **FUSED}))
+    sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
+    assert _text(events) == reference["fused"] and sum(sizes) == FUSED["max_tokens"]
+    assert max(sizes) <= STREAM_INTERVAL, sizes
+    assert len(sizes) >= math.ceil(FUSED["max_tokens"] / STREAM_INTERVAL)
+
+    before = engine.stats.num_fused_calls
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": LONG_PROMPT, **FUSED},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference["fused"]
+    wait_until(lambda: _all_blocks_free(engine), what="the request to finish")
+    calls = engine.stats.num_fused_calls - before
+    # Alone and not streaming, the request decodes up to max_fused_steps (16) tokens per call.
+    assert 1 <= calls < (FUSED["max_tokens"] - 1) / STREAM_INTERVAL, calls
+
+
+def test_stop_strings_finish_the_request_in_the_engine(server, reference):
+    body = {"prompt": LONG_PROMPT, **STOP}
+    steps = server.engine.stats.num_steps
+    events = asyncio.run(_stream_with_client(server, body))
+    assert _text(events) == reference["stop"] and events[-1]["choices"][0]["finish_reason"] == "stop"
+    wait_until(lambda: _all_blocks_free(server.engine), what="the stopped request to free its blocks")
+    # Finished in the engine when the stop string showed, far before its 200 tokens (50 calls of 4).
+    assert server.engine.stats.num_steps - steps < 25
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, **body}, timeout=60)
+    assert r.json()["choices"][0]["text"] == reference["stop"] != "" and "books" not in reference["stop"]
+    wait_until(lambda: _all_blocks_free(server.engine), what="the stopped requests to free their blocks")
+
+
+async def _stream_with_client(server, body):
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        return await _stream(http, body)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    engine = server.engine
+    aborted = engine.stats.num_aborted_reqs
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 220, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = 0
+            for line in r.iter_lines():
+                lines += line.startswith("data: ")
+                if lines == 3:
+                    break  # hang up after a few tokens of 220
+    wait_until(lambda: engine.stats.num_aborted_reqs == aborted + 1 and _all_blocks_free(engine),
+               what="the aborted request to free its blocks in the engine process")
+    samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+               for s in f.samples}
+    assert samples["mrv2_kv_cache_free_blocks"] == engine.stats.num_blocks
+    assert samples["mrv2_num_requests_running"] == 0 and samples["mrv2_engine_healthy"] == 1.0
+    assert samples["mrv2_requests_aborted_total"] >= 1
+
+
+def test_a_killed_engine_process_ends_streams_and_turns_the_server_503(server):
+    """Last: it kills the module's engine."""
+    engine = server.engine
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 220, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    events = []
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            os.kill(engine.engine_pid, signal.SIGKILL)
+            events += [line for line in lines if line.startswith("data: ")]  # must end, not hang
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == "engine_dead" and "exit code -9" in error["message"], error
+    assert not engine.is_healthy
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["content-type"].startswith("application/json")
+    assert r.json()["error"]["code"] == "engine_dead"
+
+
+def test_an_engine_that_cannot_start_says_why():
+    with pytest.raises(EngineStartupError, match=r"failed to start \(exit code 1\).*no/such/model"):
+        AsyncLLM.from_engine_args("no/such/model", startup_timeout=120)
