@@ -227,13 +227,14 @@ class LaunchedServer:
         self.command = [sys.executable, "-m", "mrv2_jax.entrypoints.cli", "serve", "--host", host,
                         "--port", str(port), "--log-level", "warning", *engine_argv(args)]
         self.log_path, self.timeout = log_path, timeout
+        self.env = None  # the server's environment (None: this process's)
 
     def __enter__(self) -> Self:
         import httpx
 
         print(f"launching: {' '.join(self.command)}\n  (log: {self.log_path})", flush=True)
         self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         t0 = time.perf_counter()
         while True:
             if self.process.poll() is not None:

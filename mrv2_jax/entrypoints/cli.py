@@ -132,6 +132,7 @@ BENCHMARKS = {
     "spec": ("mrv2_jax.bench.spec_decode", "speculative decoding: tok/s and TPOT, spec on vs off, v2-async vs v1"),
     "serve": ("mrv2_jax.bench.serve", "online serving against an OpenAI-compatible server (as `vllm bench serve`)"),
     "timeline": ("mrv2_jax.bench.timeline", "per-step host breakdown and GPU busy fraction (jax.profiler trace)"),
+    "serve-compare": ("mrv2_jax.bench.serve_compare", "mrv2-jax serve vs vllm serve, same client, a concurrency sweep"),
     "compare": ("mrv2_jax.bench.compare", "side by side with vLLM (MRV2 and V1) on one GPU, with --plot"),
     "xla-vs-cudagraph": ("mrv2_jax.bench.xla_vs_cudagraph", "a decode step: XLA command buffers vs a CUDA graph"),
     "fused": ("mrv2_jax.bench.fused_decode", "small-batch decode latency with and without fused decode"),

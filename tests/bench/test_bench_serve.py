@@ -7,7 +7,7 @@ import pytest
 
 from mrv2_jax.bench import serve
 from mrv2_jax.entrypoints import cli
-from tests.server_harness import make_llm, running_server
+from tests.server_harness import MODEL_NAME, make_llm, running_server
 
 ENVIRONMENT_KEYS = {"date", "git_sha", "jax_version", "backend", "device"}
 
@@ -76,3 +76,44 @@ def test_bench_serve_launches_and_stops_its_own_server(tmp_path):
                          "--disable-tqdm", "--server-log", str(log)])
     assert report["metrics"]["completed"] == 6 and report["metrics"]["total_output_tokens"] == 24
     assert report["server_startup_s"] > 0 and report["metrics"]["max_concurrent_requests"] <= 6
+
+
+def test_serve_compare_pools_its_client_processes(server, tmp_path):
+    """`bench serve-compare` against the running server with mrv2-jax's client: two client
+    processes at concurrency 3, their requests pooled into one row; JSON and plot written."""
+    from mrv2_jax.bench import serve_compare
+
+    out, png = tmp_path / "sc.json", tmp_path / "sc.png"
+    report = serve_compare.main(
+        ["--servers", "mrv2", "--client", "mrv2", "--mrv2-base-url", server.url, "--model", "demo",
+         "--served-model-name", MODEL_NAME, "--concurrency", "1", "3", "--streams-per-client", "2",
+         "--prompts-per-stream", "2", "--min-prompts", "4", "--input-len", "8", "--output-len", "5",
+         "--ignore-eos", "--output-json", str(out), "--plot", str(png)])
+    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys() and png.stat().st_size > 0
+    low, high = report["results"]["mrv2"]["levels"]
+    assert (low["client_processes"], high["client_processes"]) == (1, 2)
+    assert (low["completed"], high["completed"]) == (4, 6)
+    assert high["output_tokens"] == 6 * 5 and high["output_throughput"] > 0
+    assert 0 < high["mean_ttft_ms"] and 0 <= high["mean_itl_ms"] <= high["p99_itl_ms"]
+    assert 0 < high["client_cpu_busy_max"]
+
+
+def test_serve_compare_metrics_pool_requests_as_a_plain_loop_does():
+    from mrv2_jax.bench.serve_compare import pooled_metrics
+
+    rows = [{"ttft": 0.010, "itl": [0.002, 0.004], "output_tokens": 3},
+            {"ttft": 0.030, "itl": [0.001, 0.001, 0.001, 0.009], "output_tokens": 5}]
+    m = pooled_metrics(rows, duration=2.0)
+    gaps = [0.002, 0.004, 0.001, 0.001, 0.001, 0.009]
+    assert m["output_throughput"] == 8 / 2.0 and m["completed"] == 2
+    assert abs(m["mean_ttft_ms"] - 20.0) < 1e-9
+    assert abs(m["mean_itl_ms"] - 1e3 * sum(gaps) / len(gaps)) < 1e-9
+    assert abs(m["mean_tpot_ms"] - 1e3 * (0.006 / 2 + 0.012 / 4) / 2) < 1e-9
+    assert m["p99_itl_ms"] <= 9.0 + 1e-9 and m["p99_itl_ms"] > 4.0
+
+
+def test_serve_compare_without_vllm_says_so():
+    from mrv2_jax.bench import serve_compare
+
+    with pytest.raises(RuntimeError, match="vLLM is needed"):
+        serve_compare.main(["--servers", "mrv2,vllm", "--vllm-python", "/nonexistent/python"])

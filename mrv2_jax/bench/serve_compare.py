@@ -1,0 +1,247 @@
+"""Online serving side by side: `mrv2-jax serve` and `vllm serve` on the same GPU, one after the
+other, driven by the same streaming client at each concurrency; one JSON table and one plot.
+
+    mrv2-jax bench serve-compare --model qwen3-0.6b --load-format dummy --tokenizer /tmp/qwen3-0.6b \
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+        --input-len 128 --output-len 512 --concurrency 1 8 32 128 256 \
+        --vllm-site /tmp/site --vllm-model /tmp/qwen3-0.6b --output-json serve_compare.json --plot serve_compare.png
+
+The client is vLLM's own `bench serve` (`--client vllm`, the default where vLLM imports) or
+`mrv2-jax bench serve` (`--client mrv2`). At concurrency C it runs ceil(C / --streams-per-client)
+client processes side by side, each with its share of the streams and prompts, so that one
+client process is not the bottleneck; their per-request records are pooled into one set of
+metrics (output tok/s over the slowest process's duration, mean TTFT / TPOT / ITL, P99 ITL).
+Each client process's CPU time over its wall time is recorded: near 1.0 means that client was
+busy all the time and may have held the server back (the table says so).
+
+vLLM is found as `bench compare` finds it (`--vllm-python`, `--vllm-site`; ../shared/peers/vllm).
+`--mrv2-base-url` measures an already running mrv2-jax server instead of launching one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mrv2_jax.bench.compare import vllm_available, vllm_env
+from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.bench.serve import LaunchedServer, free_port
+from mrv2_jax.entrypoints.cli import add_engine_args
+
+SERVERS = ("mrv2", "vllm")
+# A client process this busy (CPU seconds per wall second) may have been the bottleneck.
+CLIENT_BUSY = 0.85
+VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
+               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+               "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())")
+
+
+class LaunchedVllm(LaunchedServer):
+    """`vllm serve` (its OpenAI API server module) in a subprocess, like LaunchedServer."""
+
+    def __init__(self, args, host: str, port: int, log_path: str, timeout: float):
+        self.url = f"http://{host}:{port}"
+        self.command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
+                        "--host", host, "--port", str(port), "--served-model-name", args.served_model_name,
+                        "--max-num-seqs", str(args.max_num_seqs),
+                        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                        *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+                        *(["--load-format", "dummy"] if args.load_format == "dummy" else []),
+                        *args.vllm_arg]
+        self.log_path, self.timeout = log_path, timeout
+        self.env = vllm_env(args, "1")
+
+
+def client_command(args, client: str, url: str, streams: int, prompts: int, seed: int, out: str) -> list[str]:
+    if client == "vllm":
+        out_dir, name = os.path.split(out)
+        return [args.vllm_python, "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", url,
+                "--endpoint", "/v1/completions", "--model", args.served_model_name,
+                "--tokenizer", args.client_tokenizer,
+                "--dataset-name", "random", "--random-input-len", str(args.input_len),
+                "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
+                "--max-concurrency", str(streams), "--seed", str(seed), "--disable-tqdm",
+                "--save-result", "--save-detailed", "--result-dir", out_dir, "--result-filename", name,
+                *(["--ignore-eos"] if args.ignore_eos else [])]
+    return [sys.executable, "-m", "mrv2_jax.bench.serve", "--base-url", url, "--model", args.model or "demo",
+            "--served-model-name", args.served_model_name, "--vocab-size", str(args.vocab_size),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--num-prompts", str(prompts),
+            "--max-concurrency", str(streams), "--dataset-seed", str(seed), "--disable-tqdm", "--save-detailed",
+            "--output-json", out, *(["--ignore-eos"] if args.ignore_eos else [])]
+
+
+def read_client_result(client: str, path: str) -> tuple[list[dict], float]:
+    """-> (per request {ttft, itl, output_tokens} in seconds, the client's own run duration)."""
+    data = json.loads(Path(path).read_text())
+    if client == "vllm":
+        errors = data.get("errors") or [""] * len(data["ttfts"])
+        rows = [{"ttft": t, "itl": list(itl), "output_tokens": n}
+                for t, itl, n, e in zip(data["ttfts"], data["itls"], data["output_lens"], errors) if not e and n]
+        return rows, float(data["duration"])
+    rows = [{"ttft": r["ttft"], "itl": r["itl"], "output_tokens": r["output_tokens"]}
+            for r in data["requests"] if r["success"]]
+    return rows, float(data["metrics"]["duration_s"])
+
+
+def pooled_metrics(rows: list[dict], duration: float) -> dict:
+    """Metrics over the pooled requests of all client processes (milliseconds)."""
+    ttft = np.asarray([r["ttft"] for r in rows] or [0.0]) * 1e3
+    itl = np.asarray([x for r in rows for x in r["itl"]] or [0.0]) * 1e3
+    tpot = np.asarray([sum(r["itl"]) / (r["output_tokens"] - 1) for r in rows if r["output_tokens"] > 1] or [0.0]) * 1e3
+    out_tokens = sum(r["output_tokens"] for r in rows)
+    return {"completed": len(rows), "output_tokens": out_tokens, "duration_s": duration,
+            "output_throughput": out_tokens / duration if duration else 0.0,
+            "mean_ttft_ms": float(ttft.mean()), "mean_tpot_ms": float(tpot.mean()),
+            "mean_itl_ms": float(itl.mean()), "p99_itl_ms": float(np.percentile(itl, 99))}
+
+
+def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) -> dict:
+    """One concurrency level: the client processes side by side -> pooled metrics + client load."""
+    processes = max(1, math.ceil(concurrency / args.streams_per_client))
+    prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
+    running = []
+    for i in range(processes):
+        streams = concurrency // processes + (i < concurrency % processes)
+        n = prompts // processes + (i < prompts % processes)
+        out = os.path.join(work_dir, f"client_{concurrency}_{i}.json")
+        env = vllm_env(args, "1") if client == "vllm" else None
+        proc = subprocess.Popen(client_command(args, client, url, streams, n, args.dataset_seed + i, out), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        running.append((proc, out, time.perf_counter()))
+    rows, durations, busy, errors = [], [], [], []
+    for proc, out, start in running:
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stderr = proc.stderr.read()
+        if proc.returncode != 0:
+            errors.append(f"client exited with {proc.returncode}: {stderr[-500:]}")
+            continue
+        got, duration = read_client_result(client, out)
+        rows += got
+        durations.append(duration)
+        busy.append((usage.ru_utime + usage.ru_stime) / wall)
+    if errors:
+        raise RuntimeError(f"{len(errors)} client process(es) failed at concurrency {concurrency}: {errors[0]}")
+    metrics = pooled_metrics(rows, max(durations))
+    metrics |= {"concurrency": concurrency, "client_processes": processes, "prompts": prompts,
+                "client_cpu_busy_max": max(busy), "client_may_be_bound": max(busy) > CLIENT_BUSY}
+    return metrics
+
+
+def run_server(args, server: str, client: str, work_dir: str) -> dict:
+    if server == "mrv2" and args.mrv2_base_url:
+        return {"startup_s": None, "levels": [run_clients(args, client, args.mrv2_base_url, c, work_dir)
+                                               for c in args.concurrency]}
+    port = free_port(args.host)
+    log = os.path.join(args.log_dir or work_dir, f"serve_compare_{server}.log")
+    launcher = (LaunchedServer if server == "mrv2" else LaunchedVllm)(args, args.host, port, log, args.server_timeout)
+    if server == "mrv2":
+        launcher.command += ["--served-model-name", args.served_model_name]
+    with launcher as s:
+        levels = []
+        for c in args.concurrency:
+            levels.append(run_clients(args, client, s.url, c, work_dir))
+            m = levels[-1]
+            print(f"{server:5} C={c:4}: {m['output_throughput']:9.0f} out tok/s, TTFT {m['mean_ttft_ms']:7.1f} ms, "
+                  f"TPOT {m['mean_tpot_ms']:6.2f} ms, ITL {m['mean_itl_ms']:6.2f} / P99 {m['p99_itl_ms']:6.1f} ms, "
+                  f"client busy {m['client_cpu_busy_max']:.2f}", flush=True)
+        return {"startup_s": s.startup_s, "levels": levels}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("output_throughput", "output tok/s"), ("mean_ttft_ms", "mean TTFT ms"),
+              ("mean_tpot_ms", "mean TPOT ms"), ("p99_itl_ms", "P99 ITL ms"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (key, title) in zip(axes, panels):
+        for server, result in report["results"].items():
+            levels = result.get("levels") or []
+            ax.plot([m["concurrency"] for m in levels], [m[key] for m in levels], marker="o", label=server)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def build_parser(prog=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--servers", default="mrv2,vllm", help="comma-separated: mrv2, vllm (in this order)")
+    p.add_argument("--client", choices=("vllm", "mrv2", "auto"), default="auto",
+                   help="the streaming client (auto: vLLM's where it imports, else mrv2-jax's)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--streams-per-client", type=int, default=64, help="streams per client process")
+    p.add_argument("--prompts-per-stream", type=int, default=3)
+    p.add_argument("--min-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dataset-seed", type=int, default=0, help="client process i uses seed + i")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--served-model-name", default="model")
+    p.add_argument("--vocab-size", type=int, default=None, help="mrv2 client: prompt ids below this "
+                   "(default: from --model's config.json)")
+    p.add_argument("--client-tokenizer", default=None, help="vLLM client's tokenizer (default: --vllm-model)")
+    p.add_argument("--server-timeout", type=float, default=1800.0)
+    p.add_argument("--mrv2-base-url", default=None, help="measure this running mrv2-jax server instead")
+    p.add_argument("--vllm-python", default=sys.executable)
+    p.add_argument("--vllm-site", default=None, help="extra site dir with vLLM (the offline payload's /tmp/site)")
+    p.add_argument("--vllm-model", default=None, help="model dir for vLLM (config + tokenizer)")
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None)
+    add_engine_args(p)
+    return p
+
+
+def run(args) -> dict:
+    servers = [s for s in args.servers.split(",") if s]
+    if unknown := set(servers) - set(SERVERS):
+        raise ValueError(f"unknown server(s) {sorted(unknown)}; choose from {SERVERS}")
+    needs_vllm = "vllm" in servers or args.client == "vllm"
+    ok, vllm_version = vllm_available(args) if needs_vllm or args.client == "auto" else (False, "not asked for")
+    if needs_vllm and not ok:
+        raise RuntimeError(f"vLLM is needed (--servers/--client) but {vllm_version}")
+    client = args.client if args.client != "auto" else ("vllm" if ok else "mrv2")
+    if client == "vllm" and not (args.client_tokenizer or args.vllm_model):
+        raise ValueError("the vLLM client needs --client-tokenizer or --vllm-model")
+    args.client_tokenizer = args.client_tokenizer or args.vllm_model
+    if client == "mrv2" and args.vocab_size is None:
+        from mrv2_jax.bench.dataset import vocab_size_of
+        from mrv2_jax.models.loader import resolve_model_path
+
+        args.vocab_size = vocab_size_of(resolve_model_path(args.model))
+    with tempfile.TemporaryDirectory(prefix="mrv2-serve-compare-") as work_dir:
+        results = {s: run_server(args, s, client, work_dir) for s in servers}
+    report = {**describe_environment(probe_device=False), "client": client,
+              "vllm_version": vllm_version if ok else None,
+              "settings": dict(vars(args)), "results": results}
+    if args.output_json:
+        write_report(report, args.output_json)
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def main(argv=None, prog=None):
+    return run(build_parser(prog).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
