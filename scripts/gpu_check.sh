@@ -207,6 +207,19 @@ for s in $sections; do case $s in
           python3 -m benchmarks.command_buffer_updates $extra --output-json "$OUT/cb_updates_$name.json"
     done <<< "${CB_UPDATES_VARIANTS:-scan||
 unrolled||--unroll}" ;;
+  # Issue 25, next: why XLA re-records the decode step's command buffer on every call. XLA's own
+  # log says per call how many allocations moved and whether a command forced the update; the dump
+  # lists every step program's thunks (a conditional or while loop inside the graph forces updates).
+  cb-why)
+    run_section cb-why env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+        XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/xd_why --xla_dump_hlo_module_re=jit_step" \
+        python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 1 --calls 20 \
+        --sampler-variants greedy,all --max-model-len 1024 --layer-unroll 0
+    grep -oE "updated=[0-9]+ stabilized=[0-9]+ force=[0-9a-z]+ needs_update=[0-9a-z]+|updated_allocs=[0-9]+" \
+        "$OUT/cb-why.log" | sort | uniq -c | sort -rn | head -20
+    for f in /tmp/xd_why/*jit_step*thunk_sequence_after_thunk_passes.txt; do
+      echo "$(basename $f): $(grep -oE 'kConditional|kWhile|kCommandBuffer|kDynamicSlice[A-Za-z]*' $f | sort | uniq -c | tr '\n' ' ')"
+    done | head -40 ;;
   # Issue 25: where the host time of one XLA step call goes. HOST_PROFILE_VARIANTS: lines of
   # "name|XLA flags|extra engine args"; each runs benchmarks.host_profile at 1 and 256 rows.
   host-profile)
