@@ -29,11 +29,13 @@ class CompletionOutput:
     and truncation, vLLM's default ``raw_logprobs``). None otherwise. From the engine it is a
     ``LazyLogprobs`` (engine/lazy_logprobs.py), a read-only list whose dicts are built when read
     (like vLLM's ``FlatLogprobs``): it indexes, slices, iterates and compares like a list of
-    dicts; ``list(...)`` gives a plain list.
+    dicts; ``list(...)`` gives a plain list. ``token_ids`` from the engine is likewise a read-only
+    view (engine/token_ids_view.py) of the request's tokens so far, so that a step's outputs do not
+    copy every request's whole output.
     """
 
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     index: int = 0

@@ -21,6 +21,7 @@ from mrv2_jax.engine.lazy_logprobs import LogprobStore, logprob_dict
 from mrv2_jax.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
+from mrv2_jax.engine.token_ids_view import TokenIdsView
 
 
 @dataclass
@@ -136,7 +137,7 @@ class OutputProcessor:
 
     def _snapshot(self, t: _Tracked, finish_reason, stop_reason, now) -> RequestOutput:
         r = t.request
-        completion = CompletionOutput(text=t.text, token_ids=list(t.token_ids),
+        completion = CompletionOutput(text=t.text, token_ids=TokenIdsView(t.token_ids),
                                       finish_reason=finish_reason, stop_reason=stop_reason,
                                       logprobs=None if t.logprobs is None else t.logprobs.snapshot())
         metrics = RequestMetrics(arrival_time=r.arrival_time, first_token_time=t.first_token_time,
