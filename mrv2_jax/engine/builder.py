@@ -31,6 +31,9 @@ DEFAULT_MAX_FUSED_ROWS = 256
 DEFAULT_STREAM_INTERVAL = 1
 
 
+COMPILE_MODES = ("eager", "lazy")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # preset, "demo" (default) or a model directory
@@ -50,6 +53,10 @@ class EngineConfig:
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
+    # When step programs compile: "eager" (all at start-up) or "lazy" (each at its first use, a
+    # short stall then); default lazy on CPUs (a few of the planned programs ever run there), eager
+    # on GPUs (serving never stalls on a compile).
+    compile_mode: str | None = None
     # V2: up to this many decode steps in one compiled call for small, stable batches
     # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
     max_fused_steps: int | None = None
@@ -84,6 +91,8 @@ class EngineConfig:
             variants_by_name(self.sampler_variants)  # a bad list fails here, not at compile time
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kernels = KernelConfig.parse(self.kernels).resolved()
+        if self.compile_mode not in (None, *COMPILE_MODES):
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
         if self.max_fused_steps is None:
@@ -144,6 +153,15 @@ def sampler_kernels(kernels: KernelConfig) -> SamplerKernels:
                           slow_path=kernels.sampler_slow_path)
 
 
+def resolve_compile_mode(mode: str | None) -> str:
+    """EngineConfig.compile_mode for this backend: lazy on CPUs, eager elsewhere, unless set."""
+    if mode is not None:
+        return mode
+    import jax
+
+    return "lazy" if jax.default_backend() == "cpu" else "eager"
+
+
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
                 spec_decoder=None) -> Runner:
     variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
@@ -151,7 +169,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                   sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
-                  spec_decoder=spec_decoder)
+                  spec_decoder=spec_decoder, lazy_compile=resolve_compile_mode(config.compile_mode) == "lazy")
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from mrv2_jax.runner.buckets import BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
+from mrv2_jax.runner.lazy_programs import LazyPrograms
 from mrv2_jax.runner.model_step import FlatParams
 from mrv2_jax.runner.precompile import compile_all
 from mrv2_jax.runner.scheduler_output import NewRequestData
@@ -32,12 +33,14 @@ class RunnerBase:
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
-                 spec_decoder=None):
+                 spec_decoder=None, lazy_compile: bool = False):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
-        `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None."""
+        `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None. `lazy_compile`: compile each
+        step program at its first use instead of at start-up."""
         self.params = FlatParams(lm)
+        self.lazy_compile = lazy_compile
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
@@ -72,22 +75,31 @@ class RunnerBase:
         return row, owns_rows
 
     def _compile_steps(self, steps: dict, device_state: tuple, show_progress: bool) -> dict:
-        """Lower and compile every step ahead of time, one program per sampler variant, so a step
-        outside them is an error, never a silent recompile.
+        """Every step program, one per bucket and sampler variant, compiled ahead of time (or, with
+        `lazy_compile`, at its first use: runner/lazy_programs.py), so a step outside them is an
+        error, never a silent recompile.
 
         `steps`: {key: (PackedLayout, make_fn)}, `make_fn(layout, features)` returning
             fn(param_leaves, *device_state, packed, spec_params, spec_state)
                 -> (*device_state, sampler output, spec_state);
         `device_state`: the arrays the step updates (donated, like the spec state).
-        -> {key: (layout, [compiled program per sampler variant])}."""
+        -> {key: (layout, the compiled programs of its sampler variants, in order)}."""
         num_state = len(device_state)
         donate = (*range(1, 1 + num_state), num_state + 3)
-        lowered = {}
-        for key, (layout, make_fn) in steps.items():
+        options = step_compiler_options(self.params.leaves)
+
+        def lower(layout, make_fn, i):
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            for i, features in enumerate(self.sampler_variants):
-                lowered[key, i] = jax.jit(make_fn(layout, features), donate_argnums=donate).lower(
-                    self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
-        compiled = compile_all(lowered, show_progress, compiler_options=step_compiler_options(self.params.leaves))
-        return {key: (layout, [compiled[key, i] for i in range(len(self.sampler_variants))])
-                for key, (layout, _) in steps.items()}
+            return jax.jit(make_fn(layout, self.sampler_variants[i]), donate_argnums=donate).lower(
+                self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
+
+        num_variants = len(self.sampler_variants)
+        if self.lazy_compile:
+            return {key: (layout, LazyPrograms(
+                        lambda i, layout=layout, make_fn=make_fn: lower(layout, make_fn, i).compile(options or None),
+                        num_variants))
+                    for key, (layout, make_fn) in steps.items()}
+        lowered = {(key, i): lower(layout, make_fn, i) for key, (layout, make_fn) in steps.items()
+                   for i in range(num_variants)}
+        compiled = compile_all(lowered, show_progress, compiler_options=options)
+        return {key: (layout, [compiled[key, i] for i in range(num_variants)]) for key, (layout, _) in steps.items()}

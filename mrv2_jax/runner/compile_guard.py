@@ -1,11 +1,14 @@
-"""Counting XLA compilations, so a compile after warm-up never goes unnoticed.
+"""Counting XLA compilations, so an unplanned compile never goes unnoticed.
 
-Every bucket is compiled at start-up; a compile inside an engine step means a shape or a static
-argument escaped the buckets, which costs seconds of stall in serving. The engine checks the
-process-wide compile counter around each step: in strict mode (tests; `MRV2_STRICT_COMPILES=1`)
-that is an error, otherwise a counted warning.
+Every program the engine runs is planned at start-up (a bucket x sampler variant) and compiled
+then, or, with lazy compilation, at its first use inside `planned()`. Any other compile inside an
+engine step means a shape or a static argument escaped the buckets, which costs seconds of stall
+in serving. The engine checks the process-wide count of unplanned compiles around each step: in
+strict mode (tests; `MRV2_STRICT_COMPILES=1`) that is an error, otherwise a counted warning.
 """
 
+import contextlib
+import threading
 import warnings
 
 import jax
@@ -16,19 +19,32 @@ from mrv2_jax import envs
 # either way a new executable appeared.
 _COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
 _num_compiles = 0
+_planned = threading.local()  # per thread: inside planned() (compiles there are not counted)
 
 
 def _on_event(name: str, _duration: float, **_kwargs) -> None:
     global _num_compiles
-    if name in _COMPILE_EVENTS:
+    if name in _COMPILE_EVENTS and not getattr(_planned, "active", False):
         _num_compiles += 1
+
+
+@contextlib.contextmanager
+def planned():
+    """Compiles on this thread inside the block are planned ones (a lazily compiled bucket)."""
+    outer = getattr(_planned, "active", False)
+    _planned.active = True
+    try:
+        yield
+    finally:
+        _planned.active = outer
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def num_compiles() -> int:
-    """Executables compiled (or loaded from the compilation cache) in this process so far."""
+    """Executables compiled (or loaded from the compilation cache) in this process so far,
+    outside `planned()`."""
     return _num_compiles
 
 

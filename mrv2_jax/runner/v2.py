@@ -109,7 +109,7 @@ class ModelRunnerV2(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
-                 fused_unroll: int = 1):
+                 fused_unroll: int = 1, lazy_compile: bool = False):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -119,7 +119,7 @@ class ModelRunnerV2(RunnerBase):
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
-                         spec_decoder=spec_decoder)
+                         spec_decoder=spec_decoder, lazy_compile=lazy_compile)
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
