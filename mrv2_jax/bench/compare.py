@@ -122,7 +122,7 @@ def run_arm(arm: str, setting: str, args) -> dict:
             result = json.load(f)
     keep = ("output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "elapsed_s", "startup_s",
             "num_output_tokens", "num_input_tokens", "vllm_version", "runner", "async_scheduling", "engine_argv",
-            "num_fused_calls")
+            "num_fused_calls", "startup_split")
     return {k: result[k] for k in keep if k in result} | {"process_s": wall}
 
 

@@ -36,6 +36,7 @@ def run(args) -> dict:
     config = llm.config
     return {
         **describe_environment(), "elapsed_s": elapsed, "startup_s": startup,
+        "startup_split": llm.engine.startup.as_dict(),
         "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed, "num_prompts": len(prompts),
         "input_len": args.input_len, "random_prefix_len": args.random_prefix_len,

@@ -12,6 +12,7 @@ from mrv2_jax import envs
 from mrv2_jax.config import CacheConfig, KernelConfig, SchedulerConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
+from mrv2_jax.engine.startup import StartupReport
 from mrv2_jax.models.loader import load_model, resolve_dtype
 from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
@@ -207,13 +208,21 @@ def use_moe_backend(model_state, kernels: KernelConfig) -> None:
 
 
 def build_engine(config: EngineConfig, loaded_model=None):
-    """-> (EngineCore, tokenizer or None, model_state). `loaded_model`: a `load_model` result to
-    reuse (benchmarks that build several engines over one set of weights)."""
+    """-> (EngineCore, tokenizer or None, model_state); the engine's `startup` says where the time
+    went. `loaded_model`: a `load_model` result to reuse (benchmarks that build several engines over
+    one set of weights)."""
+    report = StartupReport()
     enable_compilation_cache()
-    model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
+    with report.phase("backend"):
+        import jax
+
+        jax.devices()
+    with report.phase("weights"):
+        model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
     lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
     use_moe_backend(model_state, config.kernels)
-    tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
+    with report.phase("tokenizer"):
+        tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len
     if max_model_len > model_state.max_model_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -221,7 +230,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
     kv_dtype = resolve_dtype(config.dtype)
     from mrv2_jax.spec_decode.factory import proposer_kv_bytes_per_token
 
-    draft_model = load_draft_model(config)
+    with report.phase("weights"):
+        draft_model = load_draft_model(config)
     if draft_model is not None:
         use_moe_backend(draft_model[0], config.kernels)
     proposer_kv_bytes = proposer_kv_bytes_per_token(config.speculative_config, model_state,
@@ -229,8 +239,9 @@ def build_engine(config: EngineConfig, loaded_model=None):
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
         extra_kv_bytes_per_token=proposer_kv_bytes)
-    spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
-    runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
+    with report.phase("runner (KV cache, tables, compile)"):
+        spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
+        runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
     fused_rows = runner.max_fused_rows  # the largest batch the runner can fuse
     scheduler = Scheduler(
@@ -245,4 +256,6 @@ def build_engine(config: EngineConfig, loaded_model=None):
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),
         eos_token_id=model_state.eos_token_ids)
-    return EngineCore(scheduler, runner, async_scheduling), tokenizer, model_state
+    engine = EngineCore(scheduler, runner, async_scheduling)
+    engine.startup = report.finish()
+    return engine, tokenizer, model_state

@@ -37,6 +37,7 @@ class EngineCore:
         self.compile_guard = CompileGuard()
         # Benchmarks' instrumentation (runner/step_hooks.py StepHooks); None: nothing is called.
         self.hooks = None
+        self.startup = None  # engine/startup.py StartupReport, set by the builder
         # Prompt logprobs gathered chunk by chunk until the request's first output carries them
         # (then None: a preempted request's recomputed prefill brings them again, ignored).
         self._prompt_logprobs: dict[str, list | None] = {}

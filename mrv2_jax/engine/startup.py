@@ -1,0 +1,60 @@
+"""Where an engine's start-up time goes: named phases with their wall time, and how many XLA
+executables were compiled or loaded from the persistent cache meanwhile."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+_COMPILED = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_retrieval_time_sec"
+_counts = {_COMPILED: 0, _CACHE_HIT: 0}
+
+
+def _on_event(name: str, _duration: float, **_kwargs) -> None:
+    if name in _counts:
+        _counts[name] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+class StartupReport:
+    """Phases in the order they ran: {name: seconds}; `compiled` / `cache_hits`: executables XLA
+    compiled / loaded from the persistent compilation cache while the report was open."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._start = time.perf_counter()
+        self._counts_at_start = dict(_counts)
+        self.total_s = 0.0
+        self.compiled = self.cache_hits = 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def finish(self) -> StartupReport:
+        self.total_s = time.perf_counter() - self._start
+        self.compiled = _counts[_COMPILED] - self._counts_at_start[_COMPILED]
+        self.cache_hits = _counts[_CACHE_HIT] - self._counts_at_start[_CACHE_HIT]
+        logger.info("engine start-up: %s", self)
+        return self
+
+    def as_dict(self) -> dict:
+        return {"total_s": self.total_s, "phases_s": dict(self.phases), "executables_compiled": self.compiled,
+                "executables_from_cache": self.cache_hits}
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.items())
+        return (f"{self.total_s:.1f} s ({parts}; {self.compiled} executables compiled, "
+                f"{self.cache_hits} from the compilation cache)")
