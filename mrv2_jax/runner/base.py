@@ -28,15 +28,17 @@ class RunnerBase:
 
     max_fused_rows = 0  # V2 sets its own when it compiles fused decode
     num_fused_calls = 0
+    automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
-                 spec_decoder=None):
+                 spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1)):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
-        `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None."""
+        `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None. `automaton_pool`: (states,
+        exception entries) of the device's structured-output pool (sample/automata.py)."""
         self.params = FlatParams(lm)
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
@@ -55,7 +57,7 @@ class RunnerBase:
         # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot,
         # written once when a request arrives (only if it uses them).
         self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS,
-                                                     max_model_len)
+                                                     max_model_len, automaton_pool)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
 
     @property
