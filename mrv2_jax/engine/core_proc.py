@@ -56,7 +56,9 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> Non
             pid=os.getpid(), tokenizer_path=getattr(tokenizer, "name_or_path", None),
             max_model_len=engine.scheduler.max_model_len, vocab_size=model_state.vocab_size,
             num_eos=len(model_state.eos_token_ids or ()),
-            supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats())))
+            supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats(),
+            eos_token_ids=list(model_state.eos_token_ids or ()),
+            automaton_capacity=tuple(engine.runner.automaton_capacity))))
         code = proc.run()
     inp.close()
     out.close()
