@@ -74,14 +74,15 @@ def forward_and_sample(lm, kv_cache, *, input_ids, positions, attention: PagedAt
                        automata: tuple | None = None) -> tuple[object, SamplerOutput]:
     """The forward pass, then the sampler with every sampling parameter -> (kv_cache, SamplerOutput).
     With `features.prompt_logprobs`, `prompt_targets` (see `prompt_logprobs`) gives the output's
-    prompt logprob fields. `automata`: (AutomatonTables, EOS id) when `features.structured`: the
-    constrained rows' logits are masked by their automaton state (sample/automata.py)."""
+    prompt logprob fields. `automata`: (AutomatonTables, EOS id) with `features.structured`: the
+    constrained rows' logits are masked by their automaton state (sample/automata.py); None from
+    a runner that runs no constraints (V1)."""
     # The sampler gets the logits in the model's dtype and converts where it reads them (exact):
     # an f32 copy ahead of its Pallas pass would be written out and then read at twice the bytes
     # (docs/benchmarks.md, "Sampler: bf16 logits").
     kv_cache, logits, hidden = forward_logits(lm, kv_cache, input_ids=input_ids, positions=positions,
                                               attention=attention, logits_indices=logits_indices)
-    if features.structured:
+    if features.structured and automata is not None:
         tables, eos_token_id = automata
         logits = automata_lib.mask_logits(logits, tables, sampling.automaton_state, eos_token_id)
     out = sample(logits, sampling, positions[logits_indices] + 1, features, penalties)
