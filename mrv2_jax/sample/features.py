@@ -110,8 +110,10 @@ class SamplerFeatures:
         """Every feature but prompt logprobs. Placed before "all" (`--sampler-variants
         greedy,plain,full,all`), it runs the steps that compute no prompt logprobs, which then
         carry no prompt-logprobs conditional; steps with prompt-logprob spans run "all". One more
-        compile per bucket; a default on GPUs (default_variant_names)."""
-        return cls.all(prompt_logprobs=False)
+        compile per bucket; a default on GPUs (default_variant_names). No structured outputs either:
+        batches without constraints run as they did before them; constrained ones take
+        "structured" when it is compiled, else "all"."""
+        return cls.all(prompt_logprobs=False, structured=False)
 
     @classmethod
     def greedy(cls) -> SamplerFeatures:
