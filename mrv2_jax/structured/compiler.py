@@ -35,6 +35,11 @@ class ConstraintCompiler:
             self._vocab = vocabulary_of(self._tokenizer, self._eos, self._vocab_size)
         return self._vocab
 
+    def cached(self, params: StructuredOutputsParams) -> TokenAutomaton | None:
+        """The automaton of `params` if it is compiled already, else None (never compiles)."""
+        with _lock:
+            return _cache.get((self.vocabulary.fingerprint, params.key))
+
     def compile(self, params: StructuredOutputsParams) -> TokenAutomaton:
         """The cached automaton of `params` (ValueError naming the field if it cannot be built)."""
         vocab = self.vocabulary
