@@ -51,6 +51,7 @@ class StandInRunner:
     supports_prompt_logprobs = False
     max_fused_rows = 0
     num_fused_calls = 0
+    automaton_capacity = (0, 0)  # no structured outputs
 
     def __init__(self, vocab: int, seed: int = 0):
         self._rng = np.random.default_rng(seed)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.core_client import CoreClient, EngineProcessDied
 from mrv2_jax.engine import core_messages as M
-from mrv2_jax.engine.engine_core import check_request
+from mrv2_jax.engine.engine_core import check_automaton_fits, check_request
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
@@ -48,6 +48,7 @@ from mrv2_jax.llm import LLM
 from mrv2_jax.sample.tensors import check_request_fits
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.spec_decode.metrics import SpecDecodeStats
+from mrv2_jax.structured.compiler import ConstraintCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -218,10 +219,18 @@ class AsyncLLM:
             self.tokenizer = llm.tokenizer
             self.max_model_len: int = llm.engine.scheduler.max_model_len
             self.vocab_size: int = llm.model_state.vocab_size
+            eos_token_ids = llm.model_state.eos_token_ids or ()
+            self._automaton_capacity = llm.engine.runner.automaton_capacity
         else:
             self.tokenizer = client.tokenizer
             self.max_model_len, self.vocab_size = client.ready.max_model_len, client.ready.vocab_size
+            eos_token_ids = client.ready.eos_token_ids
+            self._automaton_capacity = tuple(client.ready.automaton_capacity)
             self._processor = OutputProcessor(self.tokenizer)  # the reader thread only
+        # Constraints are compiled here first (off the event loop), so a bad one is a 400 and never
+        # reaches the engine; the engine's own compile then finds it in the cache (same process)
+        # or compiles it once more (the engine process).
+        self._compiler = ConstraintCompiler(self.tokenizer, eos_token_ids, self.vocab_size) if self.tokenizer else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._ids = itertools.count()
@@ -276,6 +285,9 @@ class AsyncLLM:
         n = len(token_ids)
         if n == 0:
             raise RequestRejected("the prompt is empty (it must have at least one token)")
+        if params.structured_outputs is not None and not self._automaton_capacity[0]:
+            raise RequestRejected("structured_outputs is not supported with this runner configuration "
+                                  "(speculative decoding, or the v1 runner)", param="structured_outputs")
         if self._client is None:
             try:
                 self._llm.engine.check_request(params)
@@ -307,6 +319,16 @@ class AsyncLLM:
                 "for the completion); reduce the prompt or max_tokens",
                 code="context_length_exceeded", param="max_tokens")
 
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """Compile a request's constraint (cached) and check that the engine can hold it."""
+        if self._compiler is None:
+            raise RequestRejected("structured_outputs needs the model's tokenizer, and this model has none",
+                                  param="structured_outputs")
+        try:
+            check_automaton_fits(self._compiler.compile(params.structured_outputs), self._automaton_capacity)
+        except ValueError as e:
+            raise RequestRejected(str(e), param="structured_outputs") from None
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Tokenize off the event loop (a 1 MiB prompt takes a noticeable time)."""
         if self.tokenizer is None:
@@ -323,6 +345,8 @@ class AsyncLLM:
         else:
             token_ids = [int(t) for t in prompt]
         self.check_prompt(token_ids, params)
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self._check_constraint, params)
         request_id = request_id or f"req-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._submit(_Add(request_id, token_ids, params, sink, streaming))

@@ -18,7 +18,7 @@ BOOL_VALUES = ("0", "1")
 @dataclass(frozen=True)
 class Switch:
     name: str
-    kind: str  # "choice" (one of `allowed`), "bool" ("0" / "1"), "str" or "path"
+    kind: str  # "choice" (one of `allowed`), "bool" ("0" / "1"), "int" (> 0), "str" or "path"
     default: str | bool | None
     doc: str
     allowed: tuple[str, ...] = ()
@@ -33,6 +33,10 @@ class Switch:
             if raw not in BOOL_VALUES:
                 raise ValueError(f"{self.name} must be one of {', '.join(BOOL_VALUES)}; got {raw!r}")
             return raw == "1"
+        if self.kind == "int":
+            if not raw.isdigit() or int(raw) < 1:
+                raise ValueError(f"{self.name} must be a positive integer; got {raw!r}")
+            return int(raw)
         if self.kind == "path":
             return os.path.expanduser(raw)
         return raw
@@ -63,6 +67,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
             "Default of KernelConfig.sampler_slow_path: the sampler's whole-row threshold search."),
     _choice("MRV2_MOE_BACKEND", "auto", ("auto", "pallas", "ragged_dot", "dense"),
             "Default of KernelConfig.moe_backend: the grouped GEMM of the MoE experts."),
+    Switch("MRV2_STRUCTURED_STATES", "int", "2048",
+           "States of the device's structured-output automaton pool (8 * ceil(V / 32) bytes each)."),
+    Switch("MRV2_STRUCTURED_EXCEPTIONS", "int", "262144",
+           "Exception entries (4 bytes each) of the device's structured-output automaton pool."),
     Switch("MRV2_GIT_SHA", "str", None, "Benchmarks: the commit recorded in their reports (default: `git rev-parse`)."),
     Switch("MRV2_VLLM_SITE", "path", None,
            "Benchmarks: a folder put first on vLLM's PYTHONPATH (`bench compare --vllm-site`)."),

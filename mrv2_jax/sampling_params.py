@@ -8,7 +8,9 @@ allowed range, before the request reaches the engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from mrv2_jax.structured.params import StructuredOutputsParams
 
 # Below this temperature a request is sampled greedily (argmax); dividing logits by a
 # value this small would only amplify numerical noise.
@@ -52,6 +54,9 @@ class SamplingParams:
       * ``logprobs`` / ``prompt_logprobs``: ``None`` = not returned; ``k`` in 0..20 returns
         the sampled token's logprob plus the top ``k``.
       * ``n`` exists for API compatibility; only ``n == 1`` is supported.
+      * ``structured_outputs``: a constraint on the output (``StructuredOutputsParams`` or a dict
+        of its fields: json, json_object, regex, choice), enforced on the device
+        (docs/structured_outputs.md).
     """
 
     max_tokens: int | None = 16
@@ -73,6 +78,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._validate_lengths()
@@ -80,6 +86,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stops()
         self._validate_outputs()
+        self._validate_structured()
 
     # ---- validation, grouped by concern -------------------------------------------------
 
@@ -181,6 +188,23 @@ class SamplingParams:
             _require_int(name, value)
             if not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}")
+
+    def _validate_structured(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):
+            unknown = set(so) - {f.name for f in fields(StructuredOutputsParams)}
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown field(s) {', '.join(sorted(unknown))}")
+            self.structured_outputs = so = StructuredOutputsParams(**so)
+        elif not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(so).__name__}")
+        # The automaton allows EOS exactly where the output is complete: neither may move it.
+        if self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured_outputs")
+        if self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     # ---- derived properties ----------------------------------------------------------------
 

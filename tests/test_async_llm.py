@@ -26,14 +26,15 @@ class StubLLM:
 
     def __init__(self, max_model_len=1000, step_delay=0.0):
         self.tokenizer = None
-        self.model_state = SimpleNamespace(vocab_size=100)
+        self.model_state = SimpleNamespace(vocab_size=100, eos_token_ids=())
         self.requests: dict[str, dict] = {}
         self.fail_step = False
         self.step_delay = step_delay
         kv = SimpleNamespace(num_blocks=NUM_BLOCKS)
         self.scheduler = SimpleNamespace(max_model_len=max_model_len, kv_cache_manager=kv, get_stats=self._stats)
         self.engine = SimpleNamespace(scheduler=self.scheduler, has_work=lambda: bool(self.requests),
-                                      check_request=lambda params: None)
+                                      check_request=lambda params: None,
+                                      runner=SimpleNamespace(automaton_capacity=(0, 0)))
 
     def _stats(self):
         self.scheduler.kv_cache_manager.num_free_blocks = NUM_BLOCKS - len(self.requests)

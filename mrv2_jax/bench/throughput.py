@@ -2,9 +2,13 @@
 
     python -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
         --input-len 128 --output-len 128 --num-prompts 1000 --runner v1 --output-json out.json
+
+`--structured-outputs '{"regex": "[a-z ]*"}'` gives every timed request that constraint (a preset
+needs `--tokenizer`); EOS is then not ignored, so outputs may end before --output-len.
 """
 
 import argparse
+import json
 import time
 
 from mrv2_jax.bench.dataset import random_prompts
@@ -21,7 +25,9 @@ def run(args) -> dict:
     startup = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, args.random_range_ratio,
                              llm.model_state.vocab_size, args.dataset_seed, args.random_prefix_len)
-    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    constraint = json.loads(args.structured_outputs) if args.structured_outputs else None
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=constraint is None,
+                            structured_outputs=constraint)
     if args.warmup_prompts:
         # Prompts of their own (another seed): reusing the timed ones would turn the run's
         # prefills into prefix-cache hits.
@@ -40,7 +46,7 @@ def run(args) -> dict:
         "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed, "num_prompts": len(prompts),
         "input_len": args.input_len, "random_prefix_len": args.random_prefix_len,
-        "output_len": args.output_len, "num_input_tokens": num_in,
+        "output_len": args.output_len, "num_input_tokens": num_in, "structured_outputs": constraint,
         "num_output_tokens": num_out, "runner": config.runner,
         "async_scheduling": llm.engine.async_scheduling,
         # Runner calls that decoded several steps at once (fused decode), warm-up included.
@@ -62,6 +68,8 @@ def main(argv=None, prog=None):
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--warmup-prompts", type=int, default=0,
                    help="untimed prompts (of their own, 16 output tokens each) before the run")
+    p.add_argument("--structured-outputs", default=None,
+                   help="a JSON object of StructuredOutputsParams fields given to every timed request")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args(argv)

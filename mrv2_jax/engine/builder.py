@@ -18,6 +18,7 @@ from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.sample.features import SamplerKernels, default_variant_names, variants_by_name
 from mrv2_jax.spec_decode.config import SpeculativeConfig
+from mrv2_jax.structured.compiler import ConstraintCompiler
 
 RUNNERS = ("v1", "v2")
 # Up to 16 decode steps per call for small stable batches: one jitted call of the step costs the
@@ -256,6 +257,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),
         eos_token_id=model_state.eos_token_ids)
-    engine = EngineCore(scheduler, runner, async_scheduling)
+    compiler = None if tokenizer is None else ConstraintCompiler(tokenizer, model_state.eos_token_ids or (),
+                                                                 model_state.vocab_size)
+    engine = EngineCore(scheduler, runner, async_scheduling, compiler)
     engine.startup = report.finish()
     return engine, tokenizer, model_state

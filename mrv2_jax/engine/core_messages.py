@@ -61,6 +61,10 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     num_eos: int
     supports_prompt_logprobs: bool
     stats: CoreStats
+    # Structured outputs: the EOS ids (the automata end on them) and the runner's automaton pool
+    # ((0, 0): constraints are refused), so the API process compiles and checks constraints first.
+    eos_token_ids: list[int] = []
+    automaton_capacity: tuple[int, int] = (0, 0)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

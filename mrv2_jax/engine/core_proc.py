@@ -9,6 +9,9 @@ The loop:
     apply every queued command: add / abort / finish (stop strings) / shutdown
     step() once, and send that step's outputs, the failed adds and the counters as ONE message
 
+A request whose structured-output constraint is not compiled yet waits beside the loop until a
+background thread has compiled it (background_compiles.py), so running requests never wait.
+
 The process exits when told to, when its parent dies (no orphan engine holding the device), or
 after a step raises (it reports the error first: the scheduler and device state may disagree).
 """
@@ -24,6 +27,7 @@ import traceback
 import zmq
 
 from mrv2_jax.engine import core_messages as M
+from mrv2_jax.engine.background_compiles import POLL_S, BackgroundCompiles
 from mrv2_jax.engine.builder import EngineConfig, build_engine
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.request import Request
@@ -56,7 +60,9 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> Non
             pid=os.getpid(), tokenizer_path=getattr(tokenizer, "name_or_path", None),
             max_model_len=engine.scheduler.max_model_len, vocab_size=model_state.vocab_size,
             num_eos=len(model_state.eos_token_ids or ()),
-            supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats())))
+            supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats(),
+            eos_token_ids=list(model_state.eos_token_ids or ()),
+            automaton_capacity=tuple(engine.runner.automaton_capacity))))
         code = proc.run()
     inp.close()
     out.close()
@@ -76,6 +82,7 @@ class EngineCoreProc:
         self.decoder = M.to_engine_decoder()
         self.num_steps = 0
         self._errors: list[tuple[str, str]] = []
+        self._compiles = BackgroundCompiles(engine.compiler)
 
     def run(self) -> int:
         """Serve until told to stop (0), the parent died (0) or a step or command failed (1,
@@ -94,13 +101,20 @@ class EngineCoreProc:
             poller.register(parent.sentinel, zmq.POLLIN)
         engine = self.engine
         while True:
-            events = dict(poller.poll(0 if engine.has_work() else None))
+            timeout = 0 if engine.has_work() else POLL_S * 1000 if self._compiles else None
+            events = dict(poller.poll(timeout))
             if parent is not None and parent.sentinel in events:
                 return 0  # nobody is left to read our outputs
             changed = False
             if self.inp in events:
                 if not self._apply_commands():
                     return 0
+                changed = True
+            for cmd, error in self._compiles.done():  # constraints compiled beside the loop
+                if error is None:
+                    self._add(cmd)
+                else:
+                    self._errors.append((cmd.request_id, str(error)))
                 changed = True
             if engine.has_work():
                 outputs = engine.step()
@@ -118,8 +132,12 @@ class EngineCoreProc:
                 return True
             cmd = self.decoder.decode(frame.buffer)
             if isinstance(cmd, M.AddRequest):
-                self._add(cmd)
+                if self._compiles.needs_compile(cmd.params):
+                    self._compiles.submit(cmd)
+                else:
+                    self._add(cmd)
             elif isinstance(cmd, M.AbortRequests):
+                self._compiles.abort(cmd.request_ids)
                 self.engine.abort_requests(cmd.request_ids)
             elif isinstance(cmd, M.FinishRequests):
                 self.engine.finish_requests(cmd.request_ids)

@@ -16,23 +16,40 @@ from mrv2_jax.engine.scheduler_output import EngineCoreOutput
 from mrv2_jax.runner.compile_guard import CompileGuard, num_compiles
 from mrv2_jax.runner.interface import Runner, StepOutcome
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
+from mrv2_jax.structured.compiler import ConstraintCompiler
 
 
-def check_request(params, supports_prompt_logprobs: bool) -> None:
+def check_request(params, supports_prompt_logprobs: bool, supports_structured_outputs: bool = True) -> None:
     """Raise ValueError for what an engine whose runner has these abilities cannot serve."""
     if params.prompt_logprobs is not None and not supports_prompt_logprobs:
         raise ValueError("prompt_logprobs is not supported with this runner configuration "
                          "(speculative decoding, or no sampler variant computing them)")
+    if params.structured_outputs is not None and not supports_structured_outputs:
+        raise ValueError("structured_outputs is not supported with this runner configuration "
+                         "(speculative decoding, or the v1 runner)")
+
+
+def check_automaton_fits(automaton, capacity: tuple[int, int]) -> None:
+    """Raise ValueError when a compiled constraint is larger than the runner's automaton pool."""
+    if automaton.num_states > capacity[0] or automaton.num_exceptions > capacity[1]:
+        raise ValueError(
+            f"structured_outputs: the constraint compiles to {automaton.num_states} states and "
+            f"{automaton.num_exceptions} exception entries; the device pool holds {capacity[0]} and "
+            f"{capacity[1]} (MRV2_STRUCTURED_STATES, MRV2_STRUCTURED_EXCEPTIONS)")
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, async_scheduling: bool):
+    def __init__(self, scheduler: Scheduler, runner: Runner, async_scheduling: bool,
+                 compiler: ConstraintCompiler | None = None):
+        """`compiler`: compiles requests' structured-output constraints (None: the model has no
+        tokenizer, so a constrained request is refused)."""
         if async_scheduling and not runner.is_async_capable:
             raise ValueError(f"{type(runner).__name__} cannot run with async scheduling "
                              "(it needs each step's tokens on the host to build the next step)")
         self.scheduler = scheduler
         self.runner = runner
         self.async_scheduling = async_scheduling
+        self.compiler = compiler
         self._in_flight: tuple[SchedulerOutput, StepOutcome] | None = None
         self.compile_guard = CompileGuard()
         # Benchmarks' instrumentation (runner/step_hooks.py StepHooks); None: nothing is called.
@@ -44,10 +61,16 @@ class EngineCore:
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this engine cannot serve."""
-        check_request(params, self.runner.supports_prompt_logprobs)
+        check_request(params, self.runner.supports_prompt_logprobs, self.runner.automaton_capacity[0] > 0)
 
     def add_request(self, request: Request) -> None:
-        self.check_request(request.sampling_params)
+        params = request.sampling_params
+        self.check_request(params)
+        if params.structured_outputs is not None:  # compiled here, off the step path (cached)
+            if self.compiler is None:
+                raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+            request.automaton = self.compiler.compile(params.structured_outputs)
+            check_automaton_fits(request.automaton, self.runner.automaton_capacity)
         self.scheduler.add_request(request)
         if request.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = []

@@ -89,6 +89,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # A client reads its tokens as they come: fused decode is capped by the stream interval.
         self.streaming = streaming
+        # Structured outputs: the compiled automaton (structured/automaton.py), set when added.
+        self.automaton = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -405,6 +405,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
+                    automaton=request.automaton,
                 )
             )
             num_scheduled[request.request_id] = num_new

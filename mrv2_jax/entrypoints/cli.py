@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "a chunk per step; non-streaming requests keep --max-fused-steps)")
     g.add_argument("--sampler-variants", default=None,
                    help="sampler variants compiled per bucket, cheapest first, ending with 'all' "
-                        "(names: greedy, plain, full, all; default greedy,plain,full,all on GPUs, "
+                        "(names: greedy, plain, structured, full, all; default greedy,plain,full,all on GPUs, "
                         "all elsewhere); "
                         "each step runs the first that covers its batch; full: all but prompt logprobs")
     g.add_argument("--fused-unroll", type=int, default=1, help="decode steps per iteration of the fused loop")

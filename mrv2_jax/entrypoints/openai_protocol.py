@@ -3,8 +3,12 @@
 The schemas are strict: a field with the wrong JSON type is an error, never coerced ("10"
 is not a number, 1.0 is not an integer, 1 is not a boolean, NaN is not a float). Unknown
 fields are ignored, so clients that send OpenAI parameters we do not use still work -- but
-parameters whose silent omission would change the result (n > 1, echo, tools,
-response_format, ...) are refused with a message saying they are not supported.
+parameters whose silent omission would change the result (n > 1, echo, tools, grammars, ...)
+are refused with a message saying they are not supported.
+
+Structured outputs: OpenAI's `response_format` (`json_object`, `json_schema`) and vLLM's
+`structured_outputs` extra field (`json`, `json_object`, `regex`, `choice`) on both endpoints
+become `SamplingParams.structured_outputs`; a bad constraint is a 400 naming the field.
 
 Ranges are checked here rather than left to the engine because a value that reached the
 engine's int32 tables out of range would fail inside a step; every integer is therefore
@@ -62,6 +66,8 @@ class _GenerationRequest(_Strict):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     user: str | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +116,36 @@ class _GenerationRequest(_Strict):
                 raise bad_request(f"logit_bias: token id {key} is out of range [0, {vocab_size})",
                                   param="logit_bias")
 
+    @property
+    def constraint_field(self) -> str:
+        """The request field a structured-output constraint came from (errors name it)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def _structured(self) -> dict | None:
+        """The constraint as StructuredOutputsParams fields, or None; 400 on a malformed field."""
+        rf = self.response_format
+        from_format = None
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                from_format = {"json_object": True}
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                      param="response_format")
+                from_format = {"json": schema}
+            elif kind != "text":
+                raise OpenAIError(400, f"response_format {kind!r} is not supported by this server (text, "
+                                  "json_object, json_schema)", param="response_format", code="unsupported")
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise bad_request("give either response_format or structured_outputs, not both",
+                              param="structured_outputs")
+        return self.structured_outputs
+
     def _sampling_kwargs(self) -> dict:
         def given(value, default):
             return default if value is None else value
@@ -123,13 +159,15 @@ class _GenerationRequest(_Strict):
             repetition_penalty=given(self.repetition_penalty, 1.0),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             include_stop_str_in_output=given(self.include_stop_str_in_output, False),
-            skip_special_tokens=given(self.skip_special_tokens, True))
+            skip_special_tokens=given(self.skip_special_tokens, True), structured_outputs=self._structured())
 
     def _build(self, vocab_size: int, **kwargs) -> SamplingParams:
         self.check(vocab_size)
         try:
             return SamplingParams(**(self._sampling_kwargs() | kwargs))
         except ValueError as e:  # second line of defence: SamplingParams' own checks
+            if str(e).startswith("structured_outputs"):
+                raise bad_request(str(e), param=self.constraint_field) from e
             raise from_value_error(e, set(type(self).model_fields)) from e
 
 
@@ -193,13 +231,10 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list | None = None
     functions: list | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
 
     def to_sampling_params(self, vocab_size: int) -> SamplingParams:
         _refuse(self.tools, "tools", "tool calling")
         _refuse(self.functions, "functions", "function calling")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            _refuse(True, "response_format", f"response_format {self.response_format.get('type')!r}")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -83,7 +83,8 @@ def create_app(engine: AsyncLLM, served_model_names: str | list[str] = "demo", *
         params = req.to_sampling_params(engine.vocab_size)
         tracker = metrics.track()
         rid = R.new_id("cmpl")
-        stream = await _submit(engine, req.prompt, params, rid, param="prompt", streaming=req.stream)
+        stream = await _submit(engine, req.prompt, params, rid, param="prompt", streaming=req.stream,
+                               constraint=req.constraint_field)
         fmt = R.LogprobFormatter(engine.tokenizer, params.logprobs) if params.logprobs is not None else None
         if req.stream:
             return _sse(_completion_events(stream, tracker, rid, model, fmt, req.include_usage_in_stream))
@@ -100,7 +101,8 @@ def create_app(engine: AsyncLLM, served_model_names: str | list[str] = "demo", *
         token_ids = await _apply_chat_template(engine, req)
         tracker = metrics.track()
         rid = R.new_id("chatcmpl")
-        stream = await _submit(engine, token_ids, params, rid, param="messages", streaming=req.stream)
+        stream = await _submit(engine, token_ids, params, rid, param="messages", streaming=req.stream,
+                               constraint=req.constraint_field)
         fmt = R.LogprobFormatter(engine.tokenizer, params.logprobs) if params.logprobs is not None else None
         if req.stream:
             return _sse(_chat_events(stream, tracker, rid, model, fmt, req.include_usage_in_stream))
@@ -131,13 +133,15 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-async def _submit(engine: AsyncLLM, prompt, params, request_id: str, param: str, streaming: bool) -> RequestStream:
+async def _submit(engine: AsyncLLM, prompt, params, request_id: str, param: str, streaming: bool,
+                  constraint: str) -> RequestStream:
+    """`param`: the field holding the prompt; `constraint`: the one holding a structured-output constraint."""
     try:
         return await engine.generate(prompt, params, request_id=request_id, streaming=bool(streaming))
-    except ValueError as e:  # RequestRejected: empty / too long / bad token ids
+    except ValueError as e:  # RequestRejected: empty / too long / bad token ids / bad constraint
         at_fault = getattr(e, "param", "prompt")
-        raise bad_request(str(e), param=param if at_fault == "prompt" else at_fault,
-                          code=getattr(e, "code", None)) from None
+        at_fault = {"prompt": param, "structured_outputs": constraint}.get(at_fault, at_fault)
+        raise bad_request(str(e), param=at_fault, code=getattr(e, "code", None)) from None
 
 
 async def _apply_chat_template(engine: AsyncLLM, req: ChatCompletionRequest) -> list[int]:

@@ -29,16 +29,18 @@ class RunnerBase:
 
     max_fused_rows = 0  # V2 sets its own when it compiles fused decode
     num_fused_calls = 0
+    automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
-                 spec_decoder=None, lazy_compile: bool = False):
+                 spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), lazy_compile: bool = False):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
-        `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None. `lazy_compile`: compile each
-        step program at its first use instead of at start-up."""
+        `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None. `automaton_pool`: (states,
+        exception entries) of the device's structured-output pool (sample/automata.py).
+        `lazy_compile`: compile each step program at its first use instead of at start-up."""
         self.params = FlatParams(lm)
         self.lazy_compile = lazy_compile
         self.block_size = block_size
@@ -58,7 +60,7 @@ class RunnerBase:
         # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot,
         # written once when a request arrives (only if it uses them).
         self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS,
-                                                     max_model_len)
+                                                     max_model_len, automaton_pool)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
 
     @property

@@ -14,7 +14,8 @@ ignored, stop_token_ids; see `DeviceState.stop_ids`) once min_tokens outputs exi
 row schedules 0 tokens in the remaining steps: it writes no KV, appends no token, and the loop
 exits as soon as no row is active, so a finished batch-1 request costs no further device time.
 The call returns the tokens as `[K, R]`, -1 where a row sampled nothing; a row's tokens are
-always a prefix of its column.
+always a prefix of its column. Structured outputs need no host either: each step masks the
+constrained rows by their automaton state and advances it with the sampled token.
 
 The trip count is a run-time value (`num_steps`), so one variant per (bucket, sampler
 variant) serves every K up to the compiled maximum. `unroll` > 1 runs that many steps per loop
@@ -70,7 +71,7 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
 
 
 def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, num_tokens: int,
-                      block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1):
+                      block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields)."""
 
@@ -97,11 +98,14 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             kv_cache, out = forward_and_sample(
                 params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids, positions=inputs.positions,
                 attention=attention, logits_indices=inputs.logits_indices, sampling=sampling,
-                features=features, penalties=penalties)
+                features=features, penalties=penalties, automata=(sampler_state.automata, eos_for_masks))
             sampled = inputs.samples
             if features.penalties:
                 sampler_state = slot_state.count_sampled(
                     sampler_state, jnp.where(sampled, sampler_rows, -1), out.tokens)
+            if features.structured:  # each constrained row's automaton steps with its token
+                state = prepare.advance_automata(state, idx, inputs, sampler_state.automata,
+                                                 sampling.automaton_state, out.tokens)
             state = prepare.post_update(state, idx, num_reqs, inputs, out.tokens)
             produced = produced + sampled.astype(jnp.int32)
             outs = _record(outs, step, out, sampled)

@@ -45,6 +45,9 @@ class Runner(Protocol):
     max_fused_rows: int
     # Fused decode calls run so far (benchmarks report it); always 0 when max_fused_rows is 0.
     num_fused_calls: int
+    # Structured outputs: (states, exception entries) the device's automaton pool holds, the
+    # largest automaton a request may bring; (0, 0): this runner cannot run constraints.
+    automaton_capacity: tuple[int, int]
 
     def execute(self, out: SchedulerOutput) -> StepOutcome:
         """Apply the scheduler's changes (finished, new and continuing requests) and run the step it

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mrv2_jax.models.attention import PagedAttention
+from mrv2_jax.sample import automata as automata_lib
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.logprobs import compute_logprobs, empty_logprobs
 from mrv2_jax.sample.penalties import PenaltyData
@@ -69,15 +70,21 @@ def prompt_logprobs(lm, hidden, targets, *, runtime_skip: bool = True, kernel_mo
 
 def forward_and_sample(lm, kv_cache, *, input_ids, positions, attention: PagedAttention,
                        logits_indices, sampling: SamplingTensors, features: SamplerFeatures,
-                       penalties: PenaltyData | None = None, prompt_targets=None) -> tuple[object, SamplerOutput]:
+                       penalties: PenaltyData | None = None, prompt_targets=None,
+                       automata: tuple | None = None) -> tuple[object, SamplerOutput]:
     """The forward pass, then the sampler with every sampling parameter -> (kv_cache, SamplerOutput).
     With `features.prompt_logprobs`, `prompt_targets` (see `prompt_logprobs`) gives the output's
-    prompt logprob fields."""
+    prompt logprob fields. `automata`: (AutomatonTables, EOS id) with `features.structured`: the
+    constrained rows' logits are masked by their automaton state (sample/automata.py); None from
+    a runner that runs no constraints (V1)."""
     # The sampler gets the logits in the model's dtype and converts where it reads them (exact):
     # an f32 copy ahead of its Pallas pass would be written out and then read at twice the bytes
     # (docs/benchmarks.md, "Sampler: bf16 logits").
     kv_cache, logits, hidden = forward_logits(lm, kv_cache, input_ids=input_ids, positions=positions,
                                               attention=attention, logits_indices=logits_indices)
+    if features.structured and automata is not None:
+        tables, eos_token_id = automata
+        logits = automata_lib.mask_logits(logits, tables, sampling.automaton_state, eos_token_id)
     out = sample(logits, sampling, positions[logits_indices] + 1, features, penalties)
     if features.prompt_logprobs and prompt_targets is not None:
         lp = prompt_logprobs(lm, hidden, prompt_targets, runtime_skip=features.runtime_skip,

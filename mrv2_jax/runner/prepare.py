@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.runner.device_state import DeviceState
+from mrv2_jax.sample import automata
 from mrv2_jax.sample.tensors import SamplingTensors
 
 
@@ -118,3 +119,12 @@ def post_update(state: DeviceState, idx_mapping, num_reqs, inputs: StepInputs, s
     token_ids = state.token_ids.at[sample_rows, inputs.seq_lens].set(sampled, mode="drop")
     num_tokens = state.num_tokens.at[sample_rows].set(inputs.seq_lens + 1, mode="drop")
     return state._replace(num_computed=num_computed, token_ids=token_ids, num_tokens=num_tokens)
+
+
+def advance_automata(state: DeviceState, idx_mapping, inputs: StepInputs, tables, states, sampled) -> DeviceState:
+    """Structured outputs: each sampling row's automaton state after its sampled token (rows
+    without a constraint keep -1); `states` i32[R] as the step read them (batch_sampling)."""
+    s = state.num_tokens.shape[0]
+    rows = jnp.where(inputs.samples & (states >= 0), idx_mapping, s)
+    table = state.sampling["automaton_state"].at[rows].set(automata.advance(tables, states, sampled), mode="drop")
+    return state._replace(sampling={**state.sampling, "automaton_state": table})

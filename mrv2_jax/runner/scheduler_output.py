@@ -30,6 +30,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # Structured outputs: the request's compiled automaton (structured/automaton.py), or None.
+    automaton: Any = None
 
 
 @dataclass

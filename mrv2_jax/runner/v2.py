@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mrv2_jax import envs
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
+from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.runner.base import RunnerBase
 from mrv2_jax.runner.buckets import Bucket
 from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, SAMPLING_FIELDS, init_device_state
@@ -34,6 +36,7 @@ from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.step_result import StepResult, prompt_token_logprobs
 from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
+from mrv2_jax.sample.automata import AutomatonWriter
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
 from mrv2_jax.sample.tensors import FLOAT_SCALAR_FIELDS, is_plain_greedy, row_needs
@@ -105,6 +108,12 @@ class PendingStep:
 class ModelRunnerV2(RunnerBase):
     is_async_capable = True
 
+    @property
+    def automaton_capacity(self) -> tuple[int, int]:
+        """Constraints are masked and advanced in the step and the fused loop, not in a spec step."""
+        pool = self.automaton_pool
+        return (0, 0) if self.spec is not None else (pool.num_states, pool.num_exceptions)
+
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
@@ -116,10 +125,17 @@ class ModelRunnerV2(RunnerBase):
         to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
         if spec_decoder is not None and max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
+        pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
-                         spec_decoder=spec_decoder, lazy_compile=lazy_compile)
+                         spec_decoder=spec_decoder, automaton_pool=pool,
+                         lazy_compile=lazy_compile)
+        # Structured outputs: the automata in the device pool, the writer that copies one in, and
+        # the token a row whose state allows nothing gets (sample/automata.py).
+        self.automaton_pool = AutomatonPool(*pool)
+        self._automaton_writer = AutomatonWriter(self.slot_state.automata)
+        self.eos_for_masks = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
@@ -188,10 +204,14 @@ class ModelRunnerV2(RunnerBase):
             kv_cache, out = forward_and_sample(
                 self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
                 positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
-                sampling=sampling, features=features, penalties=penalties, prompt_targets=x["prompt_targets"])
+                sampling=sampling, features=features, penalties=penalties, prompt_targets=x["prompt_targets"],
+                automata=(sampler_state.automata, self.eos_for_masks))
             if features.penalties:
                 sampler_state = slot_state.count_sampled(
                     sampler_state, jnp.where(inputs.samples, sampler_rows, -1), out.tokens)
+            if features.structured:
+                state = prepare.advance_automata(state, x["idx_mapping"], inputs, sampler_state.automata,
+                                                 sampling.automaton_state, out.tokens)
             state = prepare.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, out.tokens)
             return kv_cache, state, sampler_state, out, spec_state
 
@@ -200,7 +220,8 @@ class ModelRunnerV2(RunnerBase):
     def _fused_fn(self, bucket: Bucket, layout: PackedLayout, features: SamplerFeatures):
         fused = make_fused_decode(layout, features, params=self.params, num_tokens=bucket.num_tokens,
                                   block_size=self.block_size, use_kernels=self.use_kernels,
-                                  max_steps=self.max_fused_steps, unroll=self.fused_unroll)
+                                  max_steps=self.max_fused_steps, unroll=self.fused_unroll,
+                                  eos_for_masks=self.eos_for_masks)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
@@ -233,6 +254,7 @@ class ModelRunnerV2(RunnerBase):
             self._variant_of.pop(req_id, None)
             self._prompts.pop(req_id, None)
             self._num_blocks.pop(req_id, None)
+            self.automaton_pool.release(req_id)
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:  # nothing scheduled: no new requests and no new blocks either
             return StepResult({})
@@ -337,6 +359,8 @@ class ModelRunnerV2(RunnerBase):
             # Penalty counts, prompt masks, bias and min_tokens lists are written once, by their
             # own small dispatch, only for requests that use them.
             row, owns_rows = self._new_sampling_row(new, slot)
+            if new.automaton is not None:
+                row.scalars["automaton_state"] = self._load_automaton(new)
             for name in SAMPLING_FIELDS:
                 view(f"new_{name}")[i] = row.scalars[name]
             view("new_stop_ids")[i] = device_stop_ids(new.sampling_params, self.eos_token_ids)
@@ -349,6 +373,16 @@ class ModelRunnerV2(RunnerBase):
             if not is_plain_greedy(row):
                 self._variant_of[new.req_id] = self._smallest_variant(row)
             self._prompts[new.req_id] = list(new.token_ids)
+
+    def _load_automaton(self, new) -> int:
+        """Put a constrained request's automaton in the device pool (unless it is there) -> the
+        global id of its state: the start, or where its outputs so far led (a resumed request)."""
+        automaton = new.automaton
+        state_base, exception_base, fresh = self.automaton_pool.acquire(new.req_id, automaton)
+        if fresh:
+            self.slot_state = self.slot_state._replace(automata=self._automaton_writer.write(
+                self.slot_state.automata, automaton, state_base, exception_base))
+        return state_base + automaton.walk(new.token_ids[new.num_prompt_tokens:])
 
     def _smallest_variant(self, row) -> int:
         needs = row_needs(row, self.vocab_size)

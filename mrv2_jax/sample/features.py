@@ -77,6 +77,9 @@ class SamplerFeatures:
     # Prompt logprobs (top MAX_LOGPROBS) at every scheduled token of the rows that ask for them
     # (runner/model_step.py): logits for the whole token axis, under a runtime skip.
     prompt_logprobs: bool = False
+    # Structured outputs (sample/automata.py): constrained rows' logits are masked by their
+    # automaton state, which the step advances; without it the step holds none of that.
+    structured: bool = False
     runtime_skip: bool = True
     # "threshold": k-ary search for the top-k / top-p cut-offs (a fixed number of passes over
     # the logits, no sort); "sort": one full sort per row (reference; for speed comparisons).
@@ -99,7 +102,7 @@ class SamplerFeatures:
         """Every feature compiled in, top-20 logprobs, prompt logprobs, runtime skips: one variant
         for any batch."""
         on = dict(sampling=True, logit_bias=True, min_tokens=True, penalties=True, min_p=True,
-                  top_k=True, top_p=True, num_logprobs=20, prompt_logprobs=True)
+                  top_k=True, top_p=True, num_logprobs=20, prompt_logprobs=True, structured=True)
         return cls(**(on | overrides))
 
     @classmethod
@@ -107,8 +110,10 @@ class SamplerFeatures:
         """Every feature but prompt logprobs. Placed before "all" (`--sampler-variants
         greedy,plain,full,all`), it runs the steps that compute no prompt logprobs, which then
         carry no prompt-logprobs conditional; steps with prompt-logprob spans run "all". One more
-        compile per bucket; a default on GPUs (default_variant_names)."""
-        return cls.all(prompt_logprobs=False)
+        compile per bucket; a default on GPUs (default_variant_names). No structured outputs either:
+        batches without constraints run as they did before them; constrained ones take
+        "structured" when it is compiled, else "all"."""
+        return cls.all(prompt_logprobs=False, structured=False)
 
     @classmethod
     def greedy(cls) -> SamplerFeatures:
@@ -121,12 +126,19 @@ class SamplerFeatures:
         return cls(sampling=True, runtime_skip=False)
 
     @classmethod
+    def structured_sampling(cls) -> SamplerFeatures:
+        """plain with structured outputs: for batches whose constrained rows sample with a
+        temperature and nothing else (`--sampler-variants greedy,plain,structured,full,all`)."""
+        return cls(sampling=True, runtime_skip=False, structured=True)
+
+    @classmethod
     def default_variants(cls, backend: str | None = None) -> tuple[SamplerFeatures, ...]:
         """What a runner compiles per bucket unless told otherwise, cheapest first."""
         return variants_by_name(default_variant_names(backend))
 
     # Boolean feature flags, in a fixed order.
-    FLAGS = ("sampling", "logit_bias", "min_tokens", "penalties", "min_p", "top_k", "top_p", "prompt_logprobs")
+    FLAGS = ("sampling", "logit_bias", "min_tokens", "penalties", "min_p", "top_k", "top_p", "prompt_logprobs",
+             "structured")
 
     def covers(self, needed: SamplerFeatures) -> bool:
         """True when a step compiled with `self` computes what a batch needing `needed` asks for."""
@@ -141,8 +153,8 @@ class SamplerFeatures:
 
 
 # Named variants, for `EngineConfig.sampler_variants` / `--sampler-variants`.
-VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling, "full": SamplerFeatures.full,
-            "all": SamplerFeatures.all}
+VARIANTS = {"greedy": SamplerFeatures.greedy, "plain": SamplerFeatures.plain_sampling,
+            "structured": SamplerFeatures.structured_sampling, "full": SamplerFeatures.full, "all": SamplerFeatures.all}
 
 
 def run_if_used(runtime_skip: bool, used, compute, skip):

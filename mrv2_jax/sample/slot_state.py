@@ -17,6 +17,9 @@ max_model_len times in one sequence, so no count can wrap), else int32: 78 MB at
 (311 MB at S=1024), half of int32. The penalty pass reads a batch's rows every step, so the
 narrow table is also 78 MB less to read per 256-row step. The prompt mask is a bit mask, 32x
 smaller than bytes.
+
+The structured-output automaton pool (automata.py) rides along as `automata`: written by its own
+small dispatch when a constrained request arrives, read by the steps that mask logits.
 """
 
 import dataclasses
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mrv2_jax.sample.automata import AutomatonTables, init_tables
 from mrv2_jax.sample.penalties import PenaltyData, num_mask_words, pack_token_mask
 from mrv2_jax.sample.tensors import SamplingRow, SamplingTensors
 
@@ -38,6 +42,7 @@ class SlotState(NamedTuple):
     bias_ids: jax.Array  # i32[S, MB]
     bias_values: jax.Array  # f32[S, MB]
     stop_ids: jax.Array  # i32[S, MS]
+    automata: AutomatonTables  # the structured-output automaton pool
 
 
 def counts_dtype(max_model_len: int | None):
@@ -47,12 +52,14 @@ def counts_dtype(max_model_len: int | None):
 
 
 def init_slot_state(num_slots: int, vocab_size: int, max_bias: int, max_stop: int,
-                    max_model_len: int | None = None) -> SlotState:
+                    max_model_len: int | None = None, automaton_pool: tuple[int, int] = (1, 1)) -> SlotState:
+    """automaton_pool: (states, exception entries) of the structured-output pool."""
     return SlotState(jnp.zeros((num_slots, vocab_size), counts_dtype(max_model_len)),
                      jnp.zeros((num_slots, num_mask_words(vocab_size)), jnp.uint32),
                      jnp.full((num_slots, max_bias), -1, jnp.int32),
                      jnp.zeros((num_slots, max_bias), jnp.float32),
-                     jnp.full((num_slots, max_stop), -1, jnp.int32))
+                     jnp.full((num_slots, max_stop), -1, jnp.int32),
+                     init_tables(*automaton_pool, vocab_size))
 
 
 def write_request(state: SlotState, slot, bias_ids, bias_values, stop_ids, token_ids, token_kind,
@@ -66,9 +73,11 @@ def write_request(state: SlotState, slot, bias_ids, bias_values, stop_ids, token
     keep = jnp.logical_not(reset)
     counts = (jnp.where(keep, state.output_counts[slot], 0) + outputs).astype(state.output_counts.dtype)
     mask = jnp.where(keep, state.prompt_mask[slot], 0) | pack_token_mask(in_prompt)
-    return SlotState(state.output_counts.at[slot].set(counts), state.prompt_mask.at[slot].set(mask),
-                     state.bias_ids.at[slot].set(bias_ids), state.bias_values.at[slot].set(bias_values),
-                     state.stop_ids.at[slot].set(stop_ids))
+    return state._replace(output_counts=state.output_counts.at[slot].set(counts),
+                          prompt_mask=state.prompt_mask.at[slot].set(mask),
+                          bias_ids=state.bias_ids.at[slot].set(bias_ids),
+                          bias_values=state.bias_values.at[slot].set(bias_values),
+                          stop_ids=state.stop_ids.at[slot].set(stop_ids))
 
 
 def count_sampled(state: SlotState, table_rows: jax.Array, tokens: jax.Array) -> SlotState:

@@ -42,6 +42,7 @@ class SamplingTensors:
     min_tokens: jax.Array  # i32[R]
     num_output_tokens: jax.Array  # i32[R]: outputs that exist before the token sampled now
     num_logprobs: jax.Array  # i32[R]; -1 = no logprobs, n >= 0 = sampled token + top n
+    automaton_state: jax.Array  # i32[R]; structured outputs: the row's global automaton state, -1 = none
     bias_ids: jax.Array  # i32[R, MB]; -1 = padding
     bias_values: jax.Array  # f32[R, MB]
     stop_ids: jax.Array  # i32[R, MS]; -1 = padding; masked while num_output < min_tokens
@@ -66,6 +67,7 @@ _SCALAR_DEFAULTS = {  # field -> (dtype, neutral value)
     "min_p": (np.float32, 0.0), "seeds": (np.int32, 0), "repetition_penalty": (np.float32, 1.0),
     "presence_penalty": (np.float32, 0.0), "frequency_penalty": (np.float32, 0.0),
     "min_tokens": (np.int32, 0), "num_output_tokens": (np.int32, 0), "num_logprobs": (np.int32, -1),
+    "automaton_state": (np.int32, -1),
 }
 SCALAR_FIELDS = tuple(_SCALAR_DEFAULTS)
 FLOAT_SCALAR_FIELDS = frozenset(n for n, (dt, _) in _SCALAR_DEFAULTS.items() if dt == np.float32)
@@ -121,10 +123,11 @@ class SamplingRow:
 
 def is_plain_greedy(row: SamplingRow) -> bool:
     """An argmax of the raw logits serves this row: greedy, and nothing that changes logits
-    before the argmax (bias, min_tokens, penalties) or asks for logprobs. top_k / top_p / min_p
+    before the argmax (bias, min_tokens, penalties, an automaton's mask) or asks for logprobs. top_k / top_p / min_p
     never remove the largest logit, so they do not matter for a greedy row."""
     s = row.scalars
-    return s["temperature"] == 0 and not row.uses_penalties and not row.uses_sparse and s["num_logprobs"] < 0
+    return (s["temperature"] == 0 and not row.uses_penalties and not row.uses_sparse and s["num_logprobs"] < 0
+            and s["automaton_state"] < 0)
 
 
 def row_needs(row: SamplingRow, vocab_size: int) -> SamplerFeatures:
@@ -136,7 +139,8 @@ def row_needs(row: SamplingRow, vocab_size: int) -> SamplerFeatures:
         sampling=sampled, logit_bias=len(row.bias_ids) > 0, min_tokens=len(row.stop_ids) > 0,
         penalties=row.uses_penalties, min_p=sampled and s["min_p"] > 0,
         top_k=sampled and 0 < s["top_k"] < vocab_size, top_p=sampled and s["top_p"] < 1,
-        num_logprobs=None if s["num_logprobs"] < 0 else int(s["num_logprobs"]), runtime_skip=False)
+        num_logprobs=None if s["num_logprobs"] < 0 else int(s["num_logprobs"]),
+        structured=s["automaton_state"] >= 0, runtime_skip=False)
 
 
 def seed_to_int32(seed: int) -> int:
@@ -160,6 +164,7 @@ def sampling_row(params: SamplingParams, *, eos_token_ids=(), seed_rng: np.rando
         "repetition_penalty": params.repetition_penalty, "presence_penalty": params.presence_penalty,
         "frequency_penalty": params.frequency_penalty, "min_tokens": params.min_tokens,
         "num_logprobs": -1 if params.logprobs is None else params.logprobs,
+        "automaton_state": -1,  # the runner sets a constrained request's start state
     }
     bias = params.logit_bias or {}
     stop = []
@@ -185,6 +190,7 @@ def needed_features(tensors: SamplingTensors, vocab_size: int) -> SamplerFeature
         top_k=bool(np.any((t.top_k > 0) & (t.top_k < vocab_size))),
         top_p=bool(np.any(t.top_p < 1)),
         num_logprobs=None if num_lp < 0 else num_lp,
+        structured=bool(np.any(t.automaton_state >= 0)),
         runtime_skip=False)
 
 

@@ -47,6 +47,16 @@ def test_bench_throughput(tmp_path):
     assert result["settings"]["max_num_seqs"] == 8 and result["settings"]["block_size"] == 4
 
 
+def test_bench_throughput_with_a_constraint(tmp_path):
+    out = tmp_path / "throughput.json"
+    assert cli.main(["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
+                     "--structured-outputs", '{"choice": ["yes", "no"]}', "--runner", "v2",
+                     "--output-json", str(out), *ENGINE, "--model", "demo"]) == 0  # a model with a tokenizer
+    result = json.loads(out.read_text())
+    assert result["structured_outputs"] == {"choice": ["yes", "no"]}
+    assert 0 < result["num_output_tokens"] < 4 * 6  # "yes" / "no" and EOS
+
+
 def test_bench_ab_report_and_plot(tmp_path):
     out, png = tmp_path / "ab.json", tmp_path / "ab.png"
     assert cli.main(["bench", "ab", "--num-prompts", "8", "--input-len", "8", "--output-len", "8",

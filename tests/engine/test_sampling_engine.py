@@ -185,7 +185,10 @@ def test_sampler_variant_names_are_checked():
 
     assert variants_by_name("plain, all") == (SamplerFeatures.plain_sampling(), SamplerFeatures.all())
     full = variants_by_name("greedy,full,all")[1]
-    assert full == SamplerFeatures.all(prompt_logprobs=False) and SamplerFeatures.all().covers(full)
+    assert full == SamplerFeatures.all(prompt_logprobs=False, structured=False) and SamplerFeatures.all().covers(full)
+    structured = variants_by_name("structured,all")[0]
+    assert structured == SamplerFeatures.plain_sampling().replace(structured=True)
+    assert not full.covers(structured) and SamplerFeatures.all().covers(structured)
     for bad in ("greedy", "greedy,fast,all", "all,greedy", "all,all", ""):
         with pytest.raises(ValueError, match="sampler variants"):
             variants_by_name(bad)

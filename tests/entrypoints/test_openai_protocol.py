@@ -66,6 +66,39 @@ def test_vocab_checks_need_the_model():
     assert e.value.status == 400 and e.value.param == "logit_bias"
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}, "json"),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "choice"),
+    ({"structured_outputs": {"json": SCHEMA}}, "json")])
+def test_constraints_reach_sampling_params(fields, kind):
+    for req in (CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields}),
+                ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                      **fields})):
+        so = req.to_sampling_params(VOCAB).structured_outputs
+        assert (so and so.kind) == kind
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}}, "response_format"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "x"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs")])
+def test_bad_constraints_are_400_naming_the_field(fields, param):
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
+    with pytest.raises(OpenAIError) as e:
+        req.to_sampling_params(VOCAB)
+    assert e.value.status == 400 and e.value.param == param
+
+
 @dataclass
 class Logprob:  # the shape the sampler fills in (engine/output.py)
     logprob: float

@@ -113,7 +113,17 @@ BAD_REQUESTS = {
     "chat: logprobs as int": (CHAT, chat(logprobs=3), 400),
     "chat: n=2": (CHAT, chat(n=2), 400),
     "chat: tools": (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
-    "chat: json response_format": (CHAT, chat(response_format={"type": "json_object"}), 400),
+    "chat: unknown response_format": (CHAT, chat(response_format={"type": "yaml"}), 400),
+    "chat: json_schema without schema": (CHAT, chat(response_format={"type": "json_schema", "json_schema": {}}), 400),
+    "invalid regex": (COMPLETIONS, comp(structured_outputs={"regex": "(ab"}), 400),
+    "unsatisfiable regex": (COMPLETIONS, comp(structured_outputs={"regex": r"[^\s\S]"}), 400),
+    "empty choice": (COMPLETIONS, comp(structured_outputs={"choice": []}), 400),
+    "two constraint kinds": (COMPLETIONS, comp(structured_outputs={"regex": "a", "choice": ["a"]}), 400),
+    "invalid schema": (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "object", "properties": 5}}}), 400),
+    "grammar": (COMPLETIONS, comp(structured_outputs={"grammar": "root ::= 'a'"}), 400),
+    "constraint given twice": (CHAT, chat(response_format={"type": "json_object"},
+                                          structured_outputs={"regex": "a"}), 400),
     "chat: unknown model": (CHAT, chat(model="nope"), 404),
 }
 
@@ -154,6 +164,12 @@ def test_param_names_the_offending_field(http):
     assert assert_openai_error(_post(http, COMPLETIONS, comp(max_tokens=300)))["param"] == "max_tokens"
     assert assert_openai_error(_post(http, CHAT, chat(messages=[])))["param"] == "messages"
     assert assert_openai_error(_post(http, COMPLETIONS, comp(model="x")))["code"] == "model_not_found"
+    for body, param in ((comp(structured_outputs={"regex": "(ab"}), "structured_outputs"),
+                        (comp(structured_outputs={"regex": r"[^\s\S]"}), "structured_outputs"),
+                        (comp(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}),
+                         "response_format")):
+        error = assert_openai_error(_post(http, COMPLETIONS, body))
+        assert error["param"] == param and "structured_outputs." in error["message"], error
 
 
 def test_oversized_body_is_413(http):

@@ -190,6 +190,18 @@ def test_prompt_logprobs_are_rejected_with_speculative_decoding():
 @pytest.mark.parametrize("runner, spec", [
     ("v2", {"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
     ("v1", {"method": "ngram", "k": 2})], ids=["v2", "v1"])
+def test_structured_outputs_are_rejected_with_speculative_decoding(runner, spec):
+    """A spec step verifies drafts without an automaton (and V1 runs none): a constrained request
+    is refused at add_request with a message that says why, never served unconstrained."""
+    llm = engine(runner, spec)
+    with pytest.raises(ValueError, match=r"structured_outputs is not supported .*speculative decoding"):
+        llm.add_request(PROMPTS[0], SamplingParams(max_tokens=2, structured_outputs={"choice": ["a", "b"]}))
+    assert not llm.engine.has_work()
+
+
+@pytest.mark.parametrize("runner, spec", [
+    ("v2", {"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+    ("v1", {"method": "ngram", "k": 2})], ids=["v2", "v1"])
 def test_logprobs_beside_speculating_rows(runner, spec):
     """Rows asking for logprobs get no drafts; their logprobs come out of the spec step as out
     of a plain one, while the other rows of the batch speculate."""

@@ -1,0 +1,59 @@
+"""Compiling constraints for one tokenizer, with a cache shared by every engine in the process.
+
+Compiling a JSON schema against a large vocabulary takes from milliseconds to seconds, so it
+happens when a request arrives (EngineCore.add_request), never inside a step, and each
+(constraint, tokenizer) pair is compiled once: requests with the same schema share the result.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from mrv2_jax.structured.automaton import TokenAutomaton, compile_automaton
+from mrv2_jax.structured.params import StructuredOutputsParams
+from mrv2_jax.structured.vocabulary import TokenVocabulary, vocabulary_of
+
+CACHE_SIZE = 64  # compiled automata kept, least recently used dropped first
+
+_cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
+_lock = threading.Lock()
+
+
+class ConstraintCompiler:
+    """Constraints -> TokenAutomaton for one tokenizer (its vocabulary is read on first use)."""
+
+    def __init__(self, tokenizer, eos_token_ids, vocab_size: int):
+        self._tokenizer, self._eos, self._vocab_size = tokenizer, tuple(eos_token_ids), vocab_size
+        self._vocab: TokenVocabulary | None = None
+
+    @property
+    def vocabulary(self) -> TokenVocabulary:
+        if self._vocab is None:
+            if self._tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            self._vocab = vocabulary_of(self._tokenizer, self._eos, self._vocab_size)
+        return self._vocab
+
+    def cached(self, params: StructuredOutputsParams) -> TokenAutomaton | None:
+        """The automaton of `params` if it is compiled already, else None (never compiles)."""
+        with _lock:
+            return _cache.get((self.vocabulary.fingerprint, params.key))
+
+    def compile(self, params: StructuredOutputsParams) -> TokenAutomaton:
+        """The cached automaton of `params` (ValueError naming the field if it cannot be built)."""
+        vocab = self.vocabulary
+        key = (vocab.fingerprint, params.key)
+        with _lock:
+            if key in _cache:
+                _cache.move_to_end(key)
+                return _cache[key]
+        try:
+            automaton = compile_automaton(params.pattern, vocab)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
+        with _lock:
+            _cache[key] = automaton
+            while len(_cache) > CACHE_SIZE:
+                _cache.popitem(last=False)
+        return automaton
