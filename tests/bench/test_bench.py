@@ -10,8 +10,9 @@ from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.entrypoints import cli
 
 MODEL = str(Path(__file__).parents[1] / "fixtures" / "qwen3-tiny")
-ENGINE = ["--model", MODEL, "--dtype", "float32", "--num-gpu-blocks", "256", "--block-size", "4",
-          "--max-model-len", "128", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
+# tests/engine/test_engine.py's engine shape: the steps it compiled load from the persistent cache.
+ENGINE = ["--model", MODEL, "--dtype", "float32", "--num-gpu-blocks", "128", "--block-size", "4",
+          "--max-model-len", "96", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
 ENVIRONMENT_KEYS = {"date", "git_sha", "jax_version", "backend", "device"}
 
 
@@ -239,8 +240,9 @@ def test_engine_and_runner_hooks_are_off_by_default():
     from mrv2_jax.bench.step_log import StepLog, attach_hooks
     from mrv2_jax.llm import LLM
 
-    llm = LLM(MODEL, dtype="float32", num_gpu_blocks=64, block_size=4, max_model_len=32, max_num_batched_tokens=8,
-              max_num_seqs=2, runner="v2", show_progress=False)
+    # test_engine's shape with one bucket (test_prompt_logprobs compiles the same steps)
+    llm = LLM(MODEL, dtype="float32", num_gpu_blocks=128, block_size=4, max_model_len=96, max_num_batched_tokens=8,
+              max_num_seqs=8, runner="v2", show_progress=False)
     engine = llm.engine
     assert engine.hooks is None and engine.runner.hooks is None
     log = StepLog()

@@ -70,8 +70,9 @@ def test_bench_serve_launches_and_stops_its_own_server(tmp_path):
     """--launch-server: `mrv2-jax serve` as a subprocess with these engine arguments, ready at
     /health, stopped (with its engine) when the run ends."""
     log = tmp_path / "server.log"
-    report = serve.main(["--launch-server", "--model", "demo", "--dtype", "float32", "--max-num-seqs", "4",
-                         "--max-num-batched-tokens", "32", "--max-model-len", "128", "--num-gpu-blocks", "64",
+    # The engine shape of tests/server_harness.py: the server's steps load from the compilation cache.
+    report = serve.main(["--launch-server", "--model", "demo", "--dtype", "float32", "--max-num-seqs", "16",
+                         "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-gpu-blocks", "160",
                          "--num-prompts", "6", "--input-len", "10", "--output-len", "4", "--ignore-eos",
                          "--disable-tqdm", "--server-log", str(log)])
     assert report["metrics"]["completed"] == 6 and report["metrics"]["total_output_tokens"] == 24

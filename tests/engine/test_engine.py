@@ -120,10 +120,10 @@ def test_bad_requests_raise_and_leave_nothing_behind(llm):
 
 
 def demo_llm() -> LLM:
-    """The demo model (a real tokenizer), one shape for the tests that need it: the second build
-    loads its compiled steps from the persistent compilation cache."""
-    return LLM("demo", dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=256, num_gpu_blocks=96, block_size=16, show_progress=False)
+    """The demo model (a real tokenizer) in the server tests' engine shape (tests/server_harness.py):
+    its compiled steps load from the persistent compilation cache."""
+    return LLM("demo", dtype="float32", runner="v2", max_num_seqs=16, max_num_batched_tokens=32,
+               max_model_len=256, num_gpu_blocks=160, block_size=16, show_progress=False)
 
 
 def test_stop_string_spanning_tokens_with_the_demo_model():
@@ -177,8 +177,10 @@ def test_generate_reports_only_final_outputs_and_matches_streamed_text():
 
 def test_unrolled_layer_loop_gives_the_same_tokens():
     prompts = random_prompts(6, seed=5)
-    want = [o.outputs[0].token_ids for o in make_llm(runner="v2").generate(prompts, GREEDY, use_tqdm=False)]
-    unrolled = make_llm(runner="v2", layer_unroll=0)
+    # One 8-token bucket (prompts prefill in chunks): the unrolled model compiles two programs.
+    want = [o.outputs[0].token_ids for o in make_llm(runner="v2", max_num_batched_tokens=8).generate(
+        prompts, GREEDY, use_tqdm=False)]
+    unrolled = make_llm(runner="v2", layer_unroll=0, max_num_batched_tokens=8)
     got = [o.outputs[0].token_ids for o in unrolled.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want
     with pytest.raises(ValueError, match="layer_unroll"):

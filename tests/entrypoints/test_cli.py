@@ -8,8 +8,10 @@ import pytest
 
 def test_generate_command_prints_text_from_the_demo_model():
     prompt = "The king said"
+    # generate's one-row engine with one 8-token bucket (the prompt fits): 2 step programs to compile, not 7.
     run = subprocess.run([sys.executable, "-m", "mrv2_jax.entrypoints.cli", "generate", "--prompt", prompt,
-                          "--max-tokens", "24"], capture_output=True, text=True, timeout=600)
+                          "--max-tokens", "24", "--max-num-batched-tokens", "8"], capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(prompt)
     generated = run.stdout[len(prompt):].strip()

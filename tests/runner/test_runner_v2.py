@@ -20,8 +20,9 @@ ARMS = [("v1", False), ("v2", False), ("v2", True)]
 
 
 def make_llm(runner, async_scheduling, **overrides):
+    # 26 blocks of 4 tokens force preemptions; test_sampling_engine's engines have this shape.
     args = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96,
-                num_gpu_blocks=48, block_size=4, show_progress=False)
+                num_gpu_blocks=26, block_size=4, show_progress=False)
     return LLM(str(MODEL), runner=runner, async_scheduling=async_scheduling, **(args | overrides))
 
 
