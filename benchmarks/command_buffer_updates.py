@@ -97,7 +97,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     enable_command_buffers_while_profiling()
     from mrv2_jax import envs
-    from mrv2_jax.bench.environment import describe_environment, write_report
+    from mrv2_jax.bench.environment import flag_probe_report
     from mrv2_jax.xla_flags import apply_default_xla_flags
 
     apply_default_xla_flags()  # +WHILE, as the engine runs
@@ -111,11 +111,7 @@ def main(argv=None):
     for name, r in results.items():
         print(f"{name:16} {r['call_ms']:8.3f} {r['traced_call_ms']:10.3f} {r['updates_per_call']:13.1f} "
               f"{r['update_ms']:10.3f}")
-    report = {**describe_environment(), "settings": vars(args), "xla_flags": envs.get_xla_flags(),
-              "results": results}
-    if args.output_json:
-        write_report(report, args.output_json)
-    return report
+    return flag_probe_report(args, results, args.output_json)
 
 
 if __name__ == "__main__":

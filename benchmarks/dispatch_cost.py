@@ -26,7 +26,7 @@ import numpy as np
 from mrv2_jax import envs
 from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.dataset import random_prompts
-from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.bench.environment import flag_probe_report
 from mrv2_jax.bench.step_log import attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
@@ -89,11 +89,7 @@ def main(argv=None, prog=None):
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
     for name, r in results.items():
         print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
-    report = {**describe_environment(), "settings": vars(args), "xla_flags": envs.get_xla_flags(),
-              "results": results}
-    if args.output_json:
-        write_report(report, args.output_json)
-    return report
+    return flag_probe_report(args, results, args.output_json)
 
 
 if __name__ == "__main__":

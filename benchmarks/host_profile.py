@@ -61,15 +61,12 @@ def self_times(events: list[tuple[float, float, str]]) -> dict[str, float]:
 
 def host_split(trace: dict, calls_expected: int) -> dict:
     """From a Perfetto trace: the host self time (µs per call) of every event family inside the
-    annotated calls, per thread name; and the calls' mean wall time."""
+    annotated calls, per thread name (the median over the calls), and the calls' median wall time."""
+    from mrv2_jax.bench.trace import is_device_process, process_and_thread_names
+
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    process, thread = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            process[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            thread[e["pid"], e.get("tid")] = e["args"]["name"]
-    host = {pid for pid, name in process.items() if not ("GPU" in name or name.startswith("/device:"))}
+    process, thread = process_and_thread_names(events)
+    host = {pid for pid, name in process.items() if not is_device_process(name)}
     spans = [e for e in events if e.get("ph") == "X" and e["pid"] in host]
     calls = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in spans
                    if e.get("name") == CALL_ANNOTATION)
@@ -155,7 +152,7 @@ def main(argv=None, prog=None):
 
     from benchmarks.dispatch_cost import capture_decode_dispatch, time_calls
     from mrv2_jax import envs
-    from mrv2_jax.bench.environment import describe_environment, write_report
+    from mrv2_jax.bench.environment import flag_probe_report
     from mrv2_jax.llm import LLM
 
     kwargs = engine_kwargs(args)
@@ -174,11 +171,7 @@ def main(argv=None, prog=None):
         for name, us in list(split["self_us"].items())[: args.top]:
             print(f"  {us:9.1f} us  {name}")
     print(f"XLA_FLAGS={envs.get_xla_flags()}")
-    report = {**describe_environment(), "settings": vars(args), "xla_flags": envs.get_xla_flags(),
-              "results": results}
-    if args.output_json:
-        write_report(report, args.output_json)
-    return report
+    return flag_probe_report(args, results, args.output_json)
 
 
 if __name__ == "__main__":

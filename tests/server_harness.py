@@ -2,6 +2,7 @@
 real HTTP server on a free port of 127.0.0.1, run in this process on a background thread (so
 tests can look at the engine's state directly, e.g. that every KV block is free again)."""
 
+import json
 import time
 from contextlib import contextmanager
 
@@ -51,3 +52,21 @@ def assert_openai_error(response, status: int | None = None):
     assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
     assert isinstance(body["error"]["type"], str), body
     return body["error"]
+
+
+async def stream_completion(http, body: dict) -> list[dict]:
+    """POST a streaming /v1/completions request (an httpx.AsyncClient) -> its server-sent event
+    payloads, checking the SSE framing: only `data:` lines, nothing after `[DONE]`, which ends it."""
+    events, done = [], False
+    async with http.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ") and not done, line  # nothing after [DONE]
+            if line == "data: [DONE]":
+                done = True
+            else:
+                events.append(json.loads(line[len("data: "):]))
+    assert done
+    return events

@@ -52,3 +52,13 @@ def write_report(report: dict, path) -> None:
     """Every benchmark's JSON: indented, and anything JSON lacks (a Path, a dtype) as its str."""
     with open(path, "w") as f:
         json.dump(report, f, indent=2, default=str)
+
+
+def flag_probe_report(args, results, output_json: str | None) -> dict:
+    """The report of a probe run under some XLA_FLAGS: environment, settings, flags and results;
+    written to `output_json` when given."""
+    report = {**describe_environment(), "settings": vars(args), "xla_flags": envs.get_xla_flags(),
+              "results": results}
+    if output_json:
+        write_report(report, output_json)
+    return report

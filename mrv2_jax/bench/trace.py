@@ -31,6 +31,22 @@ def find_trace(trace_dir: str) -> str | None:
     return None
 
 
+def process_and_thread_names(events: list[dict]) -> tuple[dict, dict]:
+    """A Perfetto trace's metadata -> ({pid: process name}, {(pid, tid): thread name})."""
+    process, thread = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[e["pid"], e.get("tid")] = e["args"]["name"]
+    return process, thread
+
+
+def is_device_process(name: str) -> bool:
+    """Whether a trace process holds a device's events (else it is the host's)."""
+    return "GPU" in name or name.startswith("/device:")
+
+
 def read_trace(path: str) -> tuple[list[tuple[int, float, float]], list[tuple[float, float, str]], str]:
     """-> (steps as (index, start_us, end_us), device events as (start_us, end_us, name), which
     device lines were used). Device events are those of the GPU processes' "Stream" lines (raw
@@ -39,13 +55,8 @@ def read_trace(path: str) -> tuple[list[tuple[int, float, float]], list[tuple[fl
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    process, thread = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            process[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            thread[e["pid"], e.get("tid")] = e["args"]["name"]
-    devices = {pid for pid, name in process.items() if "GPU" in name or name.startswith("/device:")}
+    process, thread = process_and_thread_names(events)
+    devices = {pid for pid, name in process.items() if is_device_process(name)}
     steps, streams, other_device = [], [], []
     for e in events:
         if e.get("ph") != "X":

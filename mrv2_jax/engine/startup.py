@@ -7,21 +7,9 @@ import contextlib
 import logging
 import time
 
-import jax
+from mrv2_jax.runner.compile_guard import executables_made
 
 logger = logging.getLogger(__name__)
-
-_COMPILED = "/jax/core/compile/backend_compile_duration"
-_CACHE_HIT = "/jax/compilation_cache/cache_retrieval_time_sec"
-_counts = {_COMPILED: 0, _CACHE_HIT: 0}
-
-
-def _on_event(name: str, _duration: float, **_kwargs) -> None:
-    if name in _counts:
-        _counts[name] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 class StartupReport:
@@ -31,7 +19,7 @@ class StartupReport:
     def __init__(self):
         self.phases: dict[str, float] = {}
         self._start = time.perf_counter()
-        self._counts_at_start = dict(_counts)
+        self._made_at_start = executables_made()
         self.total_s = 0.0
         self.compiled = self.cache_hits = 0
 
@@ -45,8 +33,8 @@ class StartupReport:
 
     def finish(self) -> StartupReport:
         self.total_s = time.perf_counter() - self._start
-        self.compiled = _counts[_COMPILED] - self._counts_at_start[_COMPILED]
-        self.cache_hits = _counts[_CACHE_HIT] - self._counts_at_start[_CACHE_HIT]
+        compiled, loaded = executables_made()
+        self.compiled, self.cache_hits = compiled - self._made_at_start[0], loaded - self._made_at_start[1]
         logger.info("engine start-up: %s", self)
         return self
 

@@ -20,12 +20,21 @@ from mrv2_jax import envs
 _COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
 _num_compiles = 0
 _planned = threading.local()  # per thread: inside planned() (compiles there are not counted)
+_by_event = dict.fromkeys(_COMPILE_EVENTS, 0)  # every one, planned or not (start-up reports)
 
 
 def _on_event(name: str, _duration: float, **_kwargs) -> None:
     global _num_compiles
-    if name in _COMPILE_EVENTS and not getattr(_planned, "active", False):
-        _num_compiles += 1
+    if name in _COMPILE_EVENTS:
+        _by_event[name] += 1
+        if not getattr(_planned, "active", False):
+            _num_compiles += 1
+
+
+def executables_made() -> tuple[int, int]:
+    """(executables compiled, executables loaded from the persistent cache) in this process so
+    far, planned ones included."""
+    return _by_event[_COMPILE_EVENTS[0]], _by_event[_COMPILE_EVENTS[1]]
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.sampling_params import SamplingParams
-from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, wait_until
+from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, stream_completion, wait_until
 
 STREAM_INTERVAL = 4  # below the default max_fused_steps (16), so the cap shows
 
@@ -82,22 +82,6 @@ def _all_blocks_free(engine) -> bool:
     return s.num_running_reqs == 0 and s.num_waiting_reqs == 0 and s.num_free_blocks == s.num_blocks
 
 
-async def _stream(http: httpx.AsyncClient, body: dict) -> list[dict]:
-    events, done = [], False
-    async with http.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        async for line in r.aiter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: ") and not done, line  # nothing after [DONE]
-            if line == "data: [DONE]":
-                done = True
-            else:
-                events.append(json.loads(line[len("data: "):]))
-    assert done
-    return events
-
-
 def _text(events: list[dict]) -> str:
     return "".join(e["choices"][0]["text"] for e in events)
 
@@ -112,7 +96,7 @@ def test_64_concurrent_streams_match_offline(server, reference):
     async def run():
         limits = httpx.Limits(max_connections=len(CONCURRENT))
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
-            return await asyncio.gather(*(_stream(http, {"prompt": p, **kw})
+            return await asyncio.gather(*(stream_completion(http, {"prompt": p, **kw})
                                           for p, kw in zip(CONCURRENT, CONCURRENT_PARAMS)))
 
     results = asyncio.run(run())
@@ -179,7 +163,7 @@ def test_structured_outputs_through_the_engine_process(server, reference):
 
 async def _stream_with_client(server, body):
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        return await _stream(http, body)
+        return await stream_completion(http, body)
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):

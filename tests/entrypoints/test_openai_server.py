@@ -8,7 +8,6 @@ disconnects).
 """
 
 import asyncio
-import json
 
 import httpx
 import openai
@@ -16,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.sampling_params import SamplingParams
-from tests.server_harness import MODEL_NAME, make_llm, running_server, wait_until
+from tests.server_harness import MODEL_NAME, make_llm, running_server, stream_completion, wait_until
 
 PROMPTS = ["The king said", "Once upon a time, in a far country,", "To be, or not to be:"]
 GREEDY = dict(max_tokens=12, temperature=0.0)
@@ -142,19 +141,7 @@ def test_logprob_requests_are_accepted(client):
 
 
 async def _stream_one(http: httpx.AsyncClient, prompt: str, params: dict) -> tuple[list[dict], str]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "stream": True, **params}
-    events, done = [], False
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        async for line in r.aiter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: ") and not done, line  # nothing after [DONE]
-            if line == "data: [DONE]":
-                done = True
-            else:
-                events.append(json.loads(line[len("data: "):]))
-    assert done
+    events = await stream_completion(http, {"prompt": prompt, **params})
     return events, "".join(e["choices"][0]["text"] for e in events)
 
 
