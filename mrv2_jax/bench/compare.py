@@ -94,13 +94,16 @@ def arm_command(arm: str, setting: str, args, out_json: str) -> tuple[list[str],
               "--warmup-prompts", str(args.warmup_prompts), "--output-json", out_json]
     if not args.prefix_caching:
         common.append("--no-prefix-caching")
+    if args.structured_outputs:
+        common.append(f"--structured-outputs={args.structured_outputs}")
     if arm in VLLM_ARMS:
         cmd = [args.vllm_python, "-m", "mrv2_jax.bench.vllm_throughput", "--model", args.vllm_model, *common,
                *(["--detokenize"] if args.detokenize else []), *[f"--vllm-arg={a}" for a in args.vllm_arg or []]]
         return cmd, vllm_env(args, VLLM_ARMS[arm])
     cmd = [sys.executable, "-m", "mrv2_jax.bench.throughput", "--model", args.model, "--load-format", "dummy",
            "--dtype", "bfloat16", *MRV2_ARMS[arm], *common,
-           *(["--tokenizer", args.vllm_model] if args.detokenize else []), *(args.mrv2_arg or [])]
+           *(["--tokenizer", args.vllm_model] if args.detokenize or args.structured_outputs else []),
+           *(args.mrv2_arg or [])]
     path = os.pathsep.join(filter(None, [REPO_ROOT, envs.read_external("PYTHONPATH")]))
     return cmd, envs.subprocess_env(PYTHONPATH=path)
 
@@ -122,7 +125,7 @@ def run_arm(arm: str, setting: str, args) -> dict:
             result = json.load(f)
     keep = ("output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "elapsed_s", "startup_s",
             "num_output_tokens", "num_input_tokens", "vllm_version", "runner", "async_scheduling", "engine_argv",
-            "num_fused_calls", "startup_split")
+            "num_fused_calls", "startup_split", "structured_validity")
     return {k: result[k] for k in keep if k in result} | {"process_s": wall}
 
 
@@ -212,6 +215,8 @@ def run_all(args) -> dict:
         results[setting][arm].append(result)
         shown = (f"{result['output_tokens_per_s']:.0f} output tok/s (startup {result.get('startup_s', 0):.0f} s, "
                  f"process {result['process_s']:.0f} s)" if "output_tokens_per_s" in result else result["error"])
+        if result.get("structured_validity"):
+            shown += f", structured outputs {result['structured_validity']}"
         print(f"=== {setting} {arm}: {shown}", flush=True)
     summary = {s: {a: (summarize(runs) if runs else {"skipped": vllm_version}) for a, runs in arms.items()}
                for s, arms in results.items()}
@@ -244,6 +249,9 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--warmup-prompts", type=int, default=32, help="untimed prompts of their own before each run")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--structured-outputs", default=None, metavar="JSON",
+                   help="StructuredOutputsParams fields given to every timed request in every arm (vLLM: its "
+                        "default backend, xgrammar for JSON schemas); mrv2-jax's arms need --vllm-model's tokenizer")
     p.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM (default: this one)")
     p.add_argument("--vllm-site", default=envs.read("MRV2_VLLM_SITE"),
                    help="a folder put first on vLLM's PYTHONPATH, e.g. /tmp/site (default $MRV2_VLLM_SITE)")

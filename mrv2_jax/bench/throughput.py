@@ -13,6 +13,7 @@ import time
 
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.bench.structured_check import count_valid
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 
@@ -40,6 +41,8 @@ def run(args) -> dict:
     num_in = sum(len(p) for p in prompts)
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     config = llm.config
+    validity = (count_valid([(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs], constraint)
+                if constraint else None)
     return {
         **describe_environment(), "elapsed_s": elapsed, "startup_s": startup,
         "startup_split": llm.engine.startup.as_dict(),
@@ -47,6 +50,7 @@ def run(args) -> dict:
         "total_tokens_per_s": (num_in + num_out) / elapsed, "num_prompts": len(prompts),
         "input_len": args.input_len, "random_prefix_len": args.random_prefix_len,
         "output_len": args.output_len, "num_input_tokens": num_in, "structured_outputs": constraint,
+        "structured_validity": validity,
         "num_output_tokens": num_out, "runner": config.runner,
         "async_scheduling": llm.engine.async_scheduling,
         # Runner calls that decoded several steps at once (fused decode), warm-up included.
@@ -79,6 +83,8 @@ def main(argv=None, prog=None):
           f"{result['output_tokens_per_s']:.2f} output tokens/s "
           f"(runner {result['runner']}, async {result['async_scheduling']}, startup {result['startup_s']:.1f} s, "
           f"{result['num_fused_calls']} fused calls)")
+    if result["structured_validity"]:
+        print(f"Structured outputs: {result['structured_validity']}")
     if args.output_json:
         write_report(result, args.output_json)
     return result

@@ -15,6 +15,7 @@ import time
 
 from mrv2_jax import envs
 from mrv2_jax.bench.dataset import random_prompts, vocab_size_of
+from mrv2_jax.bench.structured_check import count_valid
 
 
 def engine_argv(args) -> list[str]:
@@ -49,8 +50,15 @@ def run(args) -> dict:
 
     vocab = vocab_size_of(args.model)
     prompts = random_prompts(args.num_prompts, args.input_len, 0.0, vocab, args.dataset_seed)
-    params = SamplingParams(n=1, temperature=args.temperature, top_p=1.0, ignore_eos=True,
-                            max_tokens=args.output_len, detokenize=args.detokenize)
+    constraint = json.loads(args.structured_outputs) if args.structured_outputs else None
+    structured = {}
+    if constraint:  # as in mrv2-jax's arm: EOS ends a complete output, and texts are checked
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = {"structured_outputs": StructuredOutputsParams(**constraint)}
+    params = SamplingParams(n=1, temperature=args.temperature, top_p=1.0, ignore_eos=constraint is None,
+                            max_tokens=args.output_len, detokenize=args.detokenize or constraint is not None,
+                            **structured)
     if args.warmup_prompts:  # prompts of their own, as in mrv2-jax's throughput bench
         warm = random_prompts(args.warmup_prompts, args.input_len, 0.0, vocab, args.dataset_seed + 1)
         llm.generate([{"prompt_token_ids": p} for p in warm],
@@ -60,13 +68,16 @@ def run(args) -> dict:
     elapsed = time.perf_counter() - t0
     num_in = sum(len(p) for p in prompts)
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    validity = (count_valid([(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs], constraint)
+                if constraint else None)
     return {"engine": "vllm", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "runner": "v2" if envs.read_external("VLLM_USE_V2_MODEL_RUNNER") == "1" else
                       ("v1" if envs.read_external("VLLM_USE_V2_MODEL_RUNNER") == "0" else "default"),
             "engine_argv": argv, "startup_s": startup, "elapsed_s": elapsed, "num_prompts": len(prompts),
             "num_input_tokens": num_in, "num_output_tokens": num_out, "requests_per_s": len(prompts) / elapsed,
-            "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed}
+            "output_tokens_per_s": num_out / elapsed, "total_tokens_per_s": (num_in + num_out) / elapsed,
+            "structured_outputs": constraint, "structured_validity": validity}
 
 
 def main(argv=None):
@@ -91,12 +102,16 @@ def main(argv=None):
     p.add_argument("--attention-backend", default="FLASH_ATTN")
     p.add_argument("--vllm-arg", action="append", help="one more vLLM engine argument (repeatable), e.g. "
                    "--vllm-arg=--enforce-eager")
+    p.add_argument("--structured-outputs", default=None,
+                   help="a JSON object of StructuredOutputsParams fields given to every timed request")
     p.add_argument("--output-json", required=True)
     args = p.parse_args(argv)
     result = run(args)
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total "
           f"tokens/s, {result['output_tokens_per_s']:.2f} output tokens/s (vLLM {result['vllm_version']}, "
           f"runner {result['runner']}, startup {result['startup_s']:.1f} s)", flush=True)
+    if result["structured_validity"]:
+        print(f"Structured outputs: {result['structured_validity']}", flush=True)
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)
     return result

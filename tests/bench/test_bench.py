@@ -56,6 +56,7 @@ def test_bench_throughput_with_a_constraint(tmp_path):
     result = json.loads(out.read_text())
     assert result["structured_outputs"] == {"choice": ["yes", "no"]}
     assert 0 < result["num_output_tokens"] < 4 * 6  # "yes" / "no" and EOS
+    assert result["structured_validity"] == {"outputs": 4, "complete": 4, "valid": 4}
 
 
 def test_bench_ab_report_and_plot(tmp_path):
