@@ -21,12 +21,14 @@ _COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilati
 _num_compiles = 0
 _planned = threading.local()  # per thread: inside planned() (compiles there are not counted)
 _by_event = dict.fromkeys(_COMPILE_EVENTS, 0)  # every one, planned or not (start-up reports)
+_seconds_by_event = dict.fromkeys(_COMPILE_EVENTS, 0.0)
 
 
-def _on_event(name: str, _duration: float, **_kwargs) -> None:
+def _on_event(name: str, duration: float, **_kwargs) -> None:
     global _num_compiles
     if name in _COMPILE_EVENTS:
         _by_event[name] += 1
+        _seconds_by_event[name] += duration
         if not getattr(_planned, "active", False):
             _num_compiles += 1
 
@@ -35,6 +37,12 @@ def executables_made() -> tuple[int, int]:
     """(executables compiled, executables loaded from the persistent cache) in this process so
     far, planned ones included."""
     return _by_event[_COMPILE_EVENTS[0]], _by_event[_COMPILE_EVENTS[1]]
+
+
+def compile_seconds() -> tuple[float, float]:
+    """(seconds XLA spent compiling, seconds spent loading executables from the persistent cache)
+    in this process so far, on every thread."""
+    return _seconds_by_event[_COMPILE_EVENTS[0]], _seconds_by_event[_COMPILE_EVENTS[1]]
 
 
 @contextlib.contextmanager

@@ -23,8 +23,12 @@ def test_phases_and_executables_are_counted():
     assert 0.05 <= report.phases["sleep"] < 1.0 and report.phases["compile"] <= compile_wall
     assert report.total_s >= sum(report.phases.values())
     assert report.compiled + report.cache_hits == 2
+    # XLA's own compile (or cache-load) durations: inside the phase's wall time, none while sleeping.
+    assert report.phase_compile_s["sleep"] == 0.0
+    assert 0.0 < report.phase_compile_s["compile"] <= report.phases["compile"]
     d = report.as_dict()
     assert d["phases_s"] == report.phases and d["executables_compiled"] == report.compiled
+    assert d["phases_compile_s"] == report.phase_compile_s
 
 
 def test_an_engine_reports_its_start():
