@@ -194,9 +194,9 @@ def enable_compilation_cache() -> None:
     if where.lower() == "off" or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", where)
-    # On GPUs every program is kept: the small ones (dummy-weight initialisers, input preparation)
-    # together cost seconds of a warm start. XLA:CPU keeps only the slower ones: the test suite writes
-    # thousands of tiny programs, each a cache write and a file.
+    # On GPUs every program is kept, so that a warm start compiles nothing (small programs such as the
+    # dummy-weight initialisers add up). On CPUs only the slower ones: the test suite makes thousands
+    # of tiny programs, each of which would be a cache write and a file.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if jax.default_backend() == "gpu" else 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     # A size limit turns on JAX's file lock around every cache read and write. Without it a
