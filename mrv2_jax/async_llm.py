@@ -3,7 +3,8 @@
 * in its own process (the server's default, `AsyncLLM.from_engine_args`): a `CoreClient`
   (core_client.py) runs the engine core in a process of its own; this process keeps
   tokenizing, detokenizing and stop strings (an `OutputProcessor`), and one thread here reads
-  the engine's per-step messages and hands the outputs to the streams;
+  the engine's per-step messages and hands the outputs to the streams. Other API server
+  processes reach the same engine with an `AttachedCoreClient` (`--api-server-count`);
 * on a thread of this process (`AsyncLLM(llm)`, `--engine-in-process`): the thread owns the `LLM`.
 
 `LLM` is not thread-safe, so exactly one thread -- the engine thread -- ever touches it. The
@@ -38,7 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
-from mrv2_jax.core_client import CoreClient, EngineProcessDied
+from mrv2_jax.core_client import AttachedCoreClient, CoreClient, EngineProcessDied
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.engine_core import check_automaton_fits, check_request
 from mrv2_jax.engine.output import RequestOutput
@@ -210,7 +211,10 @@ class AsyncLLM:
     or EngineDeadError) before any output is expected.
     """
 
-    def __init__(self, llm: LLM | None = None, *, client: CoreClient | None = None,
+    # How often the reader of an engine process looks for a stop while no message arrives.
+    _READER_POLL_S = 0.1
+
+    def __init__(self, llm: LLM | None = None, *, client: CoreClient | AttachedCoreClient | None = None,
                  thread_name: str = "mrv2-engine"):
         if (llm is None) == (client is None):
             raise ValueError("AsyncLLM runs either an LLM on a thread or a CoreClient's engine process: give one")
@@ -254,17 +258,31 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, *, engine_in_process: bool = False,
-                         startup_timeout: float = ENGINE_STARTUP_TIMEOUT, **engine_args) -> AsyncLLM:
+                         startup_timeout: float = ENGINE_STARTUP_TIMEOUT, api_server_count: int = 1,
+                         **engine_args) -> AsyncLLM:
         """The engine in its own process (waits until it is ready), or with `engine_in_process`
-        on a thread of this one."""
+        on a thread of this one. `api_server_count` > 1: the engine also serves that many - 1
+        other API processes (`client.attach_endpoints`; entrypoints/api_servers.py)."""
         if engine_in_process:
+            if api_server_count != 1:
+                raise ValueError("several API server processes need the engine in its own process")
             return cls(LLM(model, **engine_args))
-        return cls(client=CoreClient(dict(model=model, **engine_args), startup_timeout))
+        return cls(client=CoreClient(dict(model=model, **engine_args), startup_timeout, api_server_count))
 
     @property
     def engine_pid(self) -> int | None:
         """The engine process's id (None when the engine runs on a thread here)."""
-        return None if self._client is None else self._client.process.pid
+        return None if self._client is None else self._client.ready.pid
+
+    @property
+    def api_server_index(self) -> int:
+        """Which of the API server processes on this engine this one is (0: the one that owns it)."""
+        return 0 if self._client is None else self._client.index
+
+    @property
+    def client(self) -> CoreClient | AttachedCoreClient | None:
+        """The handle on the engine process (None when the engine runs on a thread here)."""
+        return self._client
 
     # --- public API (any thread / the event loop) -------------------------------------------
     @property
@@ -347,7 +365,7 @@ class AsyncLLM:
         self.check_prompt(token_ids, params)
         if params.structured_outputs is not None:
             await asyncio.to_thread(self._check_constraint, params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request_id or f"req-{self._client.index if self._client else 0}-{next(self._ids)}"
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._submit(_Add(request_id, token_ids, params, sink, streaming))
         return RequestStream(self, request_id, sink)
@@ -361,7 +379,8 @@ class AsyncLLM:
                     self._client.send(M.AbortRequests([request_id]))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine (thread or process); open streams end with `EngineDeadError`."""
+        """Stop the engine (thread or process; an attached API process only lets go of it); open
+        streams end with `EngineDeadError`."""
         with self._lock:
             if not self._stopped:
                 self._stopped = True
@@ -380,7 +399,7 @@ class AsyncLLM:
             self._inbox.put(command)  # (before the engine can answer: the reader registers it first)
             if self._client is not None:
                 self._client.send(M.AddRequest(command.request_id, command.token_ids, command.params,
-                                               command.streaming))
+                                               command.streaming, self._client.index))
 
     def _dead_message(self) -> str:
         if isinstance(self._error, EngineDeadError):
@@ -524,13 +543,19 @@ class AsyncLLM:
         try:
             while True:
                 try:
-                    msg = client.recv()
+                    msg = client.recv(self._READER_POLL_S)
                 except EngineProcessDied as died:
                     if not self._drain_inbox(block=False):
                         break  # we asked it to stop
+                    if died.exitcode is None:  # an attached client whose owner (and engine) is gone
+                        raise EngineDeadError("the engine's owning API process exited") from None
                     raise EngineDeadError(f"the engine process died unexpectedly (exit code {died.exitcode})") from None
                 if not self._drain_inbox(block=False):
                     break
+                if msg is None:
+                    continue
+                if isinstance(msg, M.EngineDied):  # an attached client: the owner saw the engine exit
+                    raise EngineDeadError(f"the engine process died unexpectedly (exit code {msg.exitcode})")
                 if isinstance(msg, M.EngineFailed):
                     logger.error("an engine step failed in the engine process:\n%s", msg.traceback)
                     raise EngineDeadError(f"the engine stopped after an internal error: {msg.error}")

@@ -1,11 +1,17 @@
-"""The API server's handle on the engine-core process (engine/core_proc.py): start it, wait for
-it to be ready, send it commands, receive its per-step messages, notice when it dies, stop it.
+"""An API server process's handle on the engine-core process (engine/core_proc.py): send it
+commands, receive its per-step messages, notice when it dies.
 
-The process is started with the `spawn` method (JAX is not fork-safe) and inherits this
-process's environment (XLA_FLAGS, MRV2_COMPILATION_CACHE, ...). Two ZMQ sockets over ipc:// in
-a private temporary directory: commands out (PUSH, any thread, serialised by a lock) and step
-messages in (PULL, one reader thread). Death is seen at once: `recv` polls the process's
-sentinel beside the socket, so a killed engine is noticed without any timeout.
+`CoreClient` starts the engine process (the `spawn` method: JAX is not fork-safe; it inherits this
+process's environment: XLA_FLAGS, MRV2_COMPILATION_CACHE, ...), waits until it is ready and stops
+it at the end. With several API server processes (`--api-server-count N`) it starts the engine
+with N pairs of ZMQ endpoints and keeps the first; each other API process takes one pair with
+`AttachedCoreClient`. Every pair is two ipc:// sockets in a private temporary directory: commands
+out (PUSH, any thread, serialised by a lock) and step messages in (PULL, one reader thread).
+
+Death is seen at once: the owner's `recv` polls the engine process's sentinel beside the socket,
+so a killed engine is noticed without any timeout, and the owner then tells the attached clients
+(an `EngineDied` message into their sockets); an attached client also watches the process that
+started it (the owner), so it never outlives it.
 """
 
 from __future__ import annotations
@@ -37,22 +43,18 @@ class EngineProcessDied(RuntimeError):
         self.exitcode = exitcode
 
 
-class CoreClient:
-    """Starts the engine process for `engine_args` (EngineConfig fields) and waits until it is
-    ready; `ready` then says what the engine serves, and `tokenizer` is loaded here."""
+class _EngineLink:
+    """One API process's pair of sockets to the engine, and the ready handshake."""
 
-    def __init__(self, engine_args: dict, startup_timeout: float = ENGINE_STARTUP_TIMEOUT):
-        unknown = set(engine_args) - EngineConfig.field_names()
-        if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self._dir = tempfile.mkdtemp(prefix="mrv2-engine-")
+    index = 0  # which API server process this is (its requests' outputs come to it)
+
+    def _bind(self, input_addr: str, output_addr: str) -> None:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)  # never block a sender; a dead engine is refused earlier
         self._input.setsockopt(zmq.LINGER, 0)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
-        input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._input.bind(input_addr)
         self._output.bind(output_addr)
         self._encoder = M.encoder()
@@ -60,35 +62,24 @@ class CoreClient:
         # Re-entrant: a stream dropped during a send may abort its request (garbage collection).
         self._send_lock = threading.RLock()
         self._closed = False
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(dict(engine_args), input_addr, output_addr),
-            name="mrv2-engine-core", daemon=True)
-        self.process.start()
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
-        self._poller.register(self.process.sentinel, zmq.POLLIN)
-        try:
-            self.ready = self._wait_ready(startup_timeout)
-            self.tokenizer = load_tokenizer(Path(self.ready.tokenizer_path)) if self.ready.tokenizer_path else None
-        except BaseException:
-            self.close(timeout=5.0)
-            raise
 
-    def _wait_ready(self, timeout: float) -> M.Ready:
-        deadline = time.monotonic() + timeout
+    def _wait_ready(self, timeout: float, exitcode) -> M.Ready:
         try:
             msg = self.recv(timeout)
         except EngineProcessDied as died:
             raise EngineStartupError(f"the engine process died during start-up (exit code {died.exitcode}); "
                                      "its output above says why") from None
         if isinstance(msg, M.StartupFailed):
-            self.process.join(max(1.0, deadline - time.monotonic()))
-            raise EngineStartupError(f"the engine process failed to start (exit code {self.process.exitcode}): "
+            raise EngineStartupError(f"the engine process failed to start (exit code {exitcode()}): "
                                      f"{msg.error}\n{msg.traceback}")
         if msg is None:
             raise EngineStartupError(f"the engine process was not ready after {timeout:.0f} s")
         if not isinstance(msg, M.Ready):
             raise EngineStartupError(f"the engine process sent {type(msg).__name__} before it was ready")
+        self.ready = msg
+        self.tokenizer = load_tokenizer(Path(msg.tokenizer_path)) if msg.tokenizer_path else None
         return msg
 
     # --- talking to the engine ------------------------------------------------------------
@@ -99,19 +90,81 @@ class CoreClient:
             if not self._closed:
                 self._input.send(data, copy=False)
 
+    def _read(self):
+        return self._decoder.decode(self._output.recv(copy=False).buffer)
+
     def recv(self, timeout: float | None = None) -> M.FromEngine | None:
-        """The next message; None after `timeout` seconds; EngineProcessDied once the process
-        has exited and every message it sent has been read. One reader thread only."""
+        """The next message; None after `timeout` seconds; EngineProcessDied once the engine
+        (or, for an attached client, the API process that owns it) has exited and every message
+        it sent has been read. One reader thread only."""
         events = dict(self._poller.poll(None if timeout is None else int(timeout * 1000)))
         if self._output in events:
-            return self._decoder.decode(self._output.recv(copy=False).buffer)
-        if self.process.sentinel in events:
+            return self._read()
+        if self._watched_sentinel in events:
             # A message sent just before the exit may still be on its way through the socket.
             if self._output.poll(100):
-                return self._decoder.decode(self._output.recv(copy=False).buffer)
-            self.process.join(1.0)
-            raise EngineProcessDied(self.process.exitcode)
+                return self._read()
+            raise EngineProcessDied(self._watched_exitcode())
         return None
+
+    def _close_sockets(self) -> None:
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._input.close()
+        self._output.close()
+        self._ctx.term()
+
+
+class CoreClient(_EngineLink):
+    """Starts the engine process for `engine_args` (EngineConfig fields) and waits until it is
+    ready; `ready` then says what the engine serves, and `tokenizer` is loaded here.
+    `api_server_count` > 1 prepares endpoints for the other API processes (`attach_endpoints`)."""
+
+    def __init__(self, engine_args: dict, startup_timeout: float = ENGINE_STARTUP_TIMEOUT,
+                 api_server_count: int = 1):
+        unknown = set(engine_args) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        if api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {api_server_count}")
+        self._dir = tempfile.mkdtemp(prefix="mrv2-engine-")
+        inputs = [f"ipc://{self._dir}/input{i}" for i in range(api_server_count)]
+        outputs = [f"ipc://{self._dir}/output{i}" for i in range(api_server_count)]
+        self.attach_endpoints = list(zip(inputs, outputs))[1:]
+        self._bind(inputs[0], outputs[0])
+        # The attached clients hear of the engine's death from here (it is this process's child).
+        self._notifiers = []
+        for addr in outputs[1:]:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(addr)
+            self._notifiers.append(sock)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(dict(engine_args), inputs, outputs), name="mrv2-engine-core", daemon=True)
+        self.process.start()
+        self._watched_sentinel = self.process.sentinel
+        self._poller.register(self.process.sentinel, zmq.POLLIN)
+        try:
+            deadline = time.monotonic() + startup_timeout
+            self._wait_ready(startup_timeout, lambda: self._exitcode_by(deadline))
+        except BaseException:
+            self.close(timeout=5.0)
+            raise
+
+    def _exitcode_by(self, deadline: float) -> int | None:
+        self.process.join(max(1.0, deadline - time.monotonic()))
+        return self.process.exitcode
+
+    def _watched_exitcode(self) -> int | None:
+        self.process.join(1.0)
+        exitcode = self.process.exitcode
+        died = self._encoder.encode(M.EngineDied(exitcode))
+        with self._send_lock:
+            for sock in self._notifiers:
+                sock.send(died)
+        return exitcode
 
     @property
     def is_alive(self) -> bool:
@@ -133,10 +186,42 @@ class CoreClient:
         """Stop the engine and release the sockets (after the reader thread has finished)."""
         self.stop(timeout)
         with self._send_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._input.close()
-        self._output.close()
-        self._ctx.term()
+            for sock in self._notifiers:
+                sock.close()
+            self._notifiers = []
+        self._close_sockets()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class AttachedCoreClient(_EngineLink):
+    """Another API process's handle on an engine that a `CoreClient` started: the endpoint pair
+    `index` of its `attach_endpoints` (index >= 1). It neither starts nor stops the engine."""
+
+    def __init__(self, index: int, input_addr: str, output_addr: str,
+                 startup_timeout: float = ENGINE_STARTUP_TIMEOUT):
+        self.index = index
+        self._bind(input_addr, output_addr)
+        owner = multiprocessing.parent_process()
+        if owner is None:
+            raise RuntimeError("an AttachedCoreClient runs in a process started by the engine's owner")
+        self._owner = owner
+        self._watched_sentinel = owner.sentinel
+        self._poller.register(owner.sentinel, zmq.POLLIN)
+        try:
+            self._wait_ready(startup_timeout, lambda: None)
+        except BaseException:
+            self._close_sockets()
+            raise
+
+    def _watched_exitcode(self) -> None:
+        return None  # the owner died: the engine (its child) goes with it; its exit code is not ours to see
+
+    @property
+    def is_alive(self) -> bool:
+        return self._owner.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """The engine belongs to the owner: nothing to stop here."""
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._close_sockets()

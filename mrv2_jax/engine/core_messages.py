@@ -1,10 +1,13 @@
 """The wire format between the API server process and the engine-core process (msgpack, msgspec).
 
-Into the engine (one socket): `AddRequest` (already tokenized and validated), `AbortRequests`,
-`FinishRequests` (stop strings, found by the API process's detokenizer) and `Shutdown`.
-Out of the engine (one socket): `Ready` or `StartupFailed` once, then one `StepOutputs` per engine
-step (every request's new tokens of that step, the adds that failed, and the engine's counters),
-and `EngineFailed` if a step raises. Logprob rows travel as `[token_ids, logprobs, ranks]` lists.
+Into the engine (one socket per API server process): `AddRequest` (already tokenized and
+validated), `AbortRequests`, `FinishRequests` (stop strings, found by the API process's
+detokenizer) and `Shutdown`.
+Out of the engine (one socket per API server process): `Ready` or `StartupFailed` once, then one
+`StepOutputs` per engine step (the new tokens of that process's requests, its adds that failed, and
+the engine's counters), and `EngineFailed` if a step raises. `EngineDied` comes from the API
+process that owns the engine, to the other API processes, when the engine process has exited.
+Logprob rows travel as `[token_ids, logprobs, ranks]` lists.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     streaming: bool  # the scheduler caps fused decode by the stream interval while it runs
+    client_index: int = 0  # which API server process sent it (and gets its outputs)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -83,8 +87,12 @@ class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
     traceback: str
 
 
+class EngineDied(msgspec.Struct, tag="engine_died", array_like=True):
+    exitcode: int | None
+
+
 ToEngine = AddRequest | AbortRequests | FinishRequests | Shutdown
-FromEngine = Ready | StartupFailed | StepOutputs | EngineFailed
+FromEngine = Ready | StartupFailed | StepOutputs | EngineFailed | EngineDied
 
 
 def _enc_hook(obj):

@@ -1,8 +1,9 @@
 """The engine core in a process of its own: schedule -> runner -> outputs, and nothing else.
 
 The API server process (mrv2_jax/core_client.py) starts this with the `spawn` method (JAX is
-not fork-safe) and talks to it over two ZMQ sockets with msgpack messages (core_messages.py).
-The loop:
+not fork-safe) and talks to it over ZMQ sockets with msgpack messages (core_messages.py): one
+input socket that reads the commands of every API server process (`--api-server-count`), and one
+output socket per API server process, which gets the outputs of the requests it sent. The loop:
 
     poll the input socket (and the parent's liveness): without waiting while there is work,
         blocking while idle
@@ -37,35 +38,47 @@ from mrv2_jax.sample.tensors import check_request_fits
 _LINGER_MS = 5000
 
 
-def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> None:
-    """The process's entry point: build the engine, report ready (or why not), serve commands."""
+def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: list[str]) -> None:
+    """The process's entry point: build the engine, report ready (or why not), serve commands.
+    `input_addrs` / `output_addrs`: one of each per API server process, in client-index order."""
     # Ctrl-C in a terminal reaches the whole process group; the API server decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, _LINGER_MS)
-    out.connect(output_addr)
-    inp = ctx.socket(zmq.PULL)
+    outs = []
+    for addr in output_addrs:
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, _LINGER_MS)
+        out.connect(addr)
+        outs.append(out)
+    inp = ctx.socket(zmq.PULL)  # fair-queues the commands of every API server process
     inp.setsockopt(zmq.LINGER, 0)
-    inp.connect(input_addr)
+    for addr in input_addrs:
+        inp.connect(addr)
     encoder = M.encoder()
+
+    def send_all(msg) -> None:
+        data = encoder.encode(msg)
+        for out in outs:
+            out.send(data)
+
     try:
         engine, tokenizer, model_state = build_engine(EngineConfig(**engine_args))
     except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported the same way
-        out.send(encoder.encode(M.StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+        send_all(M.StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         code = 1
     else:
-        proc = EngineCoreProc(engine, model_state, inp, out)
-        out.send(encoder.encode(M.Ready(
+        proc = EngineCoreProc(engine, model_state, inp, outs)
+        send_all(M.Ready(
             pid=os.getpid(), tokenizer_path=getattr(tokenizer, "name_or_path", None),
             max_model_len=engine.scheduler.max_model_len, vocab_size=model_state.vocab_size,
             num_eos=len(model_state.eos_token_ids or ()),
             supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats(),
             eos_token_ids=list(model_state.eos_token_ids or ()),
-            automaton_capacity=tuple(engine.runner.automaton_capacity))))
+            automaton_capacity=tuple(engine.runner.automaton_capacity)))
         code = proc.run()
     inp.close()
-    out.close()
+    for out in outs:
+        out.close()
     ctx.term()
     sys.exit(code)
 
@@ -73,11 +86,13 @@ def run_engine_core(engine_args: dict, input_addr: str, output_addr: str) -> Non
 class EngineCoreProc:
     """The command / step loop around one `EngineCore` (see the module docstring)."""
 
-    def __init__(self, engine: EngineCore, model_state, inp: zmq.Socket, out: zmq.Socket):
+    def __init__(self, engine: EngineCore, model_state, inp: zmq.Socket, outs: list[zmq.Socket]):
         self.engine = engine
         self.vocab_size = model_state.vocab_size
         self.num_eos = len(model_state.eos_token_ids or ())
-        self.inp, self.out = inp, out
+        self.inp, self.outs = inp, outs
+        # With several API server processes: which one sent each running request.
+        self._owner: dict[str, int] = {}
         self.encoder = M.encoder()
         self.decoder = M.to_engine_decoder()
         self.num_steps = 0
@@ -90,7 +105,9 @@ class EngineCoreProc:
         try:
             return self._loop()
         except BaseException as exc:  # noqa: BLE001 - whatever it was, this engine is done
-            self.out.send(self.encoder.encode(M.EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+            data = self.encoder.encode(M.EngineFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            for out in self.outs:
+                out.send(data)
             return 1
 
     def _loop(self) -> int:
@@ -132,6 +149,8 @@ class EngineCoreProc:
                 return True
             cmd = self.decoder.decode(frame.buffer)
             if isinstance(cmd, M.AddRequest):
+                if len(self.outs) > 1:
+                    self._owner[cmd.request_id] = cmd.client_index
                 if self._compiles.needs_compile(cmd.params):
                     self._compiles.submit(cmd)
                 else:
@@ -139,8 +158,10 @@ class EngineCoreProc:
             elif isinstance(cmd, M.AbortRequests):
                 self._compiles.abort(cmd.request_ids)
                 self.engine.abort_requests(cmd.request_ids)
+                self._forget(cmd.request_ids)
             elif isinstance(cmd, M.FinishRequests):
                 self.engine.finish_requests(cmd.request_ids)
+                self._forget(cmd.request_ids)
             elif isinstance(cmd, M.Shutdown):
                 return False
 
@@ -152,9 +173,31 @@ class EngineCoreProc:
         except Exception as exc:  # this request is bad: tell its caller, keep serving the rest
             self._errors.append((cmd.request_id, str(exc)))
 
+    def _forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            self._owner.pop(request_id, None)
+
     def _send(self, outputs) -> None:
+        """One message per API server process: its requests' outputs and failed adds, and the
+        counters (every process serves /metrics and /health)."""
         errors, self._errors = self._errors, []
-        self.out.send(self.encoder.encode(M.StepOutputs(outputs, errors, self.stats())), copy=False)
+        stats = self.stats()
+        if len(self.outs) == 1:
+            self.outs[0].send(self.encoder.encode(M.StepOutputs(outputs, errors, stats)), copy=False)
+            return
+        # A request this process no longer knows (aborted, or finished by a stop string one step
+        # before this late output) has nobody waiting for it: its output is dropped.
+        per_client = [([], []) for _ in self.outs]
+        for out in outputs:
+            owner = self._owner.pop(out.req_id, None) if out.finished else self._owner.get(out.req_id)
+            if owner is not None:
+                per_client[owner][0].append(out)
+        for request_id, why in errors:
+            owner = self._owner.pop(request_id, None)
+            if owner is not None:
+                per_client[owner][1].append((request_id, why))
+        for sock, (client_outputs, client_errors) in zip(self.outs, per_client):
+            sock.send(self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats)), copy=False)
 
     def stats(self) -> M.CoreStats:
         scheduler = self.engine.scheduler

@@ -119,13 +119,20 @@ def cmd_serve(args) -> int:
 
     try:
         engine = AsyncLLM.from_engine_args(**engine_kwargs(args), engine_in_process=args.engine_in_process,
-                                           startup_timeout=args.engine_startup_timeout)
+                                           startup_timeout=args.engine_startup_timeout,
+                                           api_server_count=args.api_server_count)
     except EngineStartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", file=sys.stderr)
-    serve(engine, args.host, args.port, log_level=args.log_level, served_model_names=names,
-          api_key=api_key, max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout)
+    processes = f" ({args.api_server_count} API server processes)" if args.api_server_count > 1 else ""
+    print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1{processes} (Ctrl-C to stop)", file=sys.stderr)
+    try:
+        serve(engine, args.host, args.port, log_level=args.log_level, served_model_names=names,
+              api_key=api_key, max_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+              api_server_count=args.api_server_count, startup_timeout=args.engine_startup_timeout)
+    except RuntimeError as e:  # an API server process that did not start (the engine is stopped)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -195,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--engine-in-process", action="store_true",
                       help="run the engine on a thread of the server process instead of its own process "
                            "(debugging; the server then shares one GIL with the engine)")
+    http.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                      help="API server processes sharing the port and the engine: each does HTTP, tokenization, "
+                           "detokenization and streaming for its own connections (default 1; more keep up with "
+                           "hundreds of streams)")
     http.add_argument("--engine-startup-timeout", type=float, default=ENGINE_STARTUP_TIMEOUT, metavar="SECONDS",
                       help=f"how long to wait for the engine process to load and compile "
                            f"(default {ENGINE_STARTUP_TIMEOUT:.0f})")

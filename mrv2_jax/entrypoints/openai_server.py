@@ -20,11 +20,12 @@ import socket
 import threading
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from mrv2_jax.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from mrv2_jax.config import SERVER_SHUTDOWN_TIMEOUT
+from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT, SERVER_SHUTDOWN_TIMEOUT
 from mrv2_jax.entrypoints import openai_responses as R
 from mrv2_jax.entrypoints.http_guards import APIKeyMiddleware, BodySizeLimitMiddleware
 from mrv2_jax.entrypoints.openai_errors import OpenAIError, bad_request, from_value_error, install_error_handlers
@@ -63,7 +64,7 @@ def create_app(engine: AsyncLLM, served_model_names: str | list[str] = "demo", *
         if not engine.is_healthy:
             raise OpenAIError(503, "the engine is not running" + (f": {engine.error!r}" if engine.error else ""),
                               code="engine_dead")
-        return {"status": "ok"}
+        return {"status": "ok", "api_server": engine.api_server_index}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -265,8 +266,6 @@ def _chat_events(stream, tracker, rid, model, fmt, include_usage):
 
 # --- running it -----------------------------------------------------------------------------
 def _uvicorn_config(app, host: str, port: int, log_level: str, shutdown_timeout: float = 5.0):
-    import uvicorn
-
     # Idle keep-alive connections close after 10 s; on SIGTERM / Ctrl-C the server stops
     # accepting and open requests get `shutdown_timeout` s to finish before they are cut.
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=10,
@@ -277,46 +276,97 @@ class _Terminated(Exception):
     """SIGTERM, re-raised by uvicorn after its graceful shutdown."""
 
 
+class _Server(uvicorn.Server):
+    """A uvicorn server that also calls `on_signal(signum)` when it gets SIGTERM or SIGINT."""
+
+    def __init__(self, config: uvicorn.Config, on_signal=None):
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._on_signal is not None:
+            self._on_signal(sig)
+        super().handle_exit(sig, frame)
+
+
 def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-def serve(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
-          shutdown_timeout: float = SERVER_SHUTDOWN_TIMEOUT, **app_kwargs) -> None:
-    """Serve until SIGTERM or Ctrl-C; then drain the requests in flight (up to `shutdown_timeout`
-    seconds) and stop the engine (its process exits too)."""
+def run_http_server(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None,
+                    log_level: str = "info", shutdown_timeout: float = SERVER_SHUTDOWN_TIMEOUT, on_started=None,
+                    on_signal=None, **app_kwargs) -> None:
+    """Serve HTTP (on `sock` when given) until SIGTERM or Ctrl-C, then drain the requests in flight
+    (up to `shutdown_timeout` seconds); the engine is left running. `on_started(server)` runs before
+    the server does; `on_signal(signum)` runs in the signal handler."""
     import signal
 
-    import uvicorn
-
-    app = create_app(engine, **app_kwargs)
+    server = _Server(_uvicorn_config(create_app(engine, **app_kwargs), host, port, log_level, shutdown_timeout),
+                     on_signal)
     # uvicorn handles SIGTERM itself and raises it again once drained: without a handler of ours
     # that would kill this process before the engine is stopped.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        uvicorn.Server(_uvicorn_config(app, host, port, log_level, shutdown_timeout)).run()
+        if on_started is not None:
+            on_started(server)
+        server.run(sockets=None if sock is None else [sock])
     except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal it handled: the normal end
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def serve(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+          shutdown_timeout: float = SERVER_SHUTDOWN_TIMEOUT, api_server_count: int = 1,
+          startup_timeout: float = ENGINE_STARTUP_TIMEOUT, **app_kwargs) -> None:
+    """Serve until SIGTERM or Ctrl-C; then drain the requests in flight (up to `shutdown_timeout`
+    seconds) and stop the engine (its process exits too). `api_server_count` > 1: that many API
+    processes share the port and the engine (entrypoints/api_servers.py; the engine must have been
+    started with as many endpoints: `AsyncLLM.from_engine_args(api_server_count=...)`)."""
+    import signal
+
+    from mrv2_jax.entrypoints.api_servers import ApiServerProcesses, listening_socket
+
+    if api_server_count == 1:
+        try:
+            run_http_server(engine, host, port, log_level=log_level, shutdown_timeout=shutdown_timeout, **app_kwargs)
+        finally:
+            engine.shutdown()
+        return
+    endpoints = engine.client.attach_endpoints if engine.client is not None else []
+    if len(endpoints) != api_server_count - 1:
+        raise ValueError(f"the engine was started for {len(endpoints) + 1} API server process(es), "
+                         f"not {api_server_count}")
+    sock = listening_socket(host, port)
+    others = ApiServerProcesses(endpoints, host, sock.getsockname()[1],
+                                dict(log_level=log_level, shutdown_timeout=shutdown_timeout, **app_kwargs),
+                                startup_timeout)
+    try:
+        others.start()
+        # SIGTERM reaches only this process: pass it on, so that every process drains at once.
+        run_http_server(engine, sock=sock, log_level=log_level, shutdown_timeout=shutdown_timeout,
+                        on_signal=lambda signum: others.signal(signum) if signum == signal.SIGTERM else None,
+                        **app_kwargs)
+    finally:
+        others.stop(shutdown_timeout + 10.0)
+        sock.close()
         engine.shutdown()
 
 
 class ServerThread:
-    """A server on a background thread, on a free port of 127.0.0.1 unless `port` is given:
+    """A server on a background thread, on a free port of 127.0.0.1 unless `port` (or a listening
+    `sock`) is given:
 
         with ServerThread(engine) as server:
             openai.OpenAI(base_url=server.url + "/v1", api_key="none")...
     """
 
     def __init__(self, engine: AsyncLLM, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning",
-                 **app_kwargs):
-        import uvicorn
-
+                 sock: socket.socket | None = None, **app_kwargs):
         self.engine = engine
         self.app = create_app(engine, **app_kwargs)
         # Binding here (port 0 = the OS picks) makes the port known before the thread starts.
-        self._socket = socket.create_server((host, port))
+        self._socket = sock or socket.create_server((host, port))
         self.host, self.port = self._socket.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
         self._server = uvicorn.Server(_uvicorn_config(self.app, host, self.port, log_level))

@@ -89,7 +89,7 @@ def _text(events: list[dict]) -> str:
 def test_the_engine_runs_in_another_process(server):
     engine = server.engine
     assert engine.engine_pid not in (None, os.getpid())
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "api_server": 0}
 
 
 def test_64_concurrent_streams_match_offline(server, reference):

@@ -72,7 +72,7 @@ def client(server):
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "api_server": 0}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
 

@@ -230,7 +230,7 @@ def test_fuzzed_fields_never_5xx(http, field, data):
 
 
 def test_still_serves_after_all_that(server, http):
-    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").json() == {"status": "ok", "api_server": 0}
     r = _post(http, COMPLETIONS, OK)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     r = _post(http, CHAT, OK_CHAT)

@@ -1,0 +1,124 @@
+"""Several API server processes on one engine: `mrv2-jax serve --api-server-count N`.
+
+One Python process writes only so many server-sent events per second; with hundreds of streams
+the HTTP, detokenization and SSE work of one process falls behind the engine, and streams get
+their tokens in bunches. With N > 1 the serving process (index 0) starts the engine with N
+endpoint pairs (`CoreClient`), then starts N - 1 more API processes (spawn), each with an
+`AttachedCoreClient` on its own pair. All of them listen on the same host:port with SO_REUSEPORT,
+so the kernel spreads new connections over them; each detokenizes and streams its own requests.
+
+Stopping: SIGTERM to the serving process is passed on at once, so every process drains its own
+requests (uvicorn's graceful shutdown) at the same time; the serving process then waits for the
+others and stops the engine last. Ctrl-C in a terminal reaches every process of the group by
+itself. If the engine dies, every process's streams end with an error and /health turns 503; if
+the serving process dies, the others see it and exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+from multiprocessing.connection import wait
+
+logger = logging.getLogger(__name__)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port that other processes may bind too (SO_REUSEPORT)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    sock.listen(2048)
+    return sock
+
+
+class ApiServerProcesses:
+    """The API processes beside the serving one: started with `start`, told to drain with
+    `signal`, waited for (then killed if they hang) with `stop`."""
+
+    def __init__(self, endpoints: list[tuple[str, str]], host: str, port: int, server_kwargs: dict,
+                 startup_timeout: float):
+        self._ctx = multiprocessing.get_context("spawn")
+        self._endpoints, self._host, self._port = endpoints, host, port
+        self._server_kwargs, self._startup_timeout = server_kwargs, startup_timeout
+        self.processes: list[multiprocessing.Process] = []
+
+    def start(self) -> None:
+        """Start them and wait until each listens; RuntimeError (after stopping them) if one fails."""
+        waiting = {}
+        for index, (input_addr, output_addr) in enumerate(self._endpoints, start=1):
+            receive, send = self._ctx.Pipe(duplex=False)
+            proc = self._ctx.Process(target=run_attached_api_server, name=f"mrv2-api-server-{index}",
+                                     args=(index, input_addr, output_addr, self._host, self._port,
+                                           self._server_kwargs, self._startup_timeout, send))
+            proc.start()
+            send.close()
+            self.processes.append(proc)
+            waiting[receive] = index
+        try:
+            while waiting:
+                ready = wait(list(waiting), timeout=self._startup_timeout)
+                if not ready:
+                    raise RuntimeError(f"API server process(es) {sorted(waiting.values())} did not start "
+                                       f"within {self._startup_timeout:.0f} s")
+                for conn in ready:
+                    index = waiting.pop(conn)
+                    try:
+                        status = conn.recv()
+                    except EOFError:
+                        status = f"it exited during start-up (exit code {self.processes[index - 1].exitcode})"
+                    if status != "listening":
+                        raise RuntimeError(f"API server process {index} failed to start: {status}")
+        except BaseException:
+            self.stop(timeout=5.0)
+            raise
+
+    def signal(self, signum: int) -> None:
+        for proc in self.processes:
+            if proc.is_alive():
+                os.kill(proc.pid, signum)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM (they drain their requests), wait up to `timeout` s, then kill what is left."""
+        self.signal(signal.SIGTERM)
+        for proc in self.processes:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+
+
+def run_attached_api_server(index: int, input_addr: str, output_addr: str, host: str, port: int,
+                            server_kwargs: dict, startup_timeout: float, report) -> None:
+    """An API server process's entry point: attach to the engine, listen, serve until a signal
+    (or until the serving process is gone)."""
+    from mrv2_jax.async_llm import AsyncLLM
+    from mrv2_jax.core_client import AttachedCoreClient
+    from mrv2_jax.entrypoints.openai_server import run_http_server
+
+    logging.basicConfig(level=server_kwargs["log_level"].upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engine = AsyncLLM(client=AttachedCoreClient(index, input_addr, output_addr, startup_timeout))
+        sock = listening_socket(host, port)
+    except BaseException as exc:  # noqa: BLE001 - the serving process says why and stops
+        report.send(f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    report.send("listening")
+    report.close()
+
+    def exit_with_owner(server) -> None:  # the serving process (and with it the engine) is gone
+        wait([multiprocessing.parent_process().sentinel])
+        server.should_exit = True
+
+    try:
+        run_http_server(engine, sock=sock, on_started=lambda server: threading.Thread(
+            target=exit_with_owner, args=(server,), daemon=True).start(), **server_kwargs)
+    finally:
+        engine.shutdown()
