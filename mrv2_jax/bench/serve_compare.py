@@ -146,7 +146,7 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
     log = os.path.join(args.log_dir or work_dir, f"serve_compare_{server}.log")
     launcher = (LaunchedServer if server == "mrv2" else LaunchedVllm)(args, args.host, port, log, args.server_timeout)
     if server == "mrv2":
-        launcher.command += ["--served-model-name", args.served_model_name]
+        launcher.command += ["--served-model-name", args.served_model_name, *args.mrv2_serve_arg]
     with launcher as s:
         levels = []
         for c in args.concurrency:
@@ -203,6 +203,8 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--vllm-site", default=None, help="extra site dir with vLLM (the offline payload's /tmp/site)")
     p.add_argument("--vllm-model", default=None, help="model dir for vLLM (config + tokenizer)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
+    p.add_argument("--mrv2-serve-arg", action="append", default=[],
+                   help="extra `mrv2-jax serve` argument (repeatable), e.g. --mrv2-serve-arg=--api-server-count=4")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None)
