@@ -14,11 +14,18 @@ For each: `call ms`, the host time of the call alone, each call waited for befor
 (nothing queued in front of it); `pipelined ms`, wall time per call when calls are issued back
 to back and waited for once at the end (the device's pace if the host keeps ahead). Run it
 under different XLA_FLAGS to see what the host pays for (command buffers, loops, slices).
+
+Then, per group of the step's arguments and results, how many of its device buffers sit at
+another address than in the call before (median over the calls), with the packed input put on
+the device fresh for every call: XLA records a command buffer again whenever an allocation it
+uses moved, and its log (`TF_CPP_VMODULE=command_buffer_thunk=3`) counts them (`updated_allocs`);
+what this table does not account for is XLA's own temp buffer.
 """
 
 import argparse
 import statistics
 import time
+from collections import defaultdict
 
 import jax
 import numpy as np
@@ -66,6 +73,33 @@ def time_calls(runner, compiled, make_packed, calls: int) -> dict:
             "pipelined_ms": 1e3 * pipelined}
 
 
+def moved_buffers(runner, compiled, packed, calls: int) -> dict:
+    """{"arguments"|"results": {group: median count of buffers that moved since the call before}}."""
+    def addresses(groups: dict) -> dict:
+        return {name: [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)] for name, tree in groups.items()}
+
+    def moved(now: dict, before: dict) -> dict:
+        return {name: sum(a != b for a, b in zip(now[name], before[name])) for name in now}
+
+    counts = {"arguments": defaultdict(list), "results": defaultdict(list)}
+    before = None
+    for _ in range(calls + 1):
+        fresh = jax.device_put(packed)
+        args = addresses({"params": runner.params.leaves, "kv_cache": runner.kv_cache, "state": runner.state,
+                          "slot_state": runner.slot_state, "packed input": fresh,
+                          "spec_params": runner.spec_params, "spec_state": runner.spec_state})
+        result = runner.call_step(compiled, fresh)
+        jax.block_until_ready(result)
+        results = addresses({"kv_cache": runner.kv_cache, "state": runner.state, "slot_state": runner.slot_state,
+                             "result": result, "spec_state": runner.spec_state})
+        if before is not None:
+            for kind, now in (("arguments", args), ("results", results)):
+                for name, n in moved(now, before[kind]).items():
+                    counts[kind][name].append(n)
+        before = {"arguments": args, "results": results}
+    return {kind: {name: statistics.median(ns) for name, ns in groups.items()} for kind, groups in counts.items()}
+
+
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=1)
@@ -89,6 +123,9 @@ def main(argv=None, prog=None):
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
     for name, r in results.items():
         print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
+    results["buffers moved per call"] = moves = moved_buffers(runner, compiled, packed, min(args.calls, 20))
+    for kind, groups in moves.items():
+        print(f"{kind} moved per call: " + ", ".join(f"{name} {n:g}" for name, n in groups.items()))
     return flag_probe_report(args, results, args.output_json)
 
 
