@@ -83,7 +83,10 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         eos_token_id: int | Iterable[int] | None,
+        automaton_pool=None,
     ) -> None:
+        """`automaton_pool`: the runner's pool of structured-output automata (`has_room` /
+        `reserve`), so that a constrained request is admitted only when its automaton has a place."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before scheduling")
         if cache_config.num_gpu_blocks is None:
@@ -97,6 +100,7 @@ class Scheduler:
                 f"{scheduler_config.max_model_len} tokens; lower max_model_len or add blocks"
             )
         self.config = scheduler_config
+        self.automaton_pool = automaton_pool
         self.max_model_len = scheduler_config.max_model_len
         if eos_token_id is None:
             self.eos_token_ids: frozenset[int] = frozenset()
@@ -388,8 +392,13 @@ class Scheduler:
                     break
                 num_new = budget
             lookahead = self._lookahead(num_hit_tokens + num_new)
+            constrained = request.automaton is not None and self.automaton_pool is not None
+            if constrained and not self.automaton_pool.has_room(request.request_id, request.automaton):
+                break  # the automata of running requests fill the pool: wait until one finishes
             if kv.allocate_slots(request, num_new, hit_blocks, num_lookahead_tokens=lookahead) is None:
                 break
+            if constrained:
+                self.automaton_pool.reserve(request.request_id, request.automaton)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING

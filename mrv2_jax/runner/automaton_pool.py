@@ -4,6 +4,10 @@ loaded at which state and exception offsets, and which requests use them.
 Requests with the same constraint share one copy (the compile cache hands out one automaton
 object per constraint). An automaton no request uses stays loaded, and is dropped (least
 recently used first) only when a new one needs its room.
+
+The scheduler reserves a request's place when it admits the request (`reserve`), and keeps the
+request waiting while the automata of running requests leave no room, so a full pool delays a
+request instead of failing a step; the runner then finds the place reserved (`acquire`).
 """
 
 from __future__ import annotations
@@ -25,18 +29,45 @@ class AutomatonPool:
         self.num_states, self.num_exceptions = num_states, num_exceptions
         self._loaded: OrderedDict[int, _Loaded] = OrderedDict()  # id(automaton) -> where it is
         self._user_of: dict[str, int] = {}  # req_id -> id(automaton)
+        self._unwritten: set[int] = set()  # placed, not yet copied to the device
 
-    def acquire(self, req_id: str, automaton) -> tuple[int, int, bool]:
-        """-> (state base, exception base, whether it must be copied in now)."""
+    def reserve(self, req_id: str, automaton) -> bool:
+        """Give `req_id` a place for `automaton` (its loaded copy, or room made by dropping idle
+        automata); False, changing nothing, when the automata in use leave no room."""
+        if req_id in self._user_of:
+            return True
         key = id(automaton)
         entry = self._loaded.get(key)
-        fresh = entry is None
-        if fresh:
-            entry = self._place(automaton)
-            self._loaded[key] = entry
+        if entry is None:
+            room = self._room_for(automaton)
+            if room is None:
+                return False
+            state_base, exception_base, evicted = room
+            for idle in evicted:
+                del self._loaded[idle]
+                self._unwritten.discard(idle)
+            entry = self._loaded[key] = _Loaded(automaton, state_base, exception_base)
+            self._unwritten.add(key)
         self._loaded.move_to_end(key)
         entry.users += 1
         self._user_of[req_id] = key
+        return True
+
+    def has_room(self, req_id: str, automaton) -> bool:
+        """Whether `reserve` would succeed now (it changes nothing)."""
+        return req_id in self._user_of or id(automaton) in self._loaded or self._room_for(automaton) is not None
+
+    def acquire(self, req_id: str, automaton) -> tuple[int, int, bool]:
+        """-> (state base, exception base, whether it must be copied in now); reserves the
+        place first if the scheduler has not."""
+        if not self.reserve(req_id, automaton):
+            raise RuntimeError(
+                "the device's automaton pool is full with the constraints of running requests; "
+                "raise MRV2_STRUCTURED_STATES / MRV2_STRUCTURED_EXCEPTIONS")
+        key = self._user_of[req_id]
+        entry = self._loaded[key]
+        fresh = key in self._unwritten
+        self._unwritten.discard(key)
         return entry.state_base, entry.exception_base, fresh
 
     def release(self, req_id: str) -> None:
@@ -44,20 +75,21 @@ class AutomatonPool:
         if key is not None:
             self._loaded[key].users -= 1
 
-    def _place(self, automaton) -> _Loaded:
+    def _room_for(self, automaton) -> tuple[int, int, list[int]] | None:
+        """(state base, exception base, idle automata to drop first, least recently used first)."""
+        kept = list(self._loaded.items())
+        evicted = []
         while True:
-            s = _first_gap([(e.state_base, e.automaton.num_states) for e in self._loaded.values()],
+            s = _first_gap([(e.state_base, e.automaton.num_states) for _, e in kept],
                            automaton.num_states, self.num_states)
-            x = _first_gap([(e.exception_base, e.automaton.num_exceptions) for e in self._loaded.values()],
+            x = _first_gap([(e.exception_base, e.automaton.num_exceptions) for _, e in kept],
                            automaton.num_exceptions, self.num_exceptions)
             if s is not None and x is not None:
-                return _Loaded(automaton, s, x)
-            idle = next((k for k, e in self._loaded.items() if e.users == 0), None)
+                return s, x, evicted
+            idle = next((i for i, (_, e) in enumerate(kept) if e.users == 0), None)
             if idle is None:
-                raise RuntimeError(
-                    "the device's automaton pool is full with the constraints of running requests; "
-                    "raise MRV2_STRUCTURED_STATES / MRV2_STRUCTURED_EXCEPTIONS")
-            del self._loaded[idle]
+                return None
+            evicted.append(kept.pop(idle)[0])
 
 
 def _first_gap(used: list[tuple[int, int]], size: int, capacity: int) -> int | None:

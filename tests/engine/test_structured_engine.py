@@ -132,3 +132,25 @@ def test_bad_constraints_fail_alone_and_the_engine_keeps_serving(llm):
         choice=["yes", "no"]))])[0]
     assert out.text in ("yes", "no")
     assert run(llm, PROMPTS[:1], [SamplingParams(max_tokens=4, temperature=0.0)])[0].finish_reason == "length"
+
+
+def test_a_pool_with_room_for_one_automaton_serves_requests_in_turn(monkeypatch):
+    """Three requests with three constraints, and a device pool that holds one automaton at a
+    time: the scheduler admits each when the pool has room (no failed step), and each output is
+    the one that request gets alone in an engine with a large pool."""
+    from mrv2_jax.structured.compiler import ConstraintCompiler
+
+    kinds = [dict(choice=["yes", "no"]), dict(choice=["Romeo", "Juliet"]), dict(choice=["my lord", "my lady"])]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=kind) for kind in kinds]
+    big = LLM("demo", **ENGINE_ARGS)
+    alone = [run(big, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
+    compiler = ConstraintCompiler(big.tokenizer, big.model_state.eos_token_ids, big.model_state.vocab_size)
+    automata = [compiler.compile(StructuredOutputsParams(**kind)) for kind in kinds]
+    # Room for the largest alone: any two together overflow its states.
+    monkeypatch.setenv("MRV2_STRUCTURED_STATES", str(max(a.num_states for a in automata)))
+    monkeypatch.setenv("MRV2_STRUCTURED_EXCEPTIONS", str(max(max(a.num_exceptions for a in automata), 1)))
+    small = LLM("demo", **ENGINE_ARGS)
+    assert small.engine.runner.automaton_capacity[0] < sum(sorted(a.num_states for a in automata)[:2])
+    together = run(small, PROMPTS[:3], params)
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert all(o.finish_reason == "stop" and o.text in kind["choice"] for o, kind in zip(together, kinds))
