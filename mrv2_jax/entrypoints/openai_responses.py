@@ -106,8 +106,10 @@ class DeltaTracker:
 
 
 def completion_logprobs(fmt: LogprobFormatter | None, out: RequestOutput, tracker: DeltaTracker) -> dict | None:
+    if fmt is None:  # no logprobs asked for: nothing to cut (a stream's every chunk passes here)
+        return None
     token_ids, entries = tracker.new_tokens(out)
-    if fmt is None or entries is None:
+    if entries is None:
         return None
     body = fmt.completion(token_ids, entries, tracker.text_offset)
     tracker.text_offset += sum(len(t) for t in body["tokens"])
@@ -115,8 +117,10 @@ def completion_logprobs(fmt: LogprobFormatter | None, out: RequestOutput, tracke
 
 
 def chat_logprobs(fmt: LogprobFormatter | None, out: RequestOutput, tracker: DeltaTracker) -> dict | None:
+    if fmt is None:
+        return None
     token_ids, entries = tracker.new_tokens(out)
-    if fmt is None or entries is None:
+    if entries is None:
         return None
     return fmt.chat(token_ids, entries)
 
