@@ -33,7 +33,7 @@ DEFAULT_MAX_FUSED_ROWS = 256
 DEFAULT_STREAM_INTERVAL = 1
 
 
-COMPILE_MODES = ("eager", "lazy")
+COMPILE_MODES = ("eager", "lazy", "background")
 
 
 @dataclass
@@ -55,9 +55,10 @@ class EngineConfig:
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
-    # When step programs compile: "eager" (all at start-up) or "lazy" (each at its first use, a
-    # short stall then); default lazy on CPUs (a few of the planned programs ever run there), eager
-    # on GPUs (serving never stalls on a compile).
+    # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
+    # short stall then) or "background" (on threads while the engine serves; a step whose program
+    # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
+    # ever run there), eager on GPUs (serving never stalls on a compile).
     compile_mode: str | None = None
     # V2: up to this many decode steps in one compiled call for small, stable batches
     # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
@@ -171,7 +172,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                   sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
-                  spec_decoder=spec_decoder, lazy_compile=resolve_compile_mode(config.compile_mode) == "lazy")
+                  spec_decoder=spec_decoder, compile_mode=resolve_compile_mode(config.compile_mode))
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 

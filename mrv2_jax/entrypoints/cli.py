@@ -51,9 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
-    g.add_argument("--compile-mode", default=None, choices=["eager", "lazy"],
-                   help="compile every step program at start-up (eager) or each at its first use (lazy); "
-                        "default: lazy on CPUs, eager on GPUs")
+    g.add_argument("--compile-mode", default=None, choices=["eager", "lazy", "background"],
+                   help="compile every step program at start-up (eager), each at its first use (lazy), or "
+                        "on threads beside the serving engine (background: it serves at once, a step whose "
+                        "program is not ready yet compiles or waits for it); default: lazy on CPUs, eager on GPUs")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
                         "methods: ngram (prompt_lookup_min/max), draft_model (model), mtp, "

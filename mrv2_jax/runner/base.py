@@ -13,9 +13,9 @@ import numpy as np
 
 from mrv2_jax.runner.buckets import BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
-from mrv2_jax.runner.lazy_programs import LazyPrograms
+from mrv2_jax.runner.lazy_programs import BackgroundCompile, LazyPrograms
 from mrv2_jax.runner.model_step import FlatParams
-from mrv2_jax.runner.precompile import compile_all
+from mrv2_jax.runner.precompile import compile_all, compile_workers
 from mrv2_jax.runner.scheduler_output import NewRequestData
 from mrv2_jax.runner.slots import SlotAllocator
 from mrv2_jax.sample import slot_state
@@ -34,15 +34,18 @@ class RunnerBase:
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
-                 spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), lazy_compile: bool = False):
+                 spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager"):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
         `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None. `automaton_pool`: (states,
         exception entries) of the device's structured-output pool (sample/automata.py).
-        `lazy_compile`: compile each step program at its first use instead of at start-up."""
+        `compile_mode`: when the step programs compile: "eager" (all at start-up), "lazy" (each at
+        its first use) or "background" (on threads beside the engine, and at first use if that
+        comes sooner: runner/lazy_programs.py)."""
         self.params = FlatParams(lm)
-        self.lazy_compile = lazy_compile
+        self.compile_mode = compile_mode
+        self.background_compile = None  # a BackgroundCompile while compile_mode is "background"
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
@@ -78,8 +81,8 @@ class RunnerBase:
 
     def _compile_steps(self, steps: dict, device_state: tuple, show_progress: bool) -> dict:
         """Every step program, one per bucket and sampler variant, compiled ahead of time (or, with
-        `lazy_compile`, at its first use: runner/lazy_programs.py), so a step outside them is an
-        error, never a silent recompile.
+        `compile_mode` lazy or background, at its first use or beside the engine:
+        runner/lazy_programs.py), so a step outside them is an error, never a silent recompile.
 
         `steps`: {key: (PackedLayout, make_fn)}, `make_fn(layout, features)` returning
             fn(param_leaves, *device_state, packed, spec_params, spec_state)
@@ -96,11 +99,16 @@ class RunnerBase:
                 self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
 
         num_variants = len(self.sampler_variants)
-        if self.lazy_compile:
-            return {key: (layout, LazyPrograms(
-                        lambda i, layout=layout, make_fn=make_fn: lower(layout, make_fn, i).compile(options or None),
-                        num_variants))
-                    for key, (layout, make_fn) in steps.items()}
+        if self.compile_mode in ("lazy", "background"):
+            def make(layout, make_fn):
+                return LazyPrograms(lambda i: lower(layout, make_fn, i).compile(options or None), num_variants)
+
+            programs = {key: (layout, make(layout, make_fn)) for key, (layout, make_fn) in steps.items()}
+            if self.compile_mode == "background":
+                # Every bucket's cheapest variant first, in bucket order, then the next variant.
+                todo = [(lazy, i) for i in range(num_variants) for _, lazy in programs.values()]
+                self.background_compile = BackgroundCompile(todo, compile_workers())
+            return programs
         lowered = {(key, i): lower(layout, make_fn, i) for key, (layout, make_fn) in steps.items()
                    for i in range(num_variants)}
         compiled = compile_all(lowered, show_progress, compiler_options=options)

@@ -17,11 +17,16 @@ import jax
 from tqdm.auto import tqdm
 
 
+def compile_workers() -> int:
+    """Threads that compile step programs at once: one on CPUs (see above), up to 16 elsewhere."""
+    return 1 if jax.default_backend() == "cpu" else max(1, min(os.cpu_count() or 1, 16))
+
+
 def compile_all(lowered: dict, show_progress: bool, desc: str = "compiling step buckets",
                 compiler_options: dict | None = None) -> dict:
     """{key: jax Lowered} -> {key: Compiled}, compiled concurrently, with a progress bar;
     `compiler_options`: XLA options for every module (xla_flags.step_compiler_options)."""
-    workers = 1 if jax.default_backend() == "cpu" else max(1, min(len(lowered), os.cpu_count() or 1, 16))
+    workers = min(len(lowered), compile_workers())
     compile_one = (lambda low: low.compile(compiler_options)) if compiler_options else (lambda low: low.compile())
     with ThreadPoolExecutor(workers) as pool, tqdm(total=len(lowered), desc=desc, disable=not show_progress) as bar:
         futures = {key: pool.submit(compile_one, low) for key, low in lowered.items()}

@@ -118,7 +118,7 @@ class ModelRunnerV2(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
-                 fused_unroll: int = 1, lazy_compile: bool = False):
+                 fused_unroll: int = 1, compile_mode: str = "eager"):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -130,7 +130,7 @@ class ModelRunnerV2(RunnerBase):
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, automaton_pool=pool,
-                         lazy_compile=lazy_compile)
+                         compile_mode=compile_mode)
         # Structured outputs: the automata in the device pool, the writer that copies one in, and
         # the token a row whose state allows nothing gets (sample/automata.py).
         self.automaton_pool = AutomatonPool(*pool)
