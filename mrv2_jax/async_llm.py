@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -231,6 +232,8 @@ class AsyncLLM:
             eos_token_ids = client.ready.eos_token_ids
             self._automaton_capacity = tuple(client.ready.automaton_capacity)
             self._processor = OutputProcessor(self.tokenizer)  # the reader thread only
+            if client.ready.startup and client.index == 0:
+                logger.info("engine start-up (engine process): %s", json.dumps(client.ready.startup))
         # Constraints are compiled here first (off the event loop), so a bad one is a 400 and never
         # reaches the engine; the engine's own compile then finds it in the cache (same process)
         # or compiles it once more (the engine process).

@@ -69,6 +69,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     # ((0, 0): constraints are refused), so the API process compiles and checks constraints first.
     eos_token_ids: list[int] = []
     automaton_capacity: tuple[int, int] = (0, 0)
+    startup: dict | None = None  # the engine's StartupReport.as_dict(): logged by the API process
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

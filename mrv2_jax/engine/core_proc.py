@@ -74,7 +74,7 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
             num_eos=len(model_state.eos_token_ids or ()),
             supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats(),
             eos_token_ids=list(model_state.eos_token_ids or ()),
-            automaton_capacity=tuple(engine.runner.automaton_capacity)))
+            automaton_capacity=tuple(engine.runner.automaton_capacity), startup=engine.startup.as_dict()))
         code = proc.run()
     inp.close()
     for out in outs:

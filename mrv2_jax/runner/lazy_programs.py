@@ -8,14 +8,25 @@ included), as a planned compile that the compile guard does not count.
 `BackgroundCompile` (compile mode "background") compiles every program on threads of its own
 while the engine already serves: a step that needs a program nobody has compiled yet compiles it
 itself, and one that needs a program a thread is compiling waits for that compile, so each
-program is compiled exactly once.
+program is compiled exactly once. On CPUs the compiles of these programs take turns (one lock):
+XLA:CPU can crash writing one executable to the persistent cache while another thread compiles
+(runner/precompile.py).
 """
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+import jax
+
 from mrv2_jax.runner.compile_guard import planned
+
+_CPU_COMPILE_LOCK = threading.Lock()
+
+
+def _one_compile_at_a_time():
+    return _CPU_COMPILE_LOCK if jax.default_backend() == "cpu" else contextlib.nullcontext()
 
 
 class LazyPrograms(Sequence):
@@ -52,7 +63,7 @@ class LazyPrograms(Sequence):
         if not mine:
             return future.result()
         try:
-            with planned():
+            with _one_compile_at_a_time(), planned():
                 program = self._make(index)
         except BaseException as exc:
             with self._lock:
