@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.core_client import AttachedCoreClient, CoreClient, EngineProcessDied
+from mrv2_jax.data_parallel import EngineReplicas
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.engine_core import check_automaton_fits, check_request
 from mrv2_jax.engine.output import RequestOutput
@@ -215,7 +216,8 @@ class AsyncLLM:
     # How often the reader of an engine process looks for a stop while no message arrives.
     _READER_POLL_S = 0.1
 
-    def __init__(self, llm: LLM | None = None, *, client: CoreClient | AttachedCoreClient | None = None,
+    def __init__(self, llm: LLM | None = None, *,
+                 client: CoreClient | AttachedCoreClient | EngineReplicas | None = None,
                  thread_name: str = "mrv2-engine"):
         if (llm is None) == (client is None):
             raise ValueError("AsyncLLM runs either an LLM on a thread or a CoreClient's engine process: give one")
@@ -262,14 +264,20 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, model: str | None = None, *, engine_in_process: bool = False,
                          startup_timeout: float = ENGINE_STARTUP_TIMEOUT, api_server_count: int = 1,
-                         **engine_args) -> AsyncLLM:
+                         data_parallel_size: int = 1, **engine_args) -> AsyncLLM:
         """The engine in its own process (waits until it is ready), or with `engine_in_process`
         on a thread of this one. `api_server_count` > 1: the engine also serves that many - 1
-        other API processes (`client.attach_endpoints`; entrypoints/api_servers.py)."""
+        other API processes (`client.attach_endpoints`; entrypoints/api_servers.py).
+        `data_parallel_size` > 1: that many engine processes, one device each (data_parallel.py)."""
         if engine_in_process:
-            if api_server_count != 1:
-                raise ValueError("several API server processes need the engine in its own process")
+            if api_server_count != 1 or data_parallel_size != 1:
+                raise ValueError("several API server processes or engine replicas need the engine in its own process")
             return cls(LLM(model, **engine_args))
+        if data_parallel_size > 1:
+            if api_server_count != 1:
+                raise ValueError("several API server processes with several engine replicas are not supported yet: "
+                                 "give one of --api-server-count and --data-parallel-size")
+            return cls(client=EngineReplicas(dict(model=model, **engine_args), data_parallel_size, startup_timeout))
         return cls(client=CoreClient(dict(model=model, **engine_args), startup_timeout, api_server_count))
 
     @property
@@ -283,7 +291,7 @@ class AsyncLLM:
         return 0 if self._client is None else self._client.index
 
     @property
-    def client(self) -> CoreClient | AttachedCoreClient | None:
+    def client(self) -> CoreClient | AttachedCoreClient | EngineReplicas | None:
         """The handle on the engine process (None when the engine runs on a thread here)."""
         return self._client
 

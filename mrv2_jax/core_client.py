@@ -170,6 +170,11 @@ class CoreClient(_EngineLink):
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
+    @property
+    def poll_targets(self) -> tuple:
+        """What `recv` waits on (the output socket, the engine's sentinel), for a poller over several."""
+        return self._output, self.process.sentinel
+
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the engine to stop, wait up to `timeout` s, then terminate (and kill) it."""
         if self.process.is_alive():

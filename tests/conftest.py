@@ -21,7 +21,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 _NEEDS = {"fastapi": ["test_async_llm.py", "bench/test_bench_serve.py", "entrypoints/test_openai_protocol.py",
                       "entrypoints/test_openai_server.py", "entrypoints/test_serve_cli.py",
                       "entrypoints/test_server_bad_input.py", "entrypoints/test_engine_process.py",
-                      "entrypoints/test_api_servers.py"],
+                      "entrypoints/test_api_servers.py", "entrypoints/test_data_parallel.py"],
           "nbclient": ["test_notebooks.py"], "outlines_core": ["structured/test_automaton.py"],
           "msgspec": ["structured/test_params.py"], "jsonschema": ["engine/test_structured_engine.py"]}
 collect_ignore = [name for module, names in _NEEDS.items() if importlib.util.find_spec(module) is None
@@ -50,7 +50,7 @@ def fixtures_dir() -> Path:
 # this, but pytest-xdist 3.8's loadgroup does not work with pytest 9: it renames `item._nodeid`,
 # which pytest 9 no longer reads. So the grouping is done here, by file name.)
 ONE_WORKER_GROUPS = {"test_openai_server.py": "server", "test_server_bad_input.py": "server",
-                     "test_serve_cli.py": "server", "test_engine_process.py": "server", "test_api_servers.py": "server"}
+                     "test_serve_cli.py": "server", "test_engine_process.py": "server"}
 # Modules whose tests each build their own engines (no module fixture): split test by test, so that
 # both workers share them; except that the tests of one group in ENGINE_GROUPS, which reuse one
 # engine (functools.cache in the module, the same on one worker), go to one worker together.

@@ -121,7 +121,8 @@ def cmd_serve(args) -> int:
     try:
         engine = AsyncLLM.from_engine_args(**engine_kwargs(args), engine_in_process=args.engine_in_process,
                                            startup_timeout=args.engine_startup_timeout,
-                                           api_server_count=args.api_server_count)
+                                           api_server_count=args.api_server_count,
+                                           data_parallel_size=args.data_parallel_size)
     except EngineStartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -207,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="API server processes sharing the port and the engine: each does HTTP, tokenization, "
                            "detokenization and streaming for its own connections (default 1; more keep up with "
                            "hundreds of streams)")
+    http.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                      help="engine replicas, one process and one device each (the i-th of CUDA_VISIBLE_DEVICES); "
+                           "each request goes to the replica with the fewest open requests (default 1)")
     http.add_argument("--engine-startup-timeout", type=float, default=ENGINE_STARTUP_TIMEOUT, metavar="SECONDS",
                       help=f"how long to wait for the engine process to load and compile "
                            f"(default {ENGINE_STARTUP_TIMEOUT:.0f})")

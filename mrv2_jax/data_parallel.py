@@ -1,0 +1,155 @@
+"""Data-parallel replicas (`mrv2-jax serve --data-parallel-size N`): N engine processes, each with
+its own devices, behind the one client interface the API server already talks to.
+
+`EngineReplicas` starts N `CoreClient`s and looks like one of them to `AsyncLLM`: a new request
+goes to the replica with the fewest open requests (sent by this process and not finished), the
+lower KV cache usage breaking ties; aborts and stop-string finishes follow the request to its
+replica; the per-step messages of every replica come out of one `recv`, with the counters summed
+over the replicas. The death of any replica stops the server, as a single engine's does.
+
+Devices: replica i sees the i-th of the devices in CUDA_VISIBLE_DEVICES (all GPUs when unset),
+through CUDA_VISIBLE_DEVICES in its process's environment. This process never starts a JAX backend,
+so it holds no device memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import msgspec
+import zmq
+
+from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
+from mrv2_jax.core_client import CoreClient
+from mrv2_jax.engine import core_messages as M
+
+_SUMMED = ("num_running_reqs", "num_waiting_reqs", "num_free_blocks", "num_blocks", "prefix_cache_queries",
+           "prefix_cache_hits", "num_preemptions", "num_steps", "num_fused_calls")
+
+
+def replica_devices(index: int, count: int) -> str:
+    """CUDA_VISIBLE_DEVICES for replica `index` of `count`: one device each, from this process's list."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return str(index)
+    if len(visible) < count:
+        raise ValueError(f"data_parallel_size {count} needs as many devices; CUDA_VISIBLE_DEVICES lists "
+                         f"{len(visible)}")
+    return visible[index]
+
+
+def summed_stats(stats: list[M.CoreStats]) -> M.CoreStats:
+    """The replicas' counters as one engine's: sums, and the KV usage of all blocks together."""
+    total = {name: sum(getattr(s, name) for s in stats) for name in _SUMMED}
+    used = sum(s.kv_cache_usage * s.num_blocks for s in stats)
+    spec = [s.spec_decode for s in stats if s.spec_decode is not None]
+    spec_total = ({key: sum(d[key] for d in spec) for key in spec[0]} if spec else None)
+    return M.CoreStats(**total, kv_cache_usage=used / total["num_blocks"] if total["num_blocks"] else 0.0,
+                       spec_decode=spec_total)
+
+
+class EngineReplicas:
+    """N engine processes behind `CoreClient`'s interface (send / recv / ready / stop / close)."""
+
+    index = 0  # the API server process index (several API processes with replicas: not yet)
+    attach_endpoints: list = []
+
+    def __init__(self, engine_args: dict, count: int, startup_timeout: float = ENGINE_STARTUP_TIMEOUT):
+        if count < 2:
+            raise ValueError(f"EngineReplicas is for 2 or more replicas, got {count}")
+        self.replicas: list[CoreClient] = []
+        try:
+            for i in range(count):  # one after another: each start-up reads the compile cache the first filled
+                saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+                os.environ["CUDA_VISIBLE_DEVICES"] = replica_devices(i, count)  # the spawned process's copy
+                try:
+                    self.replicas.append(CoreClient(engine_args, startup_timeout))
+                finally:
+                    _restore("CUDA_VISIBLE_DEVICES", saved)
+        except BaseException:
+            self.close(timeout=5.0)
+            raise
+        first = self.replicas[0]
+        self.tokenizer = first.tokenizer
+        self._stats = [r.ready.stats for r in self.replicas]
+        self.ready = msgspec.structs.replace(first.ready, stats=summed_stats(self._stats))
+        self._replica_of: dict[str, int] = {}
+        self._open = [0] * count
+        self._lock = threading.Lock()
+        self._poller = zmq.Poller()
+        for r in self.replicas:
+            for target in r.poll_targets:
+                self._poller.register(target, zmq.POLLIN)
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.ready.pid for r in self.replicas]
+
+    # --- commands ---------------------------------------------------------------------------
+    def send(self, msg: M.ToEngine) -> None:
+        if isinstance(msg, M.AddRequest):
+            with self._lock:
+                i = min(range(len(self.replicas)), key=lambda k: (self._open[k], self._stats[k].kv_cache_usage))
+                self._replica_of[msg.request_id] = i
+                self._open[i] += 1
+            self.replicas[i].send(msg)
+        elif isinstance(msg, (M.AbortRequests, M.FinishRequests)):
+            for i, ids in self._split(msg.request_ids, forget=True).items():
+                self.replicas[i].send(type(msg)(ids))
+        else:  # Shutdown
+            for r in self.replicas:
+                r.send(msg)
+
+    def _split(self, request_ids, forget: bool) -> dict[int, list[str]]:
+        per_replica: dict[int, list[str]] = {}
+        with self._lock:
+            for rid in request_ids:
+                i = self._replica_of.pop(rid, None) if forget else self._replica_of.get(rid)
+                if i is not None:
+                    per_replica.setdefault(i, []).append(rid)
+                    if forget:
+                        self._open[i] -= 1
+        return per_replica
+
+    # --- messages ---------------------------------------------------------------------------
+    def recv(self, timeout: float | None = None) -> M.FromEngine | None:
+        """The next message of any replica, its counters summed over all of them; EngineProcessDied
+        once any replica has exited (after its last messages)."""
+        events = dict(self._poller.poll(None if timeout is None else int(timeout * 1000)))
+        for i, r in enumerate(self.replicas):
+            if any(target in events for target in r.poll_targets):
+                return self._own(i, r.recv(0))
+        return None
+
+    def _own(self, i: int, msg):
+        if isinstance(msg, M.StepOutputs):
+            finished = [out.req_id for out in msg.outputs if out.finished] + [rid for rid, _ in msg.errors]
+            self._split(finished, forget=True)
+            self._stats[i] = msg.stats
+            msg.stats = summed_stats(self._stats)
+        return msg
+
+    # --- life -------------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return all(r.is_alive for r in self.replicas)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for r in self.replicas:
+            if r.process.is_alive():
+                r.send(M.Shutdown())
+        for r in self.replicas:
+            r.stop(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        for r in self.replicas:
+            r.close(timeout)
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+

@@ -1,0 +1,79 @@
+"""Two engine replicas behind one server (`--data-parallel-size 2`), over real HTTP on 127.0.0.1, on
+the demo model: concurrent streams are spread over both engine processes and each gets exactly the
+offline output (the reference: `LLM.generate` in this process, not streamed); the counters are the
+replicas' sums; a killed replica ends every open stream and turns the server 503."""
+
+import asyncio
+import json
+import os
+import signal
+
+import httpx
+
+from mrv2_jax.async_llm import AsyncLLM
+from mrv2_jax.data_parallel import replica_devices, summed_stats
+from mrv2_jax.engine import core_messages as M
+from mrv2_jax.entrypoints.openai_server import ServerThread
+from mrv2_jax.sampling_params import SamplingParams
+from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, stream_completion, wait_until
+
+PROMPTS = [f"{who} {verb}" for who in ("The king", "Romeo", "A soldier", "Juliet") for verb in ("said", "cried")]
+PARAMS = [dict(max_tokens=12, temperature=0.0, ignore_eos=True) if i % 2 else
+          dict(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+def test_two_replicas_share_the_streams_and_give_the_offline_outputs():
+    engine = AsyncLLM.from_engine_args(MODEL_NAME, data_parallel_size=2, **ENGINE_ARGS)
+    reference = [o.outputs[0].text for o in make_llm().generate(
+        PROMPTS, [SamplingParams(**kw) for kw in PARAMS], use_tqdm=False)]
+    replicas = engine.client.replicas
+    try:
+        assert len({r.ready.pid for r in replicas} | {os.getpid()}) == 3  # two engine processes
+        with ServerThread(engine, served_model_names=MODEL_NAME) as server:
+            async def run():
+                limits = httpx.Limits(max_connections=len(PROMPTS))
+                async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
+                    return await asyncio.gather(*(stream_completion(http, {"prompt": p, **kw})
+                                                  for p, kw in zip(PROMPTS, PARAMS)))
+
+            results = asyncio.run(run())
+            assert ["".join(e["choices"][0]["text"] for e in events) for events in results] == reference
+            # Both replicas stepped (each took about half the requests), and the server's counters
+            # are their sums: every block of both is free again.
+            per_replica = engine.client._stats
+            assert all(s.num_steps > 0 for s in per_replica), per_replica
+            wait_until(lambda: engine.stats.num_running_reqs == 0 and
+                       engine.stats.num_free_blocks == 2 * ENGINE_ARGS["num_gpu_blocks"], what="all blocks free")
+
+            # One replica dies mid-stream: the stream ends with an error event, and the server is 503.
+            body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True}
+            events = []
+            with httpx.Client(base_url=server.url, timeout=60) as http:
+                with http.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    for line in lines:
+                        if line.startswith("data: "):
+                            events.append(line)
+                            break
+                    os.kill(replicas[1].ready.pid, signal.SIGKILL)
+                    events += [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2][len("data: "):])["error"]
+            assert error["code"] == "engine_dead" and "exit code -9" in error["message"], error
+            assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        engine.shutdown()
+    assert not any(r.process.is_alive() for r in replicas)
+
+
+def test_replica_devices_and_summed_counters(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert [replica_devices(i, 2) for i in (0, 1)] == ["4", "6"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert replica_devices(1, 2) == "1"
+    a = M.CoreStats(num_running_reqs=2, num_free_blocks=30, num_blocks=40, kv_cache_usage=0.25, num_steps=5)
+    b = M.CoreStats(num_running_reqs=1, num_free_blocks=10, num_blocks=20, kv_cache_usage=0.5, num_steps=7)
+    total = summed_stats([a, b])
+    assert (total.num_running_reqs, total.num_free_blocks, total.num_blocks, total.num_steps) == (3, 40, 60, 12)
+    assert abs(total.kv_cache_usage - (0.25 * 40 + 0.5 * 20) / 60) < 1e-12
