@@ -36,11 +36,26 @@ def init_weight(name: str, shape, dtype, key) -> jax.Array:
     """Norm scales start at one, everything else small and random (std 0.02). FP8 weights are
     unit-scale random values and their block scales 0.02, so that dequantised they look alike;
     biases of the router start at zero."""
+    return init_of_kind(init_kind(name), shape, dtype, key)
+
+
+def init_kind(name: str) -> str:
+    """How a parameter named `name` starts: "ones", "scales" (0.02), "zeros" or "random"."""
     if "norm" in name:
-        return jnp.ones(shape, dtype)
+        return "ones"
     if name.endswith("_scale"):
-        return jnp.full(shape, 0.02, dtype)
+        return "scales"
     if name.endswith("_bias") and "router" in name:
+        return "zeros"
+    return "random"
+
+
+def init_of_kind(kind: str, shape, dtype, key) -> jax.Array:
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "scales":
+        return jnp.full(shape, 0.02, dtype)
+    if kind == "zeros":
         return jnp.zeros(shape, dtype)
     scale = 1.0 if jnp.dtype(dtype).itemsize == 1 else 0.02
     return _random_normal(key, tuple(shape), dtype, scale)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from mrv2_jax import envs
-from mrv2_jax.models.decoder import CausalLM, init_weight
+from mrv2_jax.models.decoder import CausalLM, init_kind, init_of_kind
 from mrv2_jax.models.model_state import ModelState, WeightSource, model_state_for
 
 CHECKPOINTS_DIR = Path(envs.read("MRV2_CHECKPOINTS") or Path(__file__).resolve().parents[2] / "checkpoints")
@@ -98,13 +98,15 @@ def init_dummy(lm: CausalLM, seed: int = 0) -> None:
     params = [(p, node) for p, node in nnx.iter_graph(lm) if isinstance(node, nnx.Param)]
     for i, (param_path, param) in enumerate(params):
         value = param.get_value()
-        param.set_value(_dummy_param(str(param_path[-1]), tuple(value.shape), jnp.dtype(value.dtype),
+        param.set_value(_dummy_param(init_kind(str(param_path[-1])), tuple(value.shape), jnp.dtype(value.dtype),
                                      jax.random.fold_in(key, i)))
 
 
+# Keyed by how the parameter starts, its shape and dtype (not its name): parameters alike share a
+# program, so a model compiles a few of them (k and v projections, gate and up, the norms).
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _dummy_param(name, shape, dtype, key):
-    return init_weight(name, shape, dtype, key)
+def _dummy_param(kind, shape, dtype, key):
+    return init_of_kind(kind, shape, dtype, key)
 
 
 # --- safetensors ------------------------------------------------------------------------
