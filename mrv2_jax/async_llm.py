@@ -48,6 +48,7 @@ from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.llm import LLM
+from mrv2_jax.request_stream import RequestStream, Sink
 from mrv2_jax.sample.tensors import check_request_fits
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.spec_decode.metrics import SpecDecodeStats
@@ -101,7 +102,7 @@ class _Add:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    sink: _Sink
+    sink: Sink
     streaming: bool = False
 
 
@@ -112,91 +113,6 @@ class _Abort:
 
 class _Stop:
     pass
-
-
-@dataclass
-class _Sink:
-    """Where one request's outputs go: a queue that belongs to the caller's event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
-def _merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
-    """One output standing for two consecutive ones: the newer snapshot (token ids, text and
-    logprobs are cumulative), with the text added by both."""
-    return dataclasses.replace(newer, delta_text=older.delta_text + newer.delta_text,
-                               prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs)
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator of `RequestOutput` (the last one has
-    ``finished=True``). Leaving it early -- `abort()`, `aclose()`, `async with` exit, or the
-    consuming task being cancelled -- aborts the request and frees its KV blocks.
-
-    A reader that falls behind the engine gets one output for everything that arrived since
-    its last read (the newest snapshot; ``delta_text`` holds all the new text), as vLLM's
-    output collector does: under load a server then writes one chunk per read, not one per
-    token, and catches up instead of falling further behind."""
-
-    def __init__(self, engine: AsyncLLM, request_id: str, sink: _Sink):
-        self.request_id = request_id
-        self._engine = engine
-        self._queue = sink.queue
-        self._done = False
-        self._held = None  # an error read while merging: raised on the next read
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        item, self._held = self._held, None
-        try:
-            if item is None:
-                item = await self._queue.get()
-        except BaseException:  # cancelled (client gone): nobody will read the rest
-            self.abort()
-            raise
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            newer = self._queue.get_nowait()
-            if isinstance(newer, BaseException):
-                self._held = newer
-                break
-            item = _merge(item, newer)
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self._engine.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.abort()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.abort()
-
-    def __del__(self):
-        # Safety net for a stream dropped without being read to the end or closed (e.g. a
-        # streaming response whose client left before its first byte): free the request.
-        try:
-            self.abort()
-        except Exception:  # interpreter shutdown; nothing left to free
-            pass
 
 
 class AsyncLLM:
@@ -241,7 +157,7 @@ class AsyncLLM:
         # or compiles it once more (the engine process).
         self._compiler = ConstraintCompiler(self.tokenizer, eos_token_ids, self.vocab_size) if self.tokenizer else None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._ids = itertools.count()
         # Guards the hand-over between "submit a command" and "the engine died", so that no
         # command is left in the inbox of a dead engine with a caller waiting on it forever.
@@ -377,7 +293,7 @@ class AsyncLLM:
         if params.structured_outputs is not None:
             await asyncio.to_thread(self._check_constraint, params)
         request_id = request_id or f"req-{self._client.index if self._client else 0}-{next(self._ids)}"
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._submit(_Add(request_id, token_ids, params, sink, streaming))
         return RequestStream(self, request_id, sink)
 
@@ -479,7 +395,7 @@ class AsyncLLM:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the step's outputs over with one wake-up per event loop, not per output."""
-        by_sink: dict[int, tuple[_Sink, list]] = {}
+        by_sink: dict[int, tuple[Sink, list]] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -498,7 +414,7 @@ class AsyncLLM:
                     if self._client is not None:
                         self._client.send(M.AbortRequests([items[0].request_id]))
 
-    def _send(self, sink: _Sink, items: list) -> None:
+    def _send(self, sink: Sink, items: list) -> None:
         self._post(sink.loop, [(sink.queue, items)])
 
     @staticmethod

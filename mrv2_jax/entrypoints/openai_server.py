@@ -25,13 +25,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mrv2_jax.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from mrv2_jax.async_llm import AsyncLLM, EngineDeadError
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT, SERVER_SHUTDOWN_TIMEOUT
 from mrv2_jax.entrypoints import openai_responses as R
 from mrv2_jax.entrypoints.http_guards import APIKeyMiddleware, BodySizeLimitMiddleware
 from mrv2_jax.entrypoints.openai_errors import OpenAIError, bad_request, from_value_error, install_error_handlers
 from mrv2_jax.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from mrv2_jax.entrypoints.server_metrics import RequestTracker, ServerMetrics
+from mrv2_jax.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 _json_encode = msgspec.json.Encoder().encode
