@@ -96,6 +96,7 @@ class EngineCoreProc:
         self.encoder = M.encoder()
         self.decoder = M.to_engine_decoder()
         self.num_steps = 0
+        self.num_dropped_messages = 0  # step messages to another API process whose queue was full
         self._errors: list[tuple[str, str]] = []
         self._compiles = BackgroundCompiles(engine.compiler)
 
@@ -196,8 +197,15 @@ class EngineCoreProc:
             owner = self._owner.pop(request_id, None)
             if owner is not None:
                 per_client[owner][1].append((request_id, why))
-        for sock, (client_outputs, client_errors) in zip(self.outs, per_client):
-            sock.send(self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats)), copy=False)
+        for index, (sock, (client_outputs, client_errors)) in enumerate(zip(self.outs, per_client)):
+            data = self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats))
+            if index == 0:  # the process that owns this engine
+                sock.send(data, copy=False)
+                continue
+            try:  # an API process that died stops the server soon; until then the engine must not block on it
+                sock.send(data, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.num_dropped_messages += 1
 
     def stats(self) -> M.CoreStats:
         scheduler = self.engine.scheduler

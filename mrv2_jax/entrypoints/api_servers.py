@@ -11,7 +11,8 @@ Stopping: SIGTERM to the serving process is passed on at once, so every process 
 requests (uvicorn's graceful shutdown) at the same time; the serving process then waits for the
 others and stops the engine last. Ctrl-C in a terminal reaches every process of the group by
 itself. If the engine dies, every process's streams end with an error and /health turns 503; if
-the serving process dies, the others see it and exit.
+the serving process dies, the others see it and exit; if another API process dies, the serving
+process stops the server (its connections are gone, and the engine must not keep writing to it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class ApiServerProcesses:
         self._endpoints, self._host, self._port = endpoints, host, port
         self._server_kwargs, self._startup_timeout = server_kwargs, startup_timeout
         self.processes: list[multiprocessing.Process] = []
+        self._stopping = False
 
     def start(self) -> None:
         """Start them and wait until each listens; RuntimeError (after stopping them) if one fails."""
@@ -80,13 +82,27 @@ class ApiServerProcesses:
             self.stop(timeout=5.0)
             raise
 
+    def stop_server_if_one_exits(self, server) -> None:
+        """Stop `server` (the serving process's) if an API process exits before it is told to: its
+        clients are gone, and nothing must keep sending to it."""
+        def watch():
+            wait([proc.sentinel for proc in self.processes])
+            if not self._stopping:
+                died = [f"{p.name} (exit code {p.exitcode})" for p in self.processes if not p.is_alive()]
+                logger.error("API server process %s exited: stopping the server", ", ".join(died))
+                server.should_exit = True
+
+        threading.Thread(target=watch, name="mrv2-api-servers-watch", daemon=True).start()
+
     def signal(self, signum: int) -> None:
+        self._stopping = True
         for proc in self.processes:
             if proc.is_alive():
                 os.kill(proc.pid, signum)
 
     def stop(self, timeout: float) -> None:
         """SIGTERM (they drain their requests), wait up to `timeout` s, then kill what is left."""
+        self._stopping = True
         self.signal(signal.SIGTERM)
         for proc in self.processes:
             proc.join(timeout)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -130,7 +131,8 @@ def _healthy(url: str) -> bool:
 
 def test_a_killed_engine_ends_the_streams_of_every_api_process():
     """The engine process is killed while each API process streams: both streams end with an error
-    event naming the exit, and both processes answer 503 from then on."""
+    event naming the exit, and both processes answer 503 from then on. Then the other API process
+    is killed, and the serving process is told to stop its server."""
     engine = AsyncLLM.from_engine_args(MODEL_NAME, api_server_count=2, **ENGINE_ARGS)
     sock = listening_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -168,6 +170,11 @@ def test_a_killed_engine_ends_the_streams_of_every_api_process():
                 r = clients[index].post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
                 assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
                 clients[index].close()
+        # An API process that dies stops the serving process's server (here a stand-in with the flag).
+        serving = SimpleNamespace(should_exit=False)
+        others.stop_server_if_one_exits(serving)
+        os.kill(others.processes[0].pid, signal.SIGKILL)
+        wait_until(lambda: serving.should_exit, what="the serving process's server to be told to stop")
     finally:
         others.stop(timeout=10.0)
         engine.shutdown()
