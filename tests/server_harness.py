@@ -3,8 +3,12 @@ real HTTP server on a free port of 127.0.0.1, run in this process on a backgroun
 tests can look at the engine's state directly, e.g. that every KV block is free again)."""
 
 import json
+import os
+import signal
 import time
 from contextlib import contextmanager
+
+import httpx
 
 from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.entrypoints.openai_server import ServerThread
@@ -70,3 +74,32 @@ async def stream_completion(http, body: dict) -> list[dict]:
                 events.append(json.loads(line[len("data: "):]))
     assert done
     return events
+
+
+def error_event_after_kill(url: str, body: dict, pid: int) -> dict:
+    """Open a streaming /v1/completions request, SIGKILL `pid` after its first event, read the
+    stream to its end (it must end, not hang, with [DONE]) and return its error event's error."""
+    events = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json={"model": MODEL_NAME, "stream": True, **body}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            os.kill(pid, signal.SIGKILL)
+            events += [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    return json.loads(events[-2][len("data: "):])["error"]
+
+
+def stream_all(url: str, bodies: list[dict]) -> list[list[dict]]:
+    """Stream every body at once, one connection each -> each stream's event payloads, in order."""
+    import asyncio
+
+    async def run():
+        limits = httpx.Limits(max_connections=len(bodies))
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(stream_completion(http, body) for body in bodies))
+
+    return asyncio.run(run())

@@ -3,10 +3,7 @@ the demo model: concurrent streams are spread over both engine processes and eac
 offline output (the reference: `LLM.generate` in this process, not streamed); the counters are the
 replicas' sums; a killed replica ends every open stream and turns the server 503."""
 
-import asyncio
-import json
 import os
-import signal
 
 import httpx
 
@@ -15,7 +12,7 @@ from mrv2_jax.data_parallel import replica_devices, summed_stats
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.sampling_params import SamplingParams
-from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, stream_completion, wait_until
+from tests.server_harness import ENGINE_ARGS, MODEL_NAME, error_event_after_kill, make_llm, stream_all, wait_until
 
 PROMPTS = [f"{who} {verb}" for who in ("The king", "Romeo", "A soldier", "Juliet") for verb in ("said", "cried")]
 PARAMS = [dict(max_tokens=12, temperature=0.0, ignore_eos=True) if i % 2 else
@@ -30,13 +27,7 @@ def test_two_replicas_share_the_streams_and_give_the_offline_outputs():
     try:
         assert len({r.ready.pid for r in replicas} | {os.getpid()}) == 3  # two engine processes
         with ServerThread(engine, served_model_names=MODEL_NAME) as server:
-            async def run():
-                limits = httpx.Limits(max_connections=len(PROMPTS))
-                async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
-                    return await asyncio.gather(*(stream_completion(http, {"prompt": p, **kw})
-                                                  for p, kw in zip(PROMPTS, PARAMS)))
-
-            results = asyncio.run(run())
+            results = stream_all(server.url, [{"prompt": p, **kw} for p, kw in zip(PROMPTS, PARAMS)])
             assert ["".join(e["choices"][0]["text"] for e in events) for events in results] == reference
             # Both replicas stepped (each took about half the requests), and the server's counters
             # are their sums: every block of both is free again.
@@ -46,20 +37,8 @@ def test_two_replicas_share_the_streams_and_give_the_offline_outputs():
                        engine.stats.num_free_blocks == 2 * ENGINE_ARGS["num_gpu_blocks"], what="all blocks free")
 
             # One replica dies mid-stream: the stream ends with an error event, and the server is 503.
-            body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True}
-            events = []
-            with httpx.Client(base_url=server.url, timeout=60) as http:
-                with http.stream("POST", "/v1/completions", json=body) as r:
-                    lines = r.iter_lines()
-                    for line in lines:
-                        if line.startswith("data: "):
-                            events.append(line)
-                            break
-                    os.kill(replicas[1].ready.pid, signal.SIGKILL)
-                    events += [line for line in lines if line.startswith("data: ")]
-            assert events[-1] == "data: [DONE]"
-            error = json.loads(events[-2][len("data: "):])["error"]
+            body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+            error = error_event_after_kill(server.url, body, replicas[1].ready.pid)
             assert error["code"] == "engine_dead" and "exit code -9" in error["message"], error
             assert httpx.get(server.url + "/health").status_code == 503
     finally:

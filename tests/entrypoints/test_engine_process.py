@@ -10,7 +10,6 @@ import asyncio
 import json
 import math
 import os
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,7 +20,15 @@ from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.sampling_params import SamplingParams
-from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, stream_completion, wait_until
+from tests.server_harness import (
+    ENGINE_ARGS,
+    MODEL_NAME,
+    error_event_after_kill,
+    make_llm,
+    stream_all,
+    stream_completion,
+    wait_until,
+)
 
 STREAM_INTERVAL = 4  # below the default max_fused_steps (16), so the cap shows
 
@@ -93,13 +100,7 @@ def test_the_engine_runs_in_another_process(server):
 
 
 def test_64_concurrent_streams_match_offline(server, reference):
-    async def run():
-        limits = httpx.Limits(max_connections=len(CONCURRENT))
-        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
-            return await asyncio.gather(*(stream_completion(http, {"prompt": p, **kw})
-                                          for p, kw in zip(CONCURRENT, CONCURRENT_PARAMS)))
-
-    results = asyncio.run(run())
+    results = stream_all(server.url, [{"prompt": p, **kw} for p, kw in zip(CONCURRENT, CONCURRENT_PARAMS)])
     assert [_text(events) for events in results] == reference["concurrent"]
     for events in results:
         assert len({e["id"] for e in events}) == 1  # every chunk of a stream belongs to its request
@@ -190,20 +191,8 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 def test_a_killed_engine_process_ends_streams_and_turns_the_server_503(server):
     """Last: it kills the module's engine."""
     engine = server.engine
-    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 220, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    events = []
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line)
-                    break
-            os.kill(engine.engine_pid, signal.SIGKILL)
-            events += [line for line in lines if line.startswith("data: ")]  # must end, not hang
-    assert events[-1] == "data: [DONE]"
-    error = json.loads(events[-2][len("data: "):])["error"]
+    body = {"prompt": LONG_PROMPT, "max_tokens": 220, "temperature": 0.0, "ignore_eos": True}
+    error = error_event_after_kill(server.url, body, engine.engine_pid)
     assert error["code"] == "engine_dead" and "exit code -9" in error["message"], error
     assert not engine.is_healthy
     r = httpx.get(server.url + "/health")
