@@ -64,21 +64,32 @@ ENGINE_GROUPS = {
         "v1-ngram-k2": ("test_v1_runner_with_spec_decode[ngram]", "test_logprobs_beside_speculating_rows[v1]"),
     },
 }
-# The units that take longest (measured, a fresh compilation cache), longest first: handed out before
-# the rest, so that the two workers finish together. Units not named here follow in xdist's order.
+# The speculative-decoding tests come first, in fresh worker processes: XLA:CPU (jax 0.11.2) aborted
+# compiling their steps in workers that had run much of the suite before, never in fresh ones.
+SPEC_FIRST = ("group:ngram-k3", "group:draft-k3", "test_draft_model_greedy_outputs_unchanged[1]",
+              "test_draft_model_greedy_outputs_unchanged[5]", "test_ngram_greedy_outputs_unchanged[1]",
+              "group:v1-ngram-k2", "test_draft_equal_to_target_accepts_everything",
+              "test_ngram_greedy_outputs_unchanged[5]", "test_spec_decode.py", "test_spec_decode_mtp.py")
+# Then the units that take longest (measured, a fresh compilation cache), longest first, so that the
+# two workers finish together. Units not named here follow in xdist's order.
 LONGEST_FIRST = ("test_engine.py", "group:server", "test_notebooks.py", "test_moe.py", "test_bench.py",
                  "test_sampler.py", "test_sampling_engine.py", "test_prompt_logprobs.py", "test_runner_v2.py",
                  "test_fp8.py", "test_bench_serve.py", "test_ragged_paged_attention.py", "test_benchmarks.py",
-                 "test_fused_decode.py", "test_cli.py",
-                 # the speculative-decoding run
-                 "group:ngram-k3", "group:draft-k3", "test_draft_model_greedy_outputs_unchanged[1]",
-                 "test_draft_model_greedy_outputs_unchanged[5]", "test_ngram_greedy_outputs_unchanged[1]",
-                 "group:v1-ngram-k2", "test_draft_equal_to_target_accepts_everything",
-                 "test_ngram_greedy_outputs_unchanged[5]")
+                 "test_fused_decode.py", "test_cli.py")
 
 
 def _unit_name(scope: str) -> str:
     return scope if scope.startswith("group:") else scope.rsplit("/", 1)[-1].split("::")[-1]
+
+
+def _unit_rank(scope: str, rank: dict) -> int:
+    """A unit's place in SPEC_FIRST + LONGEST_FIRST; the other speculative-decoding tests right
+    after the named ones (before every other module), then everything else."""
+    name = _unit_name(scope)
+    if name in rank:
+        return rank[name]
+    module = scope.partition("::")[0].rsplit("/", 1)[-1]
+    return rank[module] if module in SPEC_FIRST else len(rank)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent when xdist is not loaded
@@ -87,11 +98,12 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    rank = {name: i for i, name in enumerate(SPEC_FIRST + LONGEST_FIRST)}
 
     class LoadWithGroups(LoadScopeScheduling):
         """Each module one unit (each test in SPLIT_BY_TEST's modules, or its ENGINE_GROUPS group),
-        the modules of a group in ONE_WORKER_GROUPS one unit; the LONGEST_FIRST units first."""
+        the modules of a group in ONE_WORKER_GROUPS one unit; SPEC_FIRST's units first, then
+        LONGEST_FIRST's."""
 
         def _split_scope(self, nodeid: str) -> str:
             module, _, test = nodeid.partition("::")
@@ -105,7 +117,7 @@ def pytest_xdist_make_scheduler(config, log):
             return f"group:{group}" if group else module
 
         def _assign_work_unit(self, node) -> None:
-            first = min(self.workqueue, key=lambda scope: rank.get(_unit_name(scope), len(rank)))
+            first = min(self.workqueue, key=lambda scope: _unit_rank(scope, rank))
             self.workqueue.move_to_end(first, last=False)
             super()._assign_work_unit(node)
 
