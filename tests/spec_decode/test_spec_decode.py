@@ -5,6 +5,7 @@ asynchronous; no compiles after warm-up (MRV2_STRICT_COMPILES=1 turns any into a
 
 Uses the embedded demo pair (checkpoints/demo-qwen3, checkpoints/demo-qwen3-draft). Engines
 are built once per configuration (module cache) and reused, v2-sync and v2-async on one engine.
+Spec steps with the greedy sampler variant and with `all` both meet the reference (SAMPLING_ENGINES).
 """
 
 import functools
