@@ -9,19 +9,13 @@ PYTEST_ARGS ?=
 run: setup
 	$(VENV)/bin/mrv2-jax generate --prompt "$(PROMPT)"
 
-# The speculative-decoding modules run in a pytest run of their own, in fresh worker processes:
-# XLA:CPU (jax 0.11.2) aborted compiling their steps in workers that had run much of the suite
-# before (twice on 2026-11-30), never in fresh ones (tests/conftest.py, no_persistent_compile_cache).
-SPEC_TESTS := tests/spec_decode/test_spec_decode.py tests/spec_decode/test_spec_decode_mtp.py
+# One pytest run on two workers. The speculative-decoding tests are handed out first, so that they
+# run in fresh worker processes (tests/conftest.py, SPEC_FIRST): XLA:CPU (jax 0.11.2) aborted compiling
+# their steps in workers that had run much of the suite before, never in fresh ones.
 PYTEST := $(VENV)/bin/python -m pytest -q -n 2 --timeout 900
 
 test: setup
-ifeq ($(strip $(PYTEST_ARGS)),)
-	$(PYTEST) $(foreach t,$(SPEC_TESTS),--ignore=$(t))
-	$(PYTEST) $(SPEC_TESTS)
-else
 	$(PYTEST) $(PYTEST_ARGS)
-endif
 
 # ruff (lint + import order) and import-linter (layers point down: pyproject.toml's contract).
 lint: setup

@@ -51,36 +51,21 @@ def fixtures_dir() -> Path:
 # which pytest 9 no longer reads. So the grouping is done here, by file name.)
 ONE_WORKER_GROUPS = {"test_openai_server.py": "server", "test_server_bad_input.py": "server",
                      "test_serve_cli.py": "server", "test_engine_process.py": "server"}
-# Modules whose tests each build their own engines (no module fixture): split test by test, so that
-# both workers share them; except that the tests of one group in ENGINE_GROUPS, which reuse one
-# engine (functools.cache in the module, the same on one worker), go to one worker together.
-SPLIT_BY_TEST = {"test_spec_decode.py", "test_spec_decode_mtp.py"}
-ENGINE_GROUPS = {
-    "test_spec_decode.py": {
-        "ngram-k3": ("test_ngram_greedy_outputs_unchanged[3]", "test_ngram_on_repetitive_text_accepts_drafts",
-                     "test_prompt_logprobs_are_rejected_with_speculative_decoding",
-                     "test_logprobs_beside_speculating_rows[v2]"),
-        "draft-k3": ("test_draft_model_greedy_outputs_unchanged[3]",
-                     "test_strict_seeded_sampling_is_unchanged_by_speculation", "test_async_pipeline_with_spec_decode",
-                     "test_spec_decode_outputs_are_strings_too"),
-        "v1-ngram-k2": ("test_v1_runner_with_spec_decode[ngram]", "test_logprobs_beside_speculating_rows[v1]"),
-    },
-}
-# The units that take longest (measured, a fresh compilation cache), longest first: handed out before
-# the rest, so that the two workers finish together. Units not named here follow in xdist's order.
+# The speculative-decoding modules go first, one to each worker, so that they run in fresh worker
+# processes: XLA:CPU (jax 0.11.2) aborted compiling their steps in workers that had run much of the
+# suite before, never in fresh ones. Each is one unit, so its engines (functools.cache in the
+# module, the reference engine included) are built once.
+SPEC_FIRST = ("test_spec_decode.py", "test_spec_decode_mtp.py")
+# Then the units that take longest (measured, a fresh compilation cache), longest first, so that the
+# two workers finish together. Units not named here follow in xdist's order.
 LONGEST_FIRST = ("test_engine.py", "group:server", "test_notebooks.py", "test_moe.py", "test_bench.py",
                  "test_sampler.py", "test_sampling_engine.py", "test_prompt_logprobs.py", "test_runner_v2.py",
                  "test_fp8.py", "test_bench_serve.py", "test_ragged_paged_attention.py", "test_benchmarks.py",
-                 "test_fused_decode.py", "test_cli.py",
-                 # the speculative-decoding run
-                 "group:ngram-k3", "group:draft-k3", "test_draft_model_greedy_outputs_unchanged[1]",
-                 "test_draft_model_greedy_outputs_unchanged[5]", "test_ngram_greedy_outputs_unchanged[1]",
-                 "group:v1-ngram-k2", "test_draft_equal_to_target_accepts_everything",
-                 "test_ngram_greedy_outputs_unchanged[5]")
+                 "test_fused_decode.py", "test_cli.py")
 
 
 def _unit_name(scope: str) -> str:
-    return scope if scope.startswith("group:") else scope.rsplit("/", 1)[-1].split("::")[-1]
+    return scope if scope.startswith("group:") else scope.rsplit("/", 1)[-1]
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent when xdist is not loaded
@@ -89,21 +74,15 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    rank = {name: i for i, name in enumerate(SPEC_FIRST + LONGEST_FIRST)}
 
     class LoadWithGroups(LoadScopeScheduling):
-        """Each module one unit (each test in SPLIT_BY_TEST's modules, or its ENGINE_GROUPS group),
-        the modules of a group in ONE_WORKER_GROUPS one unit; the LONGEST_FIRST units first."""
+        """Each module one unit, the modules of a group in ONE_WORKER_GROUPS one unit; SPEC_FIRST's
+        units first, then LONGEST_FIRST's."""
 
         def _split_scope(self, nodeid: str) -> str:
-            module, _, test = nodeid.partition("::")
-            name = module.rsplit("/", 1)[-1]
-            if name in SPLIT_BY_TEST:
-                for group, tests in ENGINE_GROUPS.get(name, {}).items():
-                    if test in tests:
-                        return f"group:{group}"
-                return nodeid
-            group = ONE_WORKER_GROUPS.get(name)
+            module = nodeid.partition("::")[0]
+            group = ONE_WORKER_GROUPS.get(module.rsplit("/", 1)[-1])
             return f"group:{group}" if group else module
 
         def _assign_work_unit(self, node) -> None:
