@@ -19,8 +19,8 @@
 #
 # serve-256 needs fastapi/uvicorn/pydantic and a Qwen3 tokenizer, compare-* needs vLLM: the GPU
 # machine has none of them. Either section `wheels` (carry .whl, made by scripts/fetch_server_wheels.sh)
-# or the vLLM payload (../shared/peers/vllm/README.md; carry .vx1, .vx2, .vx3 in three calls, the
-# last one running `vllm-payload`) installs them into /tmp/site, which later sections use.
+# or the vLLM payload (../shared/peers/vllm/README.md, split in four parts: carry .vx1 ... .vx4 in four
+# calls, the last one running `vllm-payload`; docs/benchmarks.md says how) installs them into /tmp/site.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
