@@ -20,6 +20,7 @@ import time
 
 import httpx
 
+from mrv2_jax import envs
 from mrv2_jax.bench.compare import vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.serve import free_port
@@ -83,7 +84,7 @@ def main(argv=None):
             "--served-model-name", "model", "--log-level", "info",
             *(["--load-format", args.load_format] if args.load_format else []),
             *(["--tokenizer", args.tokenizer] if args.tokenizer else []), *args.serve_arg]
-    env = os.environ | {"MRV2_COMPILATION_CACHE": cache}
+    env = envs.subprocess_env(MRV2_COMPILATION_CACHE=cache)
     results = {}
     for start in ("cold", "warm"):
         log = os.path.join(log_dir, f"first_token_mrv2_{start}.log")

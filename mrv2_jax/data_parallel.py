@@ -14,12 +14,12 @@ so it holds no device memory.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import msgspec
 import zmq
 
+from mrv2_jax import envs
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.core_client import CoreClient
 from mrv2_jax.engine import core_messages as M
@@ -30,7 +30,7 @@ _SUMMED = ("num_running_reqs", "num_waiting_reqs", "num_free_blocks", "num_block
 
 def replica_devices(index: int, count: int) -> str:
     """CUDA_VISIBLE_DEVICES for replica `index` of `count`: one device each, from this process's list."""
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = [d for d in envs.read_external("CUDA_VISIBLE_DEVICES").split(",") if d.strip()]
     if not visible:
         return str(index)
     if len(visible) < count:
@@ -61,12 +61,8 @@ class EngineReplicas:
         self.replicas: list[CoreClient] = []
         try:
             for i in range(count):  # one after another: each start-up reads the compile cache the first filled
-                saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-                os.environ["CUDA_VISIBLE_DEVICES"] = replica_devices(i, count)  # the spawned process's copy
-                try:
+                with envs.child_environment(CUDA_VISIBLE_DEVICES=replica_devices(i, count)):
                     self.replicas.append(CoreClient(engine_args, startup_timeout))
-                finally:
-                    _restore("CUDA_VISIBLE_DEVICES", saved)
         except BaseException:
             self.close(timeout=5.0)
             raise
@@ -145,11 +141,4 @@ class EngineReplicas:
     def close(self, timeout: float = 30.0) -> None:
         for r in self.replicas:
             r.close(timeout)
-
-
-def _restore(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
 

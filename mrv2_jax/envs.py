@@ -9,6 +9,7 @@ never while a step is traced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -108,6 +109,22 @@ def set_xla_flags(flags: str) -> None:
 def subprocess_env(**extra: str) -> dict[str, str]:
     """A copy of this process's environment with `extra` added, for a child process."""
     return {**os.environ, **extra}
+
+
+@contextlib.contextmanager
+def child_environment(**values: str):
+    """Set `values` in this process's environment for the duration of the block, for processes
+    started inside it that copy it (multiprocessing's spawn takes no environment argument)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def render_markdown() -> str:

@@ -260,7 +260,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
         CacheConfig(block_size=config.block_size, num_gpu_blocks=num_blocks,
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),
-        eos_token_id=model_state.eos_token_ids, automaton_pool=getattr(runner, "automaton_pool", None))
+        eos_token_id=model_state.eos_token_ids, automaton_pool=runner.automaton_pool)
     compiler = None if tokenizer is None else ConstraintCompiler(tokenizer, model_state.eos_token_ids or (),
                                                                  model_state.vocab_size)
     engine = EngineCore(scheduler, runner, async_scheduling, compiler)

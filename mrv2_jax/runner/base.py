@@ -30,6 +30,7 @@ class RunnerBase:
     max_fused_rows = 0  # V2 sets its own when it compiles fused decode
     num_fused_calls = 0
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
+    automaton_pool = None
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,

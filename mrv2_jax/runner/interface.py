@@ -8,6 +8,7 @@ runner (or a stand-in one) provides every member; anything else a runner holds i
 
 from typing import Protocol, runtime_checkable
 
+from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.token_logprobs import LogprobRow, TokenLogprobs
 
@@ -48,6 +49,9 @@ class Runner(Protocol):
     # Structured outputs: (states, exception entries) the device's automaton pool holds, the
     # largest automaton a request may bring; (0, 0): this runner cannot run constraints.
     automaton_capacity: tuple[int, int]
+    # The pool's host bookkeeping (runner/automaton_pool.py), which the scheduler reserves places
+    # in when it admits a constrained request; None when the runner cannot run constraints.
+    automaton_pool: AutomatonPool | None
 
     def execute(self, out: SchedulerOutput) -> StepOutcome:
         """Apply the scheduler's changes (finished, new and continuing requests) and run the step it
