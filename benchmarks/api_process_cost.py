@@ -1,13 +1,13 @@
 """CPU time the API server processes spend per streamed token, beside the engine process's.
 
-    python -m benchmarks.api_process_cost --streams 32 --max-tokens 128 --api-server-count 1 2
+    python -m benchmarks.api_process_cost --model demo --streams 32 --max-tokens 128 --api-server-count 1 2
 
-Launches `mrv2-jax serve` (the demo model by default: any machine) once per `--api-server-count`
-value, drives it with `--streams` concurrent streaming completions (httpx, in this process), and
-reads each server process's CPU seconds (user + system, /proc) before and after. The engine
-process is told apart from the API processes by its thread count (XLA's thread pools). An API
-process that needs more CPU seconds per second than one core has is the serving bottleneck:
-tokens per second per API process <= 1e6 / (µs per token).
+Launches `mrv2-jax serve` (bench/serve.py's LaunchedServer; engine flags as `serve` takes them)
+once per `--api-server-count` value, drives it with `--streams` concurrent streaming completions
+(httpx, in this process), and reads each server process's CPU seconds (user + system, /proc)
+before and after. The engine process is told apart from the API processes by its thread count
+(XLA's thread pools). An API process that needs more CPU seconds per second than one core has is
+the serving bottleneck: tokens per second per API process <= 1e6 / (µs per token).
 """
 
 import argparse
@@ -15,15 +15,15 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.serve import free_port
+from mrv2_jax.bench.serve import LaunchedServer, free_port
+from mrv2_jax.entrypoints.cli import add_engine_args
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -69,30 +69,15 @@ async def drive(url: str, streams: int, max_tokens: int, model: str) -> tuple[in
 
 
 def measure(args, count: int) -> dict:
-    port = free_port("127.0.0.1")
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "mrv2_jax.entrypoints.cli", "serve", args.model, "--port", str(port),
-           "--log-level", "warning", "--api-server-count", str(count), *args.engine_arg]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + args.startup_timeout
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come up (exit code {proc.poll()})")
-            time.sleep(0.5)
-        asyncio.run(drive(url, min(args.streams, 4), 4, args.model))  # warm-up: every program in use
-        engine, api = server_processes(proc.pid)
+    log = os.path.join(tempfile.gettempdir(), f"api_process_cost_{count}.log")
+    launcher = LaunchedServer(args, "127.0.0.1", free_port("127.0.0.1"), log, args.startup_timeout)
+    launcher.command += ["--api-server-count", str(count)]
+    with launcher as server:
+        asyncio.run(drive(server.url, min(args.streams, 4), 4, args.model))  # warm-up: every program in use
+        engine, api = server_processes(server.process.pid)
         before = {p: cpu_seconds(p) for p in [engine, *api]}
-        tokens, wall = asyncio.run(drive(url, args.streams, args.max_tokens, args.model))
+        tokens, wall = asyncio.run(drive(server.url, args.streams, args.max_tokens, args.model))
         used = {p: cpu_seconds(p) - before[p] for p in before}
-    finally:
-        proc.terminate()
-        proc.wait(120)
     api_cpu = sum(used[p] for p in api)
     return {"api_server_count": count, "streams": args.streams, "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "engine_cpu_s": used[engine], "api_cpu_s": api_cpu,
@@ -103,15 +88,13 @@ def measure(args, count: int) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--api-server-count", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--engine-arg", action="append", default=[],
-                   help="one more `mrv2-jax serve` argument (repeatable), e.g. --engine-arg=--max-num-seqs=64")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--output-json", default=None)
+    add_engine_args(p)
     args = p.parse_args(argv)
     runs = [measure(args, count) for _ in range(args.repeats) for count in args.api_server_count]
     print(f"{'API procs':>9} {'tok/s':>8} {'API µs/tok':>11} {'engine µs/tok':>14} {'busiest API load':>17}")

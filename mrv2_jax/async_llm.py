@@ -292,7 +292,7 @@ class AsyncLLM:
         self.check_prompt(token_ids, params)
         if params.structured_outputs is not None:
             await asyncio.to_thread(self._check_constraint, params)
-        request_id = request_id or f"req-{self._client.index if self._client else 0}-{next(self._ids)}"
+        request_id = request_id or f"req-{self.api_server_index}-{next(self._ids)}"
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         self._submit(_Add(request_id, token_ids, params, sink, streaming))
         return RequestStream(self, request_id, sink)

@@ -53,7 +53,7 @@ class EngineReplicas:
     """N engine processes behind `CoreClient`'s interface (send / recv / ready / stop / close)."""
 
     index = 0  # the API server process index (several API processes with replicas: not yet)
-    attach_endpoints: list = []
+    attach_endpoints: tuple = ()
 
     def __init__(self, engine_args: dict, count: int, startup_timeout: float = ENGINE_STARTUP_TIMEOUT):
         if count < 2:
@@ -72,6 +72,7 @@ class EngineReplicas:
         self.ready = msgspec.structs.replace(first.ready, stats=summed_stats(self._stats))
         self._replica_of: dict[str, int] = {}
         self._open = [0] * count
+        self._next = 0  # the replica whose messages `recv` looks at first
         self._lock = threading.Lock()
         self._poller = zmq.Poller()
         for r in self.replicas:
@@ -113,9 +114,12 @@ class EngineReplicas:
         """The next message of any replica, its counters summed over all of them; EngineProcessDied
         once any replica has exited (after its last messages)."""
         events = dict(self._poller.poll(None if timeout is None else int(timeout * 1000)))
-        for i, r in enumerate(self.replicas):
+        n = len(self.replicas)
+        for i in (self._next + k for k in range(n)):  # round robin: a busy replica never starves the others
+            r = self.replicas[i % n]
             if any(target in events for target in r.poll_targets):
-                return self._own(i, r.recv(0))
+                self._next = (i + 1) % n
+                return self._own(i % n, r.recv(0))
         return None
 
     def _own(self, i: int, msg):

@@ -173,10 +173,10 @@ for s in $sections; do case $s in
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 28: seconds from launching the server to /health and to a first token, cold then warm
-  # (FIRST_TOKEN_ARGS adds flags, e.g. --serve-arg=--compile-mode=background; --vllm-model times vllm serve).
+  # (FIRST_TOKEN_ARGS adds flags, e.g. --compile-mode background; --vllm-model times vllm serve).
   first-token) run_section first-token${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m benchmarks.first_token \
-      --model ${FT_MODEL:-qwen3-0.6b} --load-format dummy --tokenizer $TOKENIZER --serve-arg=--max-num-seqs=256 \
-      --serve-arg=--max-num-batched-tokens=8192 --serve-arg=--max-model-len=1024 ${FIRST_TOKEN_ARGS:-} \
+      --model ${FT_MODEL:-qwen3-0.6b} --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 \
+      --max-num-batched-tokens 8192 --max-model-len 1024 ${FIRST_TOKEN_ARGS:-} \
       --log-dir "$OUT" --output-json "$OUT/first_token${TAG:-}.json" ;;
   timeline) run_section timeline python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \

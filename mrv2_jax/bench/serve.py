@@ -222,10 +222,10 @@ class LaunchedServer:
     """`mrv2-jax serve` in a subprocess, from start to /health ok, stopped on exit (Ctrl-C first,
     so it shuts the engine down; killed if that takes too long). Its output goes to `log_path`."""
 
-    def __init__(self, args, host: str, port: int, log_path: str, timeout: float):
+    def __init__(self, args, host: str, port: int, log_path: str, timeout: float, log_level: str = "warning"):
         self.url = f"http://{host}:{port}"
         self.command = [sys.executable, "-m", "mrv2_jax.entrypoints.cli", "serve", "--host", host,
-                        "--port", str(port), "--log-level", "warning", *engine_argv(args)]
+                        "--port", str(port), "--log-level", log_level, *engine_argv(args)]
         self.log_path, self.timeout = log_path, timeout
         self.env = None  # the server's environment (None: this process's)
 
