@@ -104,7 +104,7 @@ class _EngineLink:
             # A message sent just before the exit may still be on its way through the socket.
             if self._output.poll(100):
                 return self._read()
-            raise EngineProcessDied(self._watched_exitcode())
+            raise EngineProcessDied(self._on_watched_exit())
         return None
 
     def _close_sockets(self) -> None:
@@ -157,7 +157,8 @@ class CoreClient(_EngineLink):
         self.process.join(max(1.0, deadline - time.monotonic()))
         return self.process.exitcode
 
-    def _watched_exitcode(self) -> int | None:
+    def _on_watched_exit(self) -> int | None:
+        """The engine exited: tell the attached API processes; -> its exit code."""
         self.process.join(1.0)
         exitcode = self.process.exitcode
         died = self._encoder.encode(M.EngineDied(exitcode))
@@ -218,7 +219,7 @@ class AttachedCoreClient(_EngineLink):
             self._close_sockets()
             raise
 
-    def _watched_exitcode(self) -> None:
+    def _on_watched_exit(self) -> None:
         return None  # the owner died: the engine (its child) goes with it; its exit code is not ours to see
 
     @property
