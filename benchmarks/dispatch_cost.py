@@ -9,6 +9,11 @@ packed input buffer), then calls that step again and again on the runner's live 
                   a new device allocation every call)
   device packed   the same device-resident buffer every call (no copy; the argument's address
                   never changes, so XLA's command buffers need no update for it)
+  twins           numpy packed, calls alternating between two loaded copies of the same
+                  executable: each copy keeps its own recorded command buffers, and the result
+                  buffers it sees recur from its own call before (the engine's results alternate
+                  between two sets of addresses, as each call's result is still alive when the
+                  next call is made)
 
 For each: `call ms`, the host time of the call alone, each call waited for before the next
 (nothing queued in front of it); `pipelined ms`, wall time per call when calls are issued back
@@ -24,6 +29,7 @@ what this table does not account for is XLA's own temp buffer.
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -52,9 +58,23 @@ def capture_decode_dispatch(llm, rows: int, output_len: int, input_len: int):
     return capture.dispatch.compiled, capture.dispatch.packed
 
 
-def time_calls(runner, compiled, make_packed, calls: int) -> dict:
+def twin_of(compiled):
+    """A second loaded executable of `compiled` (no compile: its serialized form loaded again)."""
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
+
+
+def phase_mark(name: str) -> None:
+    """A line in stderr between XLA's log lines, to count its command-buffer updates per phase."""
+    print(f"=== phase {name}", file=sys.stderr, flush=True)
+
+
+def time_calls(runner, programs: list, make_packed, calls: int) -> dict:
+    turn = iter(range(10**9))
+
     def call(packed):
-        return runner.call_step(compiled, packed)
+        return runner.call_step(programs[next(turn) % len(programs)], packed)
 
     jax.block_until_ready(call(make_packed()))
     host = []
@@ -117,8 +137,14 @@ def main(argv=None, prog=None):
     compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
     on_device = jax.device_put(packed)
     runner = llm.engine.runner
-    results = {"numpy packed": time_calls(runner, compiled, lambda: np.array(packed), args.calls),
-               "device packed": time_calls(runner, compiled, lambda: on_device, args.calls)}
+    twin = twin_of(compiled)
+    results = {}
+    for name, programs, make_packed in (("numpy packed", [compiled], lambda: np.array(packed)),
+                                        ("device packed", [compiled], lambda: on_device),
+                                        ("twins", [compiled, twin], lambda: np.array(packed))):
+        phase_mark(name)
+        results[name] = time_calls(runner, programs, make_packed, args.calls)
+    phase_mark("moved buffers")
     print(f"rows {args.rows}, XLA_FLAGS={envs.get_xla_flags()}")
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
     for name, r in results.items():

@@ -1,18 +1,37 @@
-"""benchmarks.dispatch_cost's count of device buffers that move between calls of one step: the
-runner's donated state and the weights must stay where they are, call after call."""
+"""benchmarks.dispatch_cost's count of device buffers that move between calls of one step (the
+runner's donated state and the weights must stay where they are, call after call), and its
+twin executable (a second loaded copy that computes what the first does)."""
 
 import jax
 import numpy as np
+import pytest
 
-from benchmarks.dispatch_cost import capture_decode_dispatch, moved_buffers
+from benchmarks.dispatch_cost import capture_decode_dispatch, moved_buffers, twin_of
 from mrv2_jax.llm import LLM
 
 
-def test_donated_state_and_weights_keep_their_addresses():
+def _captured_demo_step():
     llm = LLM("demo", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, num_gpu_blocks=16,
               max_fused_steps=1, show_progress=False)
     compiled, packed = capture_decode_dispatch(llm, rows=2, output_len=8, input_len=4)
-    runner = llm.engine.runner
+    return llm.engine.runner, compiled, packed
+
+
+@pytest.mark.gpu  # XLA:CPU cannot serialize the step's executables ("`LessThan` is not serializable")
+def test_a_twin_step_computes_what_the_step_computes():
+    runner, compiled, packed = _captured_demo_step()
+    # The same step from the same state, once through the compiled program, once through its twin.
+    twin = twin_of(compiled)
+    assert twin is not compiled
+    start = jax.tree.map(np.asarray, (runner.kv_cache, runner.state, runner.slot_state, runner.spec_state))
+    first = jax.tree.map(np.asarray, (runner.call_step(compiled, np.array(packed)), runner.kv_cache, runner.state))
+    runner.kv_cache, runner.state, runner.slot_state, runner.spec_state = jax.tree.map(jax.device_put, start)
+    second = jax.tree.map(np.asarray, (runner.call_step(twin, np.array(packed)), runner.kv_cache, runner.state))
+    jax.tree.map(np.testing.assert_array_equal, first, second)
+
+
+def test_donated_state_and_weights_keep_their_addresses():
+    runner, compiled, packed = _captured_demo_step()
     moves = moved_buffers(runner, compiled, packed, calls=4)
     for group in ("params", "kv_cache", "state", "slot_state", "spec_params", "spec_state"):
         assert moves["arguments"][group] == 0, (group, moves)
