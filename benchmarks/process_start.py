@@ -31,8 +31,10 @@ STEPS = (
 def time_step(before: list[str], statement: str, model: str) -> float:
     code = "\n".join([f"MODEL = {model!r}", *before, "import time", "t = time.perf_counter()", statement,
                       "print(time.perf_counter() - t)"])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=envs.subprocess_env())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=envs.subprocess_env())
+    if out.returncode != 0:  # e.g. the server's packages missing on this machine
+        print(out.stderr.strip().splitlines()[-1], file=sys.stderr)
+        return float("nan")
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -44,7 +46,8 @@ def main(argv=None):
     results, before = {}, []
     for name, statement in STEPS:
         results[name] = time_step(before, statement, args.model)
-        before.append(statement)
+        if results[name] == results[name]:  # a step that failed is left out of the later ones
+            before.append(statement)
         print(f"{name:48} {results[name]:7.2f} s", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
