@@ -9,7 +9,11 @@ packed input buffer), then calls that step again and again on the runner's live 
                   a new device allocation every call)
   device packed   the same device-resident buffer every call (no copy; the argument's address
                   never changes, so XLA's command buffers need no update for it)
-  twins           numpy packed, calls alternating between two loaded copies of the same
+  prefetched      numpy packed, put on the device one call ahead (`jax.device_put`), so the
+                  transfer of call N+1 is under way while call N is made
+  pinned          numpy packed, copied into pinned host memory first, then onto the device
+                  (GPUs only: a DMA from page-locked memory need not wait for the device)
+  twins (GPUs)    numpy packed, calls alternating between two loaded copies of the same
                   executable: each copy keeps its own recorded command buffers, and the result
                   buffers it sees recur from its own call before (the engine's results alternate
                   between two sets of addresses, as each call's result is still alive when the
@@ -63,6 +67,16 @@ def twin_of(compiled):
     from jax.experimental import serialize_executable
 
     return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
+
+
+def prefetching(make):
+    """`make`, called one call ahead: returns what the call before started."""
+    ahead = [make()]
+
+    def next_one():
+        ahead.append(make())
+        return ahead.pop(0)
+    return next_one
 
 
 def phase_mark(name: str) -> None:
@@ -137,11 +151,17 @@ def main(argv=None, prog=None):
     compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
     on_device = jax.device_put(packed)
     runner = llm.engine.runner
-    twin = twin_of(compiled)
+    ways = [("numpy packed", [compiled], lambda: np.array(packed)),
+            ("device packed", [compiled], lambda: on_device),
+            ("prefetched", [compiled], prefetching(lambda: jax.device_put(np.array(packed))))]
+    if jax.default_backend() == "gpu":
+        device = jax.devices()[0]
+        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        ways.append(("pinned", [compiled], lambda: jax.device_put(jax.device_put(np.array(packed), pinned), device)))
+        # (XLA:CPU cannot serialize the step's executables, so no twin there)
+        ways.append(("twins", [compiled, twin_of(compiled)], lambda: np.array(packed)))
     results = {}
-    for name, programs, make_packed in (("numpy packed", [compiled], lambda: np.array(packed)),
-                                        ("device packed", [compiled], lambda: on_device),
-                                        ("twins", [compiled, twin], lambda: np.array(packed))):
+    for name, programs, make_packed in ways:
         phase_mark(name)
         results[name] = time_calls(runner, programs, make_packed, args.calls)
     phase_mark("moved buffers")
