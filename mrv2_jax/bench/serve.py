@@ -233,6 +233,7 @@ class LaunchedServer:
         import httpx
 
         print(f"launching: {' '.join(self.command)}\n  (log: {self.log_path})", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         t0 = time.perf_counter()
