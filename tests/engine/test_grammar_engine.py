@@ -83,6 +83,22 @@ def test_mixed_batch(llm, seeded):
     assert_pool_empty(llm)
 
 
+def test_a_grammar_joins_running_requests(llm):
+    """Added while unconstrained requests run with a step in flight (async): the grammar's first
+    mask needs nothing in flight, and the engine turns synchronous from its next step on."""
+    plain = [SamplingParams(max_tokens=30, temperature=0.0) for _ in range(3)]
+    alone = run(llm, PROMPTS[:3], plain)
+    ids = [llm.add_request(p, sp, final_only=True) for p, sp in zip(PROMPTS[:3], plain)]
+    outputs = [out for _ in range(3) for out in llm.step()]
+    assert llm.engine._in_flight is not None
+    ids.append(llm.add_request(PROMPTS[3], SamplingParams(max_tokens=40, temperature=0.0,
+                                                          structured_outputs=dict(grammar=NESTED))))
+    final = {out.request_id: out.outputs[0] for out in [*outputs, *llm._run(ids)] if out.finished}
+    assert [final[i].token_ids for i in ids[:3]] == [o.token_ids for o in alone]
+    assert final[ids[3]].finish_reason == "stop" and is_nested(final[ids[3]].text), final[ids[3]]
+    assert_pool_empty(llm)
+
+
 def test_host_and_device_paths_agree_through_preemption(llm):
     """One language as a regex (device automaton) and as a grammar (host bitmask): the same tokens,
     greedy and seeded, in a batch that preempts (the matcher resumes where it was)."""
