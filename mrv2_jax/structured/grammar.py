@@ -49,8 +49,8 @@ def grammar_of(text) -> str:
 
 def llg_tokenizer(tokenizer, vocab, eos_token_ids):
     """The llguidance tokenizer of a Hugging Face fast tokenizer over the model's vocabulary
-    (`vocab`: a TokenVocabulary, whose fingerprint keys the cache; building one takes ~1 s for
-    a large vocabulary)."""
+    (`vocab`: a TokenVocabulary, whose fingerprint keys the cache: building one reads the
+    whole vocabulary)."""
     with _tokenizers_lock:
         cached = _tokenizers.get(vocab.fingerprint)
     if cached is not None:
