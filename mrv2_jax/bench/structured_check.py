@@ -36,5 +36,6 @@ def count_valid(outputs: list[tuple[str, str | None]], constraint: dict) -> dict
     """Over (text, finish_reason) pairs: how many finished by the constraint's own end ("stop"),
     and how many of those satisfy it. An output cut by max_tokens is incomplete, so not checked."""
     complete = [text for text, reason in outputs if reason == "stop"]
-    valid = sum(satisfies(text, constraint) for text in complete)
+    # (no checker for a grammar: None)
+    valid = None if constraint.get("grammar") is not None else sum(satisfies(text, constraint) for text in complete)
     return {"outputs": len(outputs), "complete": len(complete), "valid": valid}

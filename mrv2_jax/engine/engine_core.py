@@ -4,7 +4,8 @@ loop.
 With async scheduling the loop dispatches step N+1 before it reads step N's sampled tokens, so
 the host schedules and prepares while the device computes; the scheduler counts the unknown
 tokens as placeholders. Without it (and always with the V1 runner) every step is read back
-before the next is scheduled.
+before the next is scheduled, and so is every step while a grammar request runs: the host
+computes its next mask from the tokens so far (runner/grammar_masks.py).
 """
 
 import time
@@ -71,6 +72,8 @@ class EngineCore:
                 raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
             request.automaton = self.compiler.compile(params.structured_outputs)
             check_automaton_fits(request.automaton, self.runner.automaton_capacity)
+            if not request.automaton.shared:  # a grammar: the request's own matcher
+                request.grammar = request.automaton
         self.scheduler.add_request(request)
         if request.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = []
@@ -102,13 +105,20 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
+        # A running grammar's next mask needs the tokens in flight: read them first, then step
+        # synchronously while one runs. (A grammar admitted by an async step needs no earlier
+        # token for its first mask; that step stays in flight, and the next call reads it.)
+        synchronous = not self.async_scheduling or self.scheduler.grammar_running
+        if synchronous and self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            return self._update(*previous)
         scheduled = self.scheduler.schedule()
         if self.hooks is not None:
             self.hooks.step_scheduled(scheduled)
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
         result = self.runner.execute(scheduled)
-        if not self.async_scheduling:
+        if synchronous:
             return self._update(scheduled, result)
         previous = self._in_flight
         self._in_flight = (scheduled, result) if scheduled.total_num_scheduled_tokens else None

@@ -22,7 +22,8 @@ class CompletionOutput:
     ``text`` is the detokenized output (cut before a matched stop string unless the
     request asked to include it); ``token_ids`` are the sampled tokens, including a final
     EOS or stop token. ``finish_reason`` is None while the request runs, then "stop",
-    "length" or "abort"; ``stop_reason`` is the stop token id or stop string that ended it.
+    "length", "abort" or "error" (a grammar that could not go on); ``stop_reason`` is the stop
+    token id or stop string that ended it, or, with "error", why.
     ``logprobs``: when the request asked for ``logprobs=n``, one dict per token of
     ``token_ids``, ``{token_id: Logprob}`` holding the sampled token (first) and the top n (n or
     n + 1 entries); values are log-softmax of the raw model logits (before penalties, temperature

@@ -18,6 +18,9 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # A grammar constraint could not go on (its matcher failed, or nothing but an incomplete end
+    # was left): vLLM's "error" finish reason.
+    FINISHED_ERROR = enum.auto()
 
     # Members are singletons: identity hashing is C-level (Enum's own hashes the name in Python),
     # and the status of every running request is looked up each step.
@@ -29,7 +32,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style finish reason ("stop", "length", "abort"), None if not finished."""
+        """The OpenAI-style finish reason ("stop", "length", "abort", "error"), None if not finished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -37,6 +40,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -89,8 +93,10 @@ class Request:
         self.stop_reason: int | str | None = None
         # A client reads its tokens as they come: fused decode is capped by the stream interval.
         self.streaming = streaming
-        # Structured outputs: the compiled automaton (structured/automaton.py), set when added.
+        # Structured outputs: the compiled automaton (structured/automaton.py), set when added; for
+        # a grammar, the request's own matcher (structured/grammar.py), also held in `grammar`.
         self.automaton = None
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,6 +44,12 @@ more tokens now and counts them all as placeholders, capped per request by what 
 (and max_model_len) leave. The device stops a request early on its stop ids; the tokens
 come back as one list per request and are checked here one by one, so whatever follows a
 stop (or, in the output processor, a stop string) is dropped, as with async placeholders.
+
+Grammars. A request with a grammar constraint carries an llguidance matcher that the runner
+asks for each step's bitmask (runner/grammar_masks.py): ``update_from_output`` feeds it every
+token the request receives, and ends the request with "error" when the matcher cannot go on or
+EOS came where the grammar is incomplete. While one runs, no call is fused (``grammar_running``
+also tells the engine to read each step before it schedules the next).
 """
 
 from __future__ import annotations
@@ -117,6 +123,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._finished_since_last_schedule: set[str] = set()
+        self._grammar_running: set[str] = set()  # running requests whose grammar the host masks
         self.num_preemptions = 0
         k = scheduler_config.num_speculative_tokens
         self.spec_stats = SpecDecodeStats(k) if k else None
@@ -155,6 +162,11 @@ class Scheduler:
 
     def abort_request(self, req_id: str) -> None:
         self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def grammar_running(self) -> bool:
+        """Whether a running request has a grammar: its next mask needs every token so far."""
+        return bool(self._grammar_running)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -257,7 +269,8 @@ class Scheduler:
         config = self.config
         full = len(self.running) >= config.max_num_seqs
         if (config.max_fused_steps <= 1 or not self.running or (self.waiting and not full)
-                or len(self.running) > min(config.max_fused_rows, config.max_num_batched_tokens)):
+                or len(self.running) > min(config.max_fused_rows, config.max_num_batched_tokens)
+                or self._grammar_running):
             return 1
         steps_left = []
         streaming = False
@@ -359,6 +372,7 @@ class Scheduler:
         """Drops a running request's KV; it will be recomputed from its tokens so far.
         Tokens it has in flight still arrive and are kept (see ``update_from_output``)."""
         self.kv_cache_manager.free(request)
+        self._grammar_running.discard(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -401,6 +415,8 @@ class Scheduler:
                 self.automaton_pool.reserve(request.request_id, request.automaton)
             self.waiting.popleft()
             self.running.append(request)
+            if request.grammar is not None:
+                self._grammar_running.add(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             request.num_prefill_tokens = request.num_tokens
@@ -470,11 +486,13 @@ class Scheduler:
                     request.num_computed_tokens -= num_draft - (len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
-            accepted, finish_status = [], None
+            accepted, finish_status, grammar = [], None, request.grammar
             for token_id in token_ids:  # tokens after a stop are dropped
                 request.append_output_token(token_id)
                 accepted.append(token_id)
                 finish_status = self._check_stop(request, token_id)
+                if grammar is not None:
+                    finish_status = self._check_grammar(request, token_id, finish_status)
                 if finish_status is not None:
                     break
             if finish_status is not None:
@@ -502,7 +520,22 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _check_grammar(self, request: Request, token_id: int, status: RequestStatus | None) -> RequestStatus | None:
+        """A grammar request's matcher takes each token it keeps; EOS ends it only where the
+        grammar is complete, and a matcher that cannot go on ends it at once ("error")."""
+        grammar = request.grammar
+        if status is None:
+            if grammar.consume(token_id):
+                return None
+            request.stop_reason = f"structured_outputs.grammar: {grammar.error or 'the grammar cannot go on'}"
+            return RequestStatus.FINISHED_ERROR
+        if status is RequestStatus.FINISHED_STOPPED and token_id in self.eos_token_ids and not grammar.accepting:
+            request.stop_reason = "structured_outputs.grammar: no token continues the output, and it is incomplete"
+            return RequestStatus.FINISHED_ERROR
+        return status
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._grammar_running.discard(request.request_id)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             # Only the runner's own requests: a waiting one is unknown to it, or (when

@@ -11,8 +11,8 @@ class EngineCoreOutput:
     """What one step changed for one request, as reported by ``update_from_output``.
 
     ``new_token_ids`` are the accepted tokens (tokens sampled after a stop are dropped).
-    ``finish_reason`` is "stop" / "length" / "abort" once the request is finished, with
-    ``stop_reason`` the stop token id that ended it (None for EOS or length).
+    ``finish_reason`` is "stop" / "length" / "abort" / "error" once the request is finished, with
+    ``stop_reason`` the stop token id that ended it (None for EOS or length; why, for "error").
     """
 
     req_id: str

@@ -3,7 +3,9 @@ loaded at which state and exception offsets, and which requests use them.
 
 Requests with the same constraint share one copy (the compile cache hands out one automaton
 object per constraint). An automaton no request uses stays loaded, and is dropped (least
-recently used first) only when a new one needs its room.
+recently used first) only when a new one needs its room. A grammar's one-state automaton
+(structured/grammar.py, `shared` False) belongs to its request alone and is dropped when the
+request releases it.
 
 The scheduler reserves a request's place when it admits the request (`reserve`), and keeps the
 request waiting while the automata of running requests leave no room, so a full pool delays a
@@ -73,7 +75,21 @@ class AutomatonPool:
     def release(self, req_id: str) -> None:
         key = self._user_of.pop(req_id, None)
         if key is not None:
-            self._loaded[key].users -= 1
+            entry = self._loaded[key]
+            entry.users -= 1
+            if not entry.users and not getattr(entry.automaton, "shared", True):
+                del self._loaded[key]
+                self._unwritten.discard(key)
+
+    @property
+    def num_users(self) -> int:
+        """Requests holding a place now."""
+        return len(self._user_of)
+
+    @property
+    def num_loaded(self) -> int:
+        """Automata in the pool, idle ones included."""
+        return len(self._loaded)
 
     def _room_for(self, automaton) -> tuple[int, int, list[int]] | None:
         """(state base, exception base, idle automata to drop first, least recently used first)."""

@@ -30,6 +30,7 @@ from mrv2_jax.runner.base import RunnerBase
 from mrv2_jax.runner.buckets import Bucket
 from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, SAMPLING_FIELDS, init_device_state
 from mrv2_jax.runner.fused import device_stop_ids, fused_layout, make_fused_decode
+from mrv2_jax.runner.grammar_masks import GrammarMasks
 from mrv2_jax.runner.model_step import forward_and_sample
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
@@ -135,6 +136,8 @@ class ModelRunnerV2(RunnerBase):
         # the token a row whose state allows nothing gets (sample/automata.py).
         self.automaton_pool = AutomatonPool(*pool)
         self._automaton_writer = AutomatonWriter(self.slot_state.automata)
+        # Grammars: the host's bitmask into each grammar request's pool state before its steps.
+        self.grammar_masks = GrammarMasks(self.slot_state.automata, eager=compile_mode == "eager")
         self.eos_for_masks = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
@@ -255,6 +258,7 @@ class ModelRunnerV2(RunnerBase):
             self._prompts.pop(req_id, None)
             self._num_blocks.pop(req_id, None)
             self.automaton_pool.release(req_id)
+            self.grammar_masks.release(req_id)
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:  # nothing scheduled: no new requests and no new blocks either
             return StepResult({})
@@ -265,6 +269,9 @@ class ModelRunnerV2(RunnerBase):
         packed = layout.empty()  # a fresh buffer per step: the device may still read the last one
         view = lambda name: layout.view(packed, name)  # noqa: E731
         self._write_new_requests(out, view)
+        if self.grammar_masks:
+            self.slot_state = self.slot_state._replace(
+                automata=self.grammar_masks.write(self.slot_state.automata, out.sampling_req_ids))
         appends = self._collect_block_appends(out)
         counts = list(out.num_scheduled_tokens.values())  # in req_ids' order
         view("idx_mapping")[: len(req_ids)] = self.slots.slots_of(req_ids)
@@ -303,6 +310,8 @@ class ModelRunnerV2(RunnerBase):
         `num_scheduled_tokens[r]` of them (its budget) and stops early on a stop id."""
         if out.new_reqs or self._prompts.keys() & set(req_ids):
             raise RuntimeError("a fused decode call may only hold requests that are decoding")
+        if self.grammar_masks:
+            raise RuntimeError("a fused decode call may not hold grammar requests (the host masks every step)")
         if out.num_fused_steps > self.max_fused_steps:
             raise RuntimeError(f"{out.num_fused_steps} fused steps requested; compiled for {self.max_fused_steps}")
         bucket = next(b for b in self.fused_buckets if b.num_reqs >= len(req_ids))
@@ -382,6 +391,8 @@ class ModelRunnerV2(RunnerBase):
         if fresh:
             self.slot_state = self.slot_state._replace(automata=self._automaton_writer.write(
                 self.slot_state.automata, automaton, state_base, exception_base))
+        if not automaton.shared:  # a grammar: its matcher masks the one state before each step
+            self.grammar_masks.add(new.req_id, automaton, state_base)
         return state_base + automaton.walk(new.token_ids[new.num_prompt_tokens:])
 
     def _smallest_variant(self, row) -> int:

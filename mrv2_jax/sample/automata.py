@@ -48,6 +48,13 @@ def write(tables: AutomatonTables, state_at, allowed, exception, default_next, f
                            tables.exception_next.at[x].set(exception_next, mode="drop"))
 
 
+def write_allowed(tables: AutomatonTables, state_at, allowed) -> AutomatonTables:
+    """Replace the `allowed` words of the states at global ids `state_at` (-1: skip): a grammar's
+    one state gets the host's bitmask before each step (runner/grammar_masks.py)."""
+    s = jnp.where(state_at >= 0, state_at, tables.allowed.shape[0])
+    return tables._replace(allowed=tables.allowed.at[s].set(allowed, mode="drop"))
+
+
 def mask_logits(logits: jax.Array, tables: AutomatonTables, states: jax.Array, eos_token_id: int) -> jax.Array:
     """logits [R, V] with every token a constrained row's state (states i32[R], -1: none) does not
     allow set to -inf. A state that allows nothing (never built: compile prunes dead ends) gets

@@ -28,6 +28,7 @@ from mrv2_jax.structured.vocabulary import TokenVocabulary
 
 @dataclass(frozen=True, eq=False)
 class TokenAutomaton:
+    shared = True  # one copy in the device pool serves every request with this constraint
     start: int
     allowed: np.ndarray  # u32[n, W]
     exception: np.ndarray  # u32[n, W]

@@ -3,6 +3,8 @@
 Compiling a JSON schema against a large vocabulary takes from milliseconds to seconds, so it
 happens when a request arrives (EngineCore.add_request), never inside a step, and each
 (constraint, tokenizer) pair is compiled once: requests with the same schema share the result.
+A grammar is compiled once too (an llguidance matcher at its start), but each request gets a
+matcher of its own, copied from that one (structured/grammar.py).
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import threading
 from collections import OrderedDict
 
 from mrv2_jax.structured.automaton import TokenAutomaton, compile_automaton
+from mrv2_jax.structured.grammar import CompiledGrammar, GrammarMatcher, llg_tokenizer
 from mrv2_jax.structured.params import StructuredOutputsParams
 from mrv2_jax.structured.vocabulary import TokenVocabulary, vocabulary_of
 
 CACHE_SIZE = 64  # compiled automata kept, least recently used dropped first
 
-_cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
+_cache: OrderedDict[tuple, TokenAutomaton | CompiledGrammar] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -35,25 +38,33 @@ class ConstraintCompiler:
             self._vocab = vocabulary_of(self._tokenizer, self._eos, self._vocab_size)
         return self._vocab
 
-    def cached(self, params: StructuredOutputsParams) -> TokenAutomaton | None:
-        """The automaton of `params` if it is compiled already, else None (never compiles)."""
+    def cached(self, params: StructuredOutputsParams) -> TokenAutomaton | CompiledGrammar | None:
+        """The compiled form of `params` if it is compiled already, else None (never compiles)."""
         with _lock:
             return _cache.get((self.vocabulary.fingerprint, params.key))
 
-    def compile(self, params: StructuredOutputsParams) -> TokenAutomaton:
-        """The cached automaton of `params` (ValueError naming the field if it cannot be built)."""
+    def compile(self, params: StructuredOutputsParams) -> TokenAutomaton | GrammarMatcher:
+        """The cached automaton of `params`, or for a grammar a new matcher of its own
+        (ValueError naming the field if it cannot be built)."""
         vocab = self.vocabulary
         key = (vocab.fingerprint, params.key)
         with _lock:
-            if key in _cache:
+            compiled = _cache.get(key)
+            if compiled is not None:
                 _cache.move_to_end(key)
-                return _cache[key]
+        if compiled is None:
+            compiled = self._compile(params, vocab)
+            with _lock:
+                _cache[key] = compiled
+                while len(_cache) > CACHE_SIZE:
+                    _cache.popitem(last=False)
+        return compiled.matcher() if isinstance(compiled, CompiledGrammar) else compiled
+
+    def _compile(self, params: StructuredOutputsParams, vocab: TokenVocabulary) -> TokenAutomaton | CompiledGrammar:
+        if params.kind == "grammar":  # (its errors name the field already)
+            tokenizer = llg_tokenizer(self._tokenizer, vocab, self._eos)
+            return CompiledGrammar(params.llguidance_grammar, tokenizer, vocab.vocab_size, self._eos)
         try:
-            automaton = compile_automaton(params.pattern, vocab)
+            return compile_automaton(params.pattern, vocab)
         except ValueError as e:
             raise ValueError(f"structured_outputs.{params.kind}: {e}") from None
-        with _lock:
-            _cache[key] = automaton
-            while len(_cache) > CACHE_SIZE:
-                _cache.popitem(last=False)
-        return automaton

@@ -2,8 +2,9 @@
 is built, and the regular expression it stands for.
 
 Exactly one kind is given: `json` (a JSON schema, dict or str), `json_object` (any JSON object),
-`regex`, `choice` (a list of strings) or `grammar` (not supported yet: it needs the host
-bitmask path). Every error names the field, e.g. "structured_outputs.regex: ...".
+`regex`, `choice` (a list of strings) or `grammar` (a context-free grammar, Lark or GBNF: no
+regex, it runs through llguidance on the host, structured/grammar.py). Every error names the
+field, e.g. "structured_outputs.regex: ...".
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+
+from mrv2_jax.structured.grammar import grammar_of
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -54,12 +57,13 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs must give exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(given) or 'none'}")
         self.kind = given[0]
-        self._regex = self._to_regex()
+        if self.kind == "grammar":
+            self._regex, self._grammar = None, grammar_of(self.grammar)
+        else:
+            self._regex, self._grammar = self._to_regex(), None
 
     def _to_regex(self) -> str:
         kind = self.kind
-        if kind == "grammar":
-            _fail("grammar", "context-free grammars are not supported yet (use json, regex or choice)")
         if kind == "json_object":
             if self.json_object is not True:
                 _fail("json_object", f"must be true, got {self.json_object!r}")
@@ -101,13 +105,22 @@ class StructuredOutputsParams:
 
     @property
     def pattern(self) -> str:
-        """The regular expression the constraint stands for (outlines-core's syntax)."""
+        """The regular expression the constraint stands for (outlines-core's syntax); a grammar
+        has none."""
+        if self._regex is None:
+            raise ValueError("structured_outputs.grammar stands for no regular expression")
         return self._regex
 
     @property
+    def llguidance_grammar(self) -> str:
+        """A grammar constraint as llguidance's grammar (checked when built)."""
+        return self._grammar
+
+    @property
     def key(self) -> tuple[str, str]:
-        """What identifies the compiled automaton (with the tokenizer): the kind and its regex."""
-        return self.kind, self._regex
+        """What identifies the compiled constraint (with the tokenizer): the kind and its regex
+        (a grammar: llguidance's form of it)."""
+        return self.kind, self._regex if self._regex is not None else self._grammar
 
 
 def _check_schema(schema: dict) -> None:

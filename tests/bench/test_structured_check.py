@@ -26,3 +26,4 @@ def test_regex_choice_and_json_object():
 def test_only_outputs_that_ended_by_the_constraint_are_checked():
     outputs = [('{"a": 1}', "stop"), ('{"a": true}', "stop"), ('{"a": 12', "length"), ('{"a": 2}', "abort")]
     assert count_valid(outputs, {"json": SCHEMA}) == {"outputs": 4, "complete": 2, "valid": 1}
+    assert count_valid(outputs, {"grammar": 'start: "x"'}) == {"outputs": 4, "complete": 2, "valid": None}

@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -29,6 +30,7 @@ from tests.server_harness import (
     stream_completion,
     wait_until,
 )
+from tests.structured.grammar_cases import LARK, REGEX
 
 STREAM_INTERVAL = 4  # below the default max_fused_steps (16), so the cap shows
 
@@ -49,7 +51,8 @@ STRUCTURED = {"schema": ({"response_format": {"type": "json_schema", "json_schem
               "regex": ({"structured_outputs": {"regex": r"[A-Z][a-z]{1,6}( [a-z]{1,6}){1,3}\."}},
                         {"regex": r"[A-Z][a-z]{1,6}( [a-z]{1,6}){1,3}\."}),
               "choice": ({"structured_outputs": {"choice": ["yes", "no", "my lord"]}},
-                         {"choice": ["yes", "no", "my lord"]})}
+                         {"choice": ["yes", "no", "my lord"]}),
+              "grammar": ({"structured_outputs": {"grammar": LARK}}, {"grammar": LARK})}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +158,11 @@ def test_structured_outputs_through_the_engine_process(server, reference):
         assert _text(asyncio.run(_stream_with_client(server, body))) == reference[kind]
     assert json.loads(reference["schema"]).keys() == {"name", "king"}
     assert reference["choice"] in ("yes", "no", "my lord")
+    assert re.fullmatch(REGEX, reference["grammar"])
+    for grammar in ("start: (", 'start: <[0]> "a"'):  # checked in the API process, never reaching the engine
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": "x", "structured_outputs": {"grammar": grammar}})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("structured_outputs.grammar: ")
     r = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": MODEL_NAME, "prompt": "x", "structured_outputs": {"regex": r"[^\s\S]"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"

@@ -121,7 +121,8 @@ BAD_REQUESTS = {
     "two constraint kinds": (COMPLETIONS, comp(structured_outputs={"regex": "a", "choice": ["a"]}), 400),
     "invalid schema": (CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "schema": {"type": "object", "properties": 5}}}), 400),
-    "grammar": (COMPLETIONS, comp(structured_outputs={"grammar": "root ::= 'a'"}), 400),
+    "invalid grammar": (COMPLETIONS, comp(structured_outputs={"grammar": "start: ("}), 400),
+    "unsatisfiable grammar": (COMPLETIONS, comp(structured_outputs={"grammar": 'start: <[0]> "a"'}), 400),
     "constraint given twice": (CHAT, chat(response_format={"type": "json_object"},
                                           structured_outputs={"regex": "a"}), 400),
     "chat: unknown model": (CHAT, chat(model="nope"), 404),
@@ -170,6 +171,10 @@ def test_param_names_the_offending_field(http):
                          "response_format")):
         error = assert_openai_error(_post(http, COMPLETIONS, body))
         assert error["param"] == param and "structured_outputs." in error["message"], error
+    for grammar in ("start: (", 'start: <[0]> "a"'):  # invalid; valid but unsatisfiable
+        error = assert_openai_error(_post(http, COMPLETIONS, comp(structured_outputs={"grammar": grammar})))
+        assert error["param"] == "structured_outputs", error
+        assert error["message"].startswith("structured_outputs.grammar: "), error
 
 
 def test_oversized_body_is_413(http):

@@ -214,8 +214,9 @@ def test_structured_outputs_are_rejected_with_speculative_decoding(runner, spec)
     """A spec step verifies drafts without an automaton (and V1 runs none): a constrained request
     is refused at add_request with a message that says why, never served unconstrained."""
     llm = engine(runner, spec)
-    with pytest.raises(ValueError, match=r"structured_outputs is not supported .*speculative decoding"):
-        llm.add_request(PROMPTS[0], SamplingParams(max_tokens=2, structured_outputs={"choice": ["a", "b"]}))
+    for constraint in ({"choice": ["a", "b"]}, {"grammar": 'start: "a" | "b"'}):
+        with pytest.raises(ValueError, match=r"structured_outputs is not supported .*speculative decoding"):
+            llm.add_request(PROMPTS[0], SamplingParams(max_tokens=2, structured_outputs=constraint))
     assert not llm.engine.has_work()
 
 

@@ -22,7 +22,8 @@ BAD = {
     "invalid schema": (dict(json={"type": "object", "properties": 5}), "structured_outputs.json: invalid JSON schema"),
     "unknown type": (dict(json={"type": "foo"}), "structured_outputs.json"),
     "json_object false": (dict(json_object="yes"), "structured_outputs.json_object"),
-    "grammar": (dict(grammar="root ::= 'a'"), "structured_outputs.grammar: context-free grammars are not supported"),
+    "invalid grammar": (dict(grammar="start: ("), "structured_outputs.grammar: invalid grammar"),
+    "GBNF that does not parse": (dict(grammar="root ::= 'a'"), "structured_outputs.grammar: Failed to convert"),
     "unknown field": (dict(regexp="a"), "unknown field(s) regexp"),
 }
 

@@ -1,0 +1,22 @@
+"""Grammars the grammar tests share, each with an independent way to check its outputs."""
+
+import re
+
+DEMO = "checkpoints/demo-qwen3"
+
+# One language three ways: a regex (the device automaton's), Lark and GBNF (llguidance's).
+REGEX = r"[A-Z][a-z]{1,6}( [a-z]{1,6}){1,4}[.!?]"
+LARK = 'start: NAME (" " WORD){1,4} END\nNAME: /[A-Z][a-z]{1,6}/\nWORD: /[a-z]{1,6}/\nEND: /[.!?]/'
+GBNF = 'root ::= [A-Z] [a-z]{1,6} (" " [a-z]{1,6}){1,4} [.!?]'
+
+# Not regular: balanced parentheses around one word.
+NESTED = 'start: item\nitem: WORD | "(" item ")"\nWORD: /[a-z]{1,5}/'
+
+
+def is_nested(text: str) -> bool:
+    m = re.fullmatch(r"(\(*)([a-z]{1,5})(\)*)", text)
+    return m is not None and len(m.group(1)) == len(m.group(3))
+
+# Long enough that eight requests outgrow the engine tests' KV pool.
+WORDS_REGEX = r"[a-z]{1,8}( [a-z]{1,8}){24,30}\."
+WORDS_LARK = 'start: WORD (" " WORD){24,30} "."\nWORD: /[a-z]{1,8}/'
