@@ -100,11 +100,19 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _import_for_serving() -> None:
+    """What the API process needs once the engine is ready (FastAPI and the server, transformers'
+    tokenizer), imported on a thread while the engine process starts instead of before or after."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+    import mrv2_jax.entrypoints.openai_server  # noqa: F401
+
+
 def cmd_serve(args) -> int:
     import logging
+    import threading
 
     from mrv2_jax.async_llm import AsyncLLM
-    from mrv2_jax.entrypoints.openai_server import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model_tag is not None:
@@ -118,6 +126,8 @@ def cmd_serve(args) -> int:
     names = args.served_model_name or [args.model or "demo"]
     from mrv2_jax.core_client import EngineStartupError
 
+    importer = threading.Thread(target=_import_for_serving, name="mrv2-imports", daemon=True)
+    importer.start()
     try:
         engine = AsyncLLM.from_engine_args(**engine_kwargs(args), engine_in_process=args.engine_in_process,
                                            startup_timeout=args.engine_startup_timeout,
@@ -126,6 +136,9 @@ def cmd_serve(args) -> int:
     except EngineStartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    importer.join()
+    from mrv2_jax.entrypoints.openai_server import serve
+
     processes = f" ({args.api_server_count} API server processes)" if args.api_server_count > 1 else ""
     print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1{processes} (Ctrl-C to stop)", file=sys.stderr)
     try:
