@@ -172,6 +172,28 @@ for s in $sections; do case $s in
       --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
+  # Issue 30: structured outputs at S1@256 with a constraint whose outputs run to max_tokens (only the
+  # single token "#" ends it), beside the same arms unconstrained: bench compare (mrv2-jax and vLLM +
+  # xgrammar) and the per-step timeline (wait fraction). Needs the vLLM payload and, for vLLM,
+  # lm-format-enforcer + interegular (carry them in .whl). The mrv2-jax arms get the payload's
+  # outlines-core, jsonschema, msgspec and llguidance without the rest of it.
+  structured)
+    mkdir -p /tmp/so
+    for p in outlines_core jsonschema jsonschema_specifications referencing rpds attrs msgspec llguidance; do
+      cp -r $SITE/$p /tmp/so/ 2>/dev/null; done
+    SO=${STRUCTURED:-'{"regex": "[a-z]{1,8}( [a-z]{1,8})*#"}'}
+    V=--mrv2-arg=--sampler-variants=greedy,plain,structured,full,all
+    for arm in structured plain; do
+      so=(); [ $arm = structured ] && so=(--structured-outputs "$SO")
+      run_section compare-$arm env MRV2_STRUCTURED_EXCEPTIONS=1048576 PYTHONPATH=/tmp/so:$PYTHONPATH \
+          python3 -m mrv2_jax.bench.compare --settings s1-256 --arms mrv2-v2-async,vllm-mrv2 "${so[@]}" $V \
+          --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b --output-json "$OUT/structured_compare_$arm.json"
+      run_section timeline-$arm env MRV2_STRUCTURED_EXCEPTIONS=1048576 PYTHONPATH=/tmp/so:$PYTHONPATH \
+          python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
+          --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+          --num-prompts 1000 --temperature 1.0 --sampler-variants greedy,plain,structured,full,all "${so[@]}" \
+          --disable-tqdm --output-json "$OUT/structured_timeline_$arm.json"
+    done ;;
   # Issue 28: seconds from launching the server to /health and to a first token, cold then warm
   # (FIRST_TOKEN_ARGS adds flags, e.g. --compile-mode background; --vllm-model times vllm serve).
   first-token) run_section first-token${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m benchmarks.first_token \

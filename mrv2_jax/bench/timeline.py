@@ -27,6 +27,7 @@ On a CPU backend there are no device events: the device part is None, with a not
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -233,7 +234,9 @@ def run(args) -> dict:
     llm = LLM(**kwargs)
     startup = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, 0.0, llm.model_state.vocab_size, args.dataset_seed)
-    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    constraint = json.loads(args.structured_outputs) if args.structured_outputs else None
+    params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=constraint is None,
+                            structured_outputs=constraint)
     if args.sampling == "all":  # every sampler feature on every request (bench ab --sampling all)
         params = sampling_params("all", args.output_len, llm.model_state.vocab_size)
     llm.generate(prompts[: min(len(prompts), 16)], SamplingParams(max_tokens=4, ignore_eos=True),
@@ -332,6 +335,9 @@ def main(argv=None, prog=None):
                         "settings such as input 1024 / output 128) instead of after --skip-steps steady ones")
     p.add_argument("--trace-out", default=None, help="where to keep the Perfetto trace (default: beside "
                    "--output-json, as NAME.trace.json.gz)")
+    p.add_argument("--structured-outputs", default=None,
+                   help="a JSON object of StructuredOutputsParams fields given to every timed request (needs "
+                        "--tokenizer for a preset; EOS then ends a request where its constraint allows)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
     add_engine_args(p)

@@ -62,6 +62,7 @@ class TokenAutomaton:
         """The state after `token` (which must be allowed in `state`): the tables' own rule."""
         if not self.is_allowed(state, token):
             raise ValueError(f"token {token} is not allowed in state {state}")
+        token = int(token)  # a NumPy int32 would overflow in the bit arithmetic below
         word, bit = token >> 5, token & 31
         ex = self.exception[state]
         if not (ex[word] >> np.uint32(bit)) & 1:

@@ -51,6 +51,8 @@ def test_tables_agree_with_outlines_index(compiler, params):
         assert automaton.allowed_tokens(s).tolist() == expected
         assert automaton.final[s] == index.is_final_state(t)
         for token in expected:
+            # The ids as `allowed_tokens` hands them out (NumPy int32) step the same way.
+            assert automaton.next_state(s, np.int32(token)) == automaton.next_state(s, token)
             if token != EOS:
                 ours.append(automaton.next_state(s, token))
                 theirs.append(index.get_next_state(t, token))
