@@ -174,13 +174,13 @@ for s in $sections; do case $s in
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 30: structured outputs at S1@256 with a constraint whose outputs run to max_tokens (only the
   # single token "#" ends it), beside the same arms unconstrained: bench compare (mrv2-jax and vLLM +
-  # xgrammar) and the per-step timeline (wait fraction). Needs the vLLM payload and, for vLLM,
-  # lm-format-enforcer + interegular (carry them in .whl). The mrv2-jax arms get the payload's
-  # outlines-core, jsonschema, msgspec and llguidance without the rest of it.
+  # xgrammar) and the per-step timeline (wait fraction). Needs the vLLM payload and .whl from
+  # scripts/fetch_structured_wheels.sh (carried): the mrv2-jax arms get outlines-core, llguidance and
+  # the payload's jsonschema and msgspec, without the rest of the payload; vLLM gets lm-format-enforcer.
   structured)
-    mkdir -p /tmp/so
-    for p in outlines_core jsonschema jsonschema_specifications referencing rpds attrs msgspec llguidance; do
-      cp -r $SITE/$p /tmp/so/ 2>/dev/null; done
+    python3 -m pip install -q --no-index --no-deps --target /tmp/so .whl/*.whl
+    cp -r /tmp/so/lm_format_enforcer /tmp/so/interegular $SITE/
+    for p in jsonschema jsonschema_specifications referencing rpds attrs msgspec; do cp -r $SITE/$p /tmp/so/; done
     SO=${STRUCTURED:-'{"regex": "[a-z]{1,8}( [a-z]{1,8})*#"}'}
     V=--mrv2-arg=--sampler-variants=greedy,plain,structured,full,all
     for arm in structured plain; do
