@@ -194,6 +194,14 @@ for s in $sections; do case $s in
           --num-prompts 1000 --temperature 1.0 --sampler-variants greedy,plain,structured,full,all "${so[@]}" \
           --disable-tqdm --output-json "$OUT/structured_timeline_$arm.json"
     done ;;
+  # Issue 28: a fresh process's start before the engine's report (imports, backend), and the dummy
+  # weights' programs timed one by one, cold (empty compilation cache) then warm.
+  startup-split)
+    run_section process-start python3 -m benchmarks.process_start --output-json "$OUT/process_start.json"
+    for pass in cold warm; do
+      run_section dummy-weights-$pass env MRV2_COMPILATION_CACHE=/tmp/cc_dummy python3 -m benchmarks.dummy_weights \
+          --model ${FT_MODEL:-qwen3-0.6b} --output-json "$OUT/dummy_weights_$pass.json"
+    done ;;
   # Issue 28: seconds from launching the server to /health and to a first token, cold then warm
   # (FIRST_TOKEN_ARGS adds flags, e.g. --compile-mode background; --vllm-model times vllm serve).
   first-token) run_section first-token${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m benchmarks.first_token \
