@@ -13,6 +13,7 @@ XLA:CPU can crash writing one executable to the persistent cache while another t
 (runner/precompile.py).
 """
 
+import atexit
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ import jax
 from mrv2_jax.runner.compile_guard import planned
 
 _CPU_COMPILE_LOCK = threading.Lock()
+EXIT_WAIT_S = 120.0  # at exit, how long the compiles still running may take to finish
 
 
 def _one_compile_at_a_time():
@@ -82,8 +84,10 @@ class LazyPrograms(Sequence):
 
 
 class BackgroundCompile:
-    """Compiles `(programs, index)` pairs in the given order on `workers` daemon threads (a process
-    may exit while they run); `wait()` until all are done, `stop()` to skip the ones not started."""
+    """Compiles `(programs, index)` pairs in the given order on `workers` daemon threads; `wait()`
+    until all are done, `stop()` to skip the ones not started. When the process exits, the compiles
+    not started are skipped and the ones running are waited for: a daemon thread still inside
+    XLA when the interpreter finalizes aborts the process ("FATAL: exception not rethrown")."""
 
     def __init__(self, todo: list[tuple[LazyPrograms, int]], workers: int):
         self._todo = iter(todo)
@@ -94,6 +98,7 @@ class BackgroundCompile:
                          for i in range(max(1, workers))]
         for thread in self._threads:
             thread.start()
+        atexit.register(self.close)
 
     def _work(self) -> None:
         while True:
@@ -116,3 +121,9 @@ class BackgroundCompile:
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
+
+    def close(self, timeout: float = EXIT_WAIT_S) -> None:
+        """Skip the compiles not started, wait up to `timeout` s for the running ones."""
+        self.stop()
+        self.wait(timeout)
+        atexit.unregister(self.close)

@@ -85,3 +85,22 @@ def test_an_engine_compiling_in_the_background_gives_the_tokens_of_one_compiling
     # Every planned program got compiled, and no step compiled anything else (MRV2_STRICT_COMPILES,
     # inherited from the test run, would have failed it).
     assert result["compiled"] == result["planned"] > 0
+
+
+def test_at_exit_running_compiles_finish_and_the_rest_are_skipped(tmp_path):
+    # A daemon thread killed inside XLA at interpreter exit aborts the process; so the process waits
+    # for the compile that runs, and starts no other. Each fake compile leaves a file when it ends.
+    script = f"""
+import pathlib, threading, time
+from mrv2_jax.runner.lazy_programs import BackgroundCompile, LazyPrograms
+started = threading.Event()
+def make(i):
+    started.set()
+    time.sleep(1.0)
+    pathlib.Path({str(tmp_path)!r}, f"done{{i}}").touch()
+    return object()
+BackgroundCompile([(LazyPrograms(make, 3), i) for i in range(3)], workers=1)
+started.wait(10)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done0"]
