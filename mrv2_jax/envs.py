@@ -106,6 +106,19 @@ def set_xla_flags(flags: str) -> None:
     os.environ["XLA_FLAGS"] = flags
 
 
+def prometheus_multiproc_dir() -> str:
+    """PROMETHEUS_MULTIPROC_DIR (prometheus-client's own variable): where the API server processes
+    of one server keep their request metrics, so that each /metrics adds up all of them; "" when
+    the server has one API process."""
+    return read_external("PROMETHEUS_MULTIPROC_DIR")
+
+
+def set_prometheus_multiproc_dir(path: str) -> None:
+    """Set it for this process and the processes it starts; before prometheus_client is imported,
+    which reads it once."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """A copy of this process's environment with `extra` added, for a child process."""
     return {**os.environ, **extra}

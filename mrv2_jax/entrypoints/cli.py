@@ -109,7 +109,10 @@ def _import_for_serving() -> None:
 
 
 def cmd_serve(args) -> int:
+    import atexit
     import logging
+    import shutil
+    import tempfile
     import threading
 
     from mrv2_jax.async_llm import AsyncLLM
@@ -126,6 +129,10 @@ def cmd_serve(args) -> int:
     names = args.served_model_name or [args.model or "demo"]
     from mrv2_jax.core_client import EngineStartupError
 
+    if args.api_server_count > 1:  # request metrics added up over the API processes (server_metrics.py)
+        metrics_dir = tempfile.mkdtemp(prefix="mrv2-metrics-")
+        atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
+        envs.set_prometheus_multiproc_dir(metrics_dir)
     importer = threading.Thread(target=_import_for_serving, name="mrv2-imports", daemon=True)
     importer.start()
     try:

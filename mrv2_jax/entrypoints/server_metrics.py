@@ -9,7 +9,11 @@ Two sources:
     are observed by the HTTP handlers, with the server's clock: TTFT is what the client
     waits, queueing included.
 
-Each app has its own registry, so several servers in one process (tests) do not collide.
+Each app has its own registry, so several servers in one process (tests) do not collide. With
+several API server processes (`--api-server-count`), the request metrics live in
+prometheus-client's multi-process files (PROMETHEUS_MULTIPROC_DIR, set by `serve` before any
+process imports prometheus_client), and every process's /metrics adds up all of them; the engine's
+numbers are the same in every process (each gets the engine's counters).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
+from mrv2_jax import envs
 from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.engine.output import RequestOutput
 
@@ -92,13 +98,21 @@ class ServerMetrics:
                               "of a request.", labels, buckets=_TPOT_BUCKETS, registry=reg).labels(model_name)
         self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._engine_collector = _EngineCollector(engine, model_name)
+        self.registry.register(self._engine_collector)
+        self._shared_dir = envs.prometheus_multiproc_dir()
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if not self._shared_dir:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        # Every API process's request metrics, read from the shared files, and this engine's numbers.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self._shared_dir)
+        registry.register(self._engine_collector)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 class RequestTracker:

@@ -91,6 +91,12 @@ def test_two_api_processes_stream_their_own_requests_and_drain_together(tmp_path
             t.join(300)
         assert [text for text, _ in results[0] + results[1]] == reference[:6]
         assert all(reason == "length" for _, reason in results[0] + results[1])
+        # Either process's /metrics counts the requests of both.
+        for client in clients:
+            counted = _metrics(client)
+            assert counted["mrv2_requests_total"] == 6
+            assert counted["mrv2_generation_tokens_total"] == 6 * GREEDY["max_tokens"]
+            assert counted["mrv2_time_to_first_token_seconds_count"] == 6
 
         # Process 1's client hangs up mid-stream: the engine aborts it and every block is free again.
         with clients[1].stream("POST", "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPTS[1][0],
