@@ -12,7 +12,7 @@ def load_tokenizer_arg(value: str):
     """The host benchmarks' --tokenizer: a tokenizer directory, or 'none' (no detokenizing)."""
     if value == "none":
         return None
-    from mrv2_jax.engine.builder import load_tokenizer
+    from mrv2_jax.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(value))
 

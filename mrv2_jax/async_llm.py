@@ -38,21 +38,23 @@ import queue
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.core_client import AttachedCoreClient, CoreClient, EngineProcessDied
 from mrv2_jax.data_parallel import EngineReplicas
 from mrv2_jax.engine import core_messages as M
-from mrv2_jax.engine.engine_core import check_automaton_fits, check_request
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
-from mrv2_jax.llm import LLM
+from mrv2_jax.engine.request_checks import check_automaton_fits, check_request, check_request_fits
 from mrv2_jax.request_stream import RequestStream, Sink
-from mrv2_jax.sample.tensors import check_request_fits
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.spec_decode.metrics import SpecDecodeStats
 from mrv2_jax.structured.compiler import ConstraintCompiler
+
+if TYPE_CHECKING:  # the offline engine loads JAX: only an engine on a thread of this process needs it
+    from mrv2_jax.llm import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +190,8 @@ class AsyncLLM:
         if engine_in_process:
             if api_server_count != 1 or data_parallel_size != 1:
                 raise ValueError("several API server processes or engine replicas need the engine in its own process")
+            from mrv2_jax.llm import LLM
+
             return cls(LLM(model, **engine_args))
         if data_parallel_size > 1:
             if api_server_count != 1:

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 from mrv2_jax import envs
 
+# Static widths of a request's sparse sampler lists (shapes of the compiled steps: sample/tensors.py).
+# A request with more entries is refused when it is added (engine/request_checks.py).
+MAX_LOGIT_BIAS = 256
+MAX_STOP_IDS = 64  # stop_token_ids + EOS ids, masked while fewer than min_tokens outputs exist
+
 # The server's defaults (entrypoints/cli.py, core_client.py, entrypoints/openai_server.py).
 ENGINE_STARTUP_TIMEOUT = 1800.0  # seconds to wait for the engine process: a cold start compiles for minutes
 SERVER_SHUTDOWN_TIMEOUT = 30.0  # seconds requests in flight get to finish on SIGTERM / Ctrl-C

@@ -27,8 +27,8 @@ import zmq
 
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.engine import core_messages as M
-from mrv2_jax.engine.builder import EngineConfig, load_tokenizer
-from mrv2_jax.engine.core_proc import run_engine_core
+from mrv2_jax.engine.engine_config import EngineConfig
+from mrv2_jax.engine.tokenizer import load_tokenizer
 
 
 class EngineStartupError(RuntimeError):
@@ -117,6 +117,14 @@ class _EngineLink:
         self._ctx.term()
 
 
+def _engine_process(engine_args: dict, inputs: list[str], outputs: list[str]) -> None:
+    """The engine process's entry point. The engine (and JAX) is imported there, not here: the API
+    server processes never load it."""
+    from mrv2_jax.engine.core_proc import run_engine_core
+
+    run_engine_core(engine_args, inputs, outputs)
+
+
 class CoreClient(_EngineLink):
     """Starts the engine process for `engine_args` (EngineConfig fields) and waits until it is
     ready; `ready` then says what the engine serves, and `tokenizer` is loaded here.
@@ -142,7 +150,7 @@ class CoreClient(_EngineLink):
             sock.connect(addr)
             self._notifiers.append(sock)
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(dict(engine_args), inputs, outputs), name="mrv2-engine-core", daemon=True)
+            target=_engine_process, args=(dict(engine_args), inputs, outputs), name="mrv2-engine-core", daemon=True)
         self.process.start()
         self._watched_sentinel = self.process.sentinel
         self._poller.register(self.process.sentinel, zmq.POLLIN)

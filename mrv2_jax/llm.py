@@ -5,11 +5,12 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from mrv2_jax.engine.builder import EngineConfig, build_engine
+from mrv2_jax.engine.builder import build_engine
+from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
-from mrv2_jax.sample.tensors import check_request_fits
+from mrv2_jax.engine.request_checks import check_request_fits
 from mrv2_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]

@@ -29,10 +29,11 @@ import zmq
 
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.background_compiles import POLL_S, BackgroundCompiles
-from mrv2_jax.engine.builder import EngineConfig, build_engine
+from mrv2_jax.engine.builder import build_engine
+from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.request import Request
-from mrv2_jax.sample.tensors import check_request_fits
+from mrv2_jax.engine.request_checks import check_request_fits
 
 # A message the engine sent just before it exits still reaches the API process.
 _LINGER_MS = 5000

@@ -12,31 +12,13 @@ import time
 from collections.abc import Iterable
 
 from mrv2_jax.engine.request import Request, RequestStatus
+from mrv2_jax.engine.request_checks import check_automaton_fits, check_request
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
 from mrv2_jax.runner.compile_guard import CompileGuard, num_compiles
 from mrv2_jax.runner.interface import Runner, StepOutcome
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.structured.compiler import ConstraintCompiler
-
-
-def check_request(params, supports_prompt_logprobs: bool, supports_structured_outputs: bool = True) -> None:
-    """Raise ValueError for what an engine whose runner has these abilities cannot serve."""
-    if params.prompt_logprobs is not None and not supports_prompt_logprobs:
-        raise ValueError("prompt_logprobs is not supported with this runner configuration "
-                         "(speculative decoding, or no sampler variant computing them)")
-    if params.structured_outputs is not None and not supports_structured_outputs:
-        raise ValueError("structured_outputs is not supported with this runner configuration "
-                         "(speculative decoding, or the v1 runner)")
-
-
-def check_automaton_fits(automaton, capacity: tuple[int, int]) -> None:
-    """Raise ValueError when a compiled constraint is larger than the runner's automaton pool."""
-    if automaton.num_states > capacity[0] or automaton.num_exceptions > capacity[1]:
-        raise ValueError(
-            f"structured_outputs: the constraint compiles to {automaton.num_states} states and "
-            f"{automaton.num_exceptions} exception entries; the device pool holds {capacity[0]} and "
-            f"{capacity[1]} (MRV2_STRUCTURED_STATES, MRV2_STRUCTURED_EXCEPTIONS)")
 
 
 class EngineCore:

@@ -5,7 +5,7 @@ import sys
 
 from mrv2_jax import envs
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT, SERVER_SHUTDOWN_TIMEOUT, KernelConfig
-from mrv2_jax.engine.builder import EngineConfig
+from mrv2_jax.engine.engine_config import EngineConfig
 
 KERNELS_HELP = ("kernel or reference per piece, as field=value,...; fields (values): "
                 + "; ".join(f"{name} ({'/'.join(allowed)})" for name, (_, allowed) in KernelConfig.CHOICES.items())

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mrv2_jax.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from mrv2_jax.runner.buckets import BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.lazy_programs import BackgroundCompile, LazyPrograms
@@ -20,7 +21,7 @@ from mrv2_jax.runner.scheduler_output import NewRequestData
 from mrv2_jax.runner.slots import SlotAllocator
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
-from mrv2_jax.sample.tensors import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingRow, sampling_row
+from mrv2_jax.sample.tensors import SamplingRow, sampling_row
 from mrv2_jax.xla_flags import step_compiler_options
 
 

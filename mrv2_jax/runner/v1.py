@@ -23,6 +23,7 @@ computed here on the host, as vLLM's V1 does), and the host waits for all of the
 import jax.numpy as jnp
 import numpy as np
 
+from mrv2_jax.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner.base import RunnerBase
 from mrv2_jax.runner.buckets import Bucket
@@ -36,8 +37,6 @@ from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.tensors import (
     FLOAT_SCALAR_FIELDS,
-    MAX_LOGIT_BIAS,
-    MAX_STOP_IDS,
     SCALAR_FIELDS,
     SamplingTable,
     SamplingTensors,

@@ -19,13 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mrv2_jax.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sampling_params import SamplingParams
-
-# Static widths of the sparse per-row lists (shapes of compiled steps). A request with more
-# entries is rejected up front by `check_request_fits`.
-MAX_LOGIT_BIAS = 256
-MAX_STOP_IDS = 64  # stop_token_ids + EOS ids, masked while fewer than min_tokens outputs exist
 
 
 @jax.tree_util.register_dataclass
@@ -84,21 +80,6 @@ def _neutral_arrays(num_rows: int, max_bias: int, max_stop: int) -> dict[str, np
 # ------------------------------------------------------------------------------------------
 # Host side: one request -> one row
 # ------------------------------------------------------------------------------------------
-
-def check_request_fits(params: SamplingParams, vocab_size: int, max_bias: int = MAX_LOGIT_BIAS,
-                       max_stop: int = MAX_STOP_IDS, num_eos: int = 1) -> None:
-    """Raise ValueError when a request's token ids or list lengths do not fit this engine
-    (called when the request is added, so the engine loop never sees a bad one)."""
-    bias = params.logit_bias or {}
-    bad = [t for t in list(bias) + list(params.stop_token_ids) if t >= vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} in logit_bias / stop_token_ids is outside the "
-                         f"vocabulary (size {vocab_size})")
-    if len(bias) > max_bias:
-        raise ValueError(f"logit_bias has {len(bias)} entries; at most {max_bias} are supported")
-    if params.min_tokens and len(params.stop_token_ids) + num_eos > max_stop:
-        raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; with min_tokens at "
-                         f"most {max_stop - num_eos} are supported")
 
 
 @dataclass

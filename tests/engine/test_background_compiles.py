@@ -5,7 +5,7 @@ import time
 from types import SimpleNamespace
 
 from mrv2_jax.engine.background_compiles import BackgroundCompiles
-from mrv2_jax.engine.builder import load_tokenizer
+from mrv2_jax.engine.tokenizer import load_tokenizer
 from mrv2_jax.models.loader import CHECKPOINTS_DIR
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.structured.compiler import ConstraintCompiler

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from mrv2_jax.config import CacheConfig, SchedulerConfig
-from mrv2_jax.engine.builder import load_tokenizer
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
+from mrv2_jax.engine.tokenizer import load_tokenizer
 from mrv2_jax.sampling_params import SamplingParams
 from tests.engine.test_scheduler import (
     BLOCK_SIZE,

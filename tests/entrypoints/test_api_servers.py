@@ -185,3 +185,13 @@ def test_a_killed_engine_ends_the_streams_of_every_api_process():
         others.stop(timeout=10.0)
         engine.shutdown()
     assert all(not p.is_alive() for p in others.processes)
+
+
+def test_the_api_server_processes_load_no_jax():
+    # Each API process imports the server and the engine client only; the engine (and JAX with it)
+    # loads in the engine process. Several API processes then start fast and hold no device code.
+    code = ("import sys, mrv2_jax.entrypoints.cli, mrv2_jax.entrypoints.openai_server, "
+            "mrv2_jax.entrypoints.api_servers, mrv2_jax.data_parallel; "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -30,7 +30,7 @@ def test_kernels_flag_parses_into_the_engine_kernel_config(monkeypatch):
     """`--kernels field=value,...` sets KernelConfig fields over the environment's defaults, and
     EngineConfig resolves "auto" for the backend; a bad field or value is a clear error."""
     from mrv2_jax.config import KernelConfig
-    from mrv2_jax.engine.builder import EngineConfig
+    from mrv2_jax.engine.engine_config import EngineConfig
     from mrv2_jax.entrypoints.cli import build_parser, engine_kwargs
 
     monkeypatch.setenv("MRV2_MOE_BACKEND", "dense")

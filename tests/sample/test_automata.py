@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mrv2_jax.engine.builder import load_tokenizer
+from mrv2_jax.engine.tokenizer import load_tokenizer
 from mrv2_jax.models.loader import CHECKPOINTS_DIR
 from mrv2_jax.sample import automata
 from mrv2_jax.structured.compiler import ConstraintCompiler

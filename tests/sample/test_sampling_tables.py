@@ -9,10 +9,11 @@ import pytest
 
 from mrv2_jax.engine.output import Logprob
 from mrv2_jax.engine.output_processor import OutputProcessor
+from mrv2_jax.engine.request_checks import check_request_fits
 from mrv2_jax.runner.step_result import TokenLogprobs
 from mrv2_jax.sample import SamplerFeatures, SamplingTable, SamplingTensors, sampling_row, slot_state
 from mrv2_jax.sample.penalties import PenaltyData, apply_penalties, pack_token_mask, unpack_token_mask
-from mrv2_jax.sample.tensors import check_request_fits, needed_features, row_needs, seed_to_int32
+from mrv2_jax.sample.tensors import needed_features, row_needs, seed_to_int32
 from mrv2_jax.sampling_params import SamplingParams
 
 

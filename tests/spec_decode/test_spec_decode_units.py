@@ -189,7 +189,7 @@ def test_scheduler_gives_no_drafts_to_penalty_or_logprob_requests_and_stops_mid_
 def test_cli_speculative_config_reaches_the_engine_config():
     import argparse
 
-    from mrv2_jax.engine.builder import EngineConfig
+    from mrv2_jax.engine.engine_config import EngineConfig
     from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
@@ -204,7 +204,7 @@ def test_cli_speculative_config_reaches_the_engine_config():
 def test_speculative_decoding_turns_fused_decode_off():
     """Spec decode and fused decode never run together: with a speculative_config,
     max_fused_steps defaults to 1 and an explicit K > 1 is refused (engine and scheduler)."""
-    from mrv2_jax.engine.builder import DEFAULT_MAX_FUSED_STEPS, EngineConfig
+    from mrv2_jax.engine.engine_config import DEFAULT_MAX_FUSED_STEPS, EngineConfig
 
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     assert EngineConfig(runner="v2").max_fused_steps == DEFAULT_MAX_FUSED_STEPS

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from outlines_core import Index, Vocabulary
 
-from mrv2_jax.engine.builder import load_tokenizer
+from mrv2_jax.engine.tokenizer import load_tokenizer
 from mrv2_jax.models.loader import CHECKPOINTS_DIR
 from mrv2_jax.structured.automaton import _live_states, compile_automaton
 from mrv2_jax.structured.compiler import ConstraintCompiler

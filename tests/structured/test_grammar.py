@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mrv2_jax.engine import core_messages as M
-from mrv2_jax.engine.builder import load_tokenizer
+from mrv2_jax.engine.tokenizer import load_tokenizer
 from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.structured.compiler import ConstraintCompiler

@@ -1,0 +1,113 @@
+"""`EngineConfig`: the one set of engine arguments shared by the offline API (`LLM(**kwargs)`), the
+CLI and the server, validated when built. Importing it loads no JAX (the API server processes read
+its field names); checks that need the model code load it when a config is built."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from mrv2_jax import envs
+from mrv2_jax.config import KernelConfig
+from mrv2_jax.spec_decode.config import SpeculativeConfig
+
+RUNNERS = ("v1", "v2")
+# Up to 16 decode steps per call for small stable batches: one jitted call of the step costs the
+# host more than a small batch's device step, so fusing steps pays (docs/benchmarks.md,
+# "Small-batch decode"). `--max-fused-steps 1` turns it off.
+DEFAULT_MAX_FUSED_STEPS = 16
+# Fused decode is compiled for batches of up to 256 rows: it pays at 256 rows too
+# (docs/benchmarks.md, "Sampler variants and fused decode at 256 rows").
+DEFAULT_MAX_FUSED_ROWS = 256
+# One decode step between a stream's chunks, as vLLM's default: with K > 1 a stream gets K tokens
+# at once every K steps, and its inter-chunk gap is K times its time per token.
+DEFAULT_STREAM_INTERVAL = 1
+
+
+COMPILE_MODES = ("eager", "lazy", "background")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # preset, "demo" (default) or a model directory
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "bfloat16"
+    load_format: str = "auto"
+    runner: str | None = None  # "v1" | "v2"; default: $MRV2_RUNNER (v2)
+    async_scheduling: bool | None = None  # default: on for runners that support it
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
+    # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
+    layer_unroll: int = 1
+    # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
+    # short stall then) or "background" (on threads while the engine serves; a step whose program
+    # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
+    # ever run there), eager on GPUs (serving never stalls on a compile).
+    compile_mode: str | None = None
+    # V2: up to this many decode steps in one compiled call for small, stable batches
+    # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
+    max_fused_steps: int | None = None
+    fused_unroll: int = 1  # decode steps per iteration of the fused loop (1: a plain while loop)
+    # V2: fused decode is compiled for batches of up to this many rows (the smallest bucket
+    # with at least that many). Larger batches decode one step per call.
+    max_fused_rows: int = DEFAULT_MAX_FUSED_ROWS
+    # While a streaming request runs, fused decode runs at most this many steps per call, which
+    # bounds the wait between a stream's chunks (in decode steps); non-streaming requests keep K.
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
+    # Sampler variants compiled per bucket, cheapest first, e.g. "greedy,plain,all"; each step
+    # runs the first that covers its batch (sample/features.py). Default: greedy,plain,full,all on
+    # GPUs, all elsewhere. Fewer variants: faster start, slower steps for some batches.
+    sampler_variants: str | None = None
+    seed: int = 0
+    show_progress: bool = True
+    # Speculative decoding: a SpeculativeConfig, a dict or a JSON string
+    # ({"method": "ngram" | "draft_model" | "mtp" | "synthetic", "num_speculative_tokens": k, ...}).
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    # Kernel or reference for each piece that has both: a KernelConfig, a dict of its fields or
+    # "field=value,..." (`--kernels`), over the environment's defaults; resolved for the backend here.
+    kernels: KernelConfig | dict | str | None = None
+
+    def __post_init__(self):
+        self.runner = (self.runner or envs.read("MRV2_RUNNER")).lower()
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        # The model and sampler modules load JAX: imported here, where an engine is being configured.
+        from mrv2_jax.models.loader import resolve_dtype
+        from mrv2_jax.sample.features import variants_by_name
+
+        resolve_dtype(self.dtype)
+        if self.sampler_variants is not None:
+            variants_by_name(self.sampler_variants)  # a bad list fails here, not at compile time
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kernels = KernelConfig.parse(self.kernels).resolved()
+        if self.compile_mode not in (None, *COMPILE_MODES):
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        if self.layer_unroll < 0:
+            raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
+        if self.max_fused_steps is None:
+            # Fused decode runs K plain decode steps per call with no draft verification, so
+            # speculative decoding turns it off (docs/architecture.md, "Speculative decoding").
+            on = self.runner == "v2" and self.speculative_config is None
+            self.max_fused_steps = DEFAULT_MAX_FUSED_STEPS if on else 1
+        for name in ("max_fused_steps", "fused_unroll", "max_fused_rows", "stream_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.runner == "v1" and self.max_fused_steps > 1:
+            raise ValueError("fused decode (max_fused_steps > 1) needs the v2 runner")
+        if self.speculative_config is not None and self.max_fused_steps > 1:
+            raise ValueError(
+                f"max_fused_steps={self.max_fused_steps} with speculative_config: speculative decoding "
+                "and fused decode do not run together; leave max_fused_steps unset or set it to 1"
+            )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
