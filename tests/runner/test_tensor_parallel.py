@@ -43,6 +43,27 @@ def test_greedy_tokens_equal_one_device(model, sizes):
     assert child()["tiny"]["2"]["fused_calls"] > 0  # fused decode ran sharded too
 
 
+def test_sampled_tokens_equal_one_device():
+    """Seeded sampling with top-k/p, a penalty and logprobs: the noise is keyed by (seed, position)
+    and the logits agree, so the tokens do too (the sampler runs replicated)."""
+    tiny = child()["tiny"]
+    assert tiny["2"]["sampled"] == tiny["1"]["sampled"]
+
+
+def test_pallas_kernels_run_per_device_under_shard_map():
+    """The KV write and ragged paged attention kernels (interpret mode), each device on its heads,
+    match the jnp references on one device."""
+    for case, error in child()["kernels"].items():
+        assert error < 1e-5, case
+
+
+def test_side_programs_keep_the_replicated_state():
+    """Block-table overflow writes and grammar masks, compiled beside the step, take and give back
+    the state where the step expects it."""
+    for model, n in (("tiny", "2"), ("wide", "4")):
+        assert child()[model][n]["side_programs"], (model, n)
+
+
 def test_weights_and_kv_cache_are_split_as_documented():
     tiny = child()["tiny"]["2"]["placement"]  # 4 heads, 2 KV heads of 16, MLP 96, attention bias
     params = tiny["params"]
