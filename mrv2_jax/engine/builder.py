@@ -232,14 +232,19 @@ def use_moe_backend(model_state, kernels: KernelConfig) -> None:
 
 def make_tensor_parallel(size: int, model_state, lm):
     """None for one device; else the mesh of the first `size` local devices with `lm`'s layers
-    split over it (the family's rules, checked first: ValueError naming the flag)."""
+    split over it (the family's rules, checked first: ValueError naming the flag). Weights a
+    previous engine split already (`build_engine`'s `loaded_model`) are reused as they are."""
+    if model_state.tp_size not in (1, size):
+        raise ValueError(f"tensor_parallel_size={size}: the loaded weights are split for "
+                         f"{model_state.tp_size} devices already; load the model again")
     if size == 1:
         return None
     from mrv2_jax.runner.tensor_parallel import TensorParallel
 
     model_state.tensor_parallel_rules(size)  # the model's limits before the devices'
     tensor_parallel = TensorParallel(size)
-    tensor_parallel.shard_model(model_state, lm)
+    if model_state.tp_size == 1:
+        tensor_parallel.shard_model(model_state, lm)
     return tensor_parallel
 
 

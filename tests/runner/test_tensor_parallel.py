@@ -165,3 +165,15 @@ def test_cli_flag_and_data_parallel():
 
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported yet"):
         EngineReplicas({"tensor_parallel_size": 2}, 2)
+
+
+def test_weights_split_for_another_size_are_refused():
+    """An engine built over a loaded model that another engine split (benchmarks reuse one) must
+    use the same size: the fused weights are in that size's layout."""
+    from mrv2_jax.engine.builder import make_tensor_parallel
+
+    state = _model_state("qwen3-tiny")
+    state.tp_size = 2  # as TensorParallel.shard_model leaves it
+    for n in (1, 4):
+        with pytest.raises(ValueError, match=f"tensor_parallel_size={n}: the loaded weights are split for 2"):
+            make_tensor_parallel(n, state, lm=None)
