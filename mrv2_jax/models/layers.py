@@ -7,7 +7,7 @@ concatenated), which is the shape the engine feeds the model every step.
 import jax
 import jax.numpy as jnp
 
-from mrv2_jax.models.tensor_parallel import split_sharded
+from mrv2_jax.models.tensor_parallel import row_parallel, split_sharded
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -57,7 +57,7 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, shards: int = 1
         gate, up = jnp.split(x @ gate_up, 2, axis=-1)
     else:
         gate, up = split_sharded(x @ gate_up, (gate_up.shape[-1] // 2,) * 2, shards)
-    return (jax.nn.silu(gate) * up) @ down
+    return row_parallel(jax.nn.silu(gate) * up, down, shards)
 
 
 def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int, shards: int = 1):

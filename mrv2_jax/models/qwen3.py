@@ -2,7 +2,7 @@
 
 from mrv2_jax.models.layers import apply_rope_halves, gated_mlp, rms_norm, rope_angles, split_qkv
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
-from mrv2_jax.models.tensor_parallel import ShardRule, check_divides
+from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
 _ATTN = "model.layers.{i}.self_attn."
 
@@ -76,7 +76,7 @@ class Qwen3ModelState(ModelState):
         q = apply_rope_halves(rms_norm(q, p["q_norm"], eps), cos, sin)
         k = apply_rope_halves(rms_norm(k, p["k_norm"], eps), cos, sin)
         out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
-        out = out.reshape(x.shape[0], -1) @ p["o_proj"]
+        out = row_parallel(out.reshape(x.shape[0], -1), p["o_proj"], self.tp_size)
         if self.attention_bias:
             out = out + p["o_bias"]
         x = x + out

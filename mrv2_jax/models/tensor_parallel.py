@@ -61,3 +61,13 @@ def split_sharded(x: jax.Array, widths: tuple[int, ...], n: int) -> list[jax.Arr
     x = x.reshape(*lead, n, sum(widths) // n)
     bounds = [sum(widths[:i]) // n for i in range(len(widths) + 1)]
     return [x[..., lo:hi].reshape(*lead, w) for lo, hi, w in zip(bounds, bounds[1:], widths)]
+
+
+def row_parallel(x: jax.Array, w: jax.Array, shards: int) -> jax.Array:
+    """x @ w for a row-parallel weight (split by its input features): each device's partial product
+    stays float32 through the all-reduce and is rounded to x's dtype once, after the sum, as one
+    device's GEMM rounds once after accumulating in f32 (a bf16 sum of bf16 partials would round
+    N + 1 times and flip near-tied greedy tokens). One device: a plain x @ w."""
+    if shards == 1:
+        return x @ w
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -5,6 +5,7 @@ prints one JSON line: the tokens of each, and at N > 1 where the arrays live and
 compiled steps communicate."""
 
 import json
+import re
 import sys
 import tempfile
 import warnings
@@ -62,9 +63,10 @@ def collectives(runner) -> dict:
             for i, program in enumerate(variants._programs):
                 if program is not None:
                     text = program.as_text()
-                    counts[f"{kind} {bucket.num_tokens}x{bucket.num_reqs} v{i}"] = {
-                        op: text.count(f"{op}(") for op in ("all-reduce", "all-gather", "collective-permute",
-                                                            "all-to-all", "reduce-scatter")}
+                    ops = {op: text.count(f"{op}(") for op in ("all-reduce", "all-gather", "collective-permute",
+                                                               "all-to-all", "reduce-scatter")}
+                    ops["all-reduce types"] = sorted(set(re.findall(r"= (\w+)\[[^\]]*\]\S* all-reduce\(", text)))
+                    counts[f"{kind} {bucket.num_tokens}x{bucket.num_reqs} v{i}"] = ops
     return counts
 
 
@@ -129,6 +131,8 @@ def main() -> None:
         wide = wide_model(Path(tmp))
         # Fused decode (the default) on the fixture, one step per call on the wide model.
         result = {"tiny": {n: run(FIXTURES / "qwen3-tiny", n, sample=True) for n in (1, 2)},
+                  # The trained demo model in bf16 (4 heads, 2 KV heads): real logit gaps, bf16 sums.
+                  "demo": {n: run("demo", n, dtype="bfloat16") for n in (1, 2)},
                   "wide": {n: run(wide, n, load_format="dummy", max_fused_steps=1) for n in (1, 2, 4)},
                   "kernels": kernels_under_shard_map()}
     print(json.dumps(result), file=sys.stdout)
