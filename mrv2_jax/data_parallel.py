@@ -58,6 +58,8 @@ class EngineReplicas:
     def __init__(self, engine_args: dict, count: int, startup_timeout: float = ENGINE_STARTUP_TIMEOUT):
         if count < 2:
             raise ValueError(f"EngineReplicas is for 2 or more replicas, got {count}")
+        if engine_args.get("tensor_parallel_size", 1) > 1:  # each replica sees one device
+            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
         self.replicas: list[CoreClient] = []
         try:
             for i in range(count):  # one after another: each start-up reads the compile cache the first filled

@@ -54,7 +54,7 @@ def resolve_compile_mode(mode: str | None) -> str:
 
 
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
-                spec_decoder=None) -> Runner:
+                spec_decoder=None, tensor_parallel=None) -> Runner:
     variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                   sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
@@ -64,7 +64,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
-        return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps,
+        return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps, tensor_parallel=tensor_parallel,
                              fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
@@ -100,6 +100,24 @@ def use_moe_backend(model_state, kernels: KernelConfig) -> None:
         model_state.moe_backend = kernels.moe_backend
 
 
+def make_tensor_parallel(size: int, model_state, lm):
+    """None for one device; else the mesh of the first `size` local devices with `lm`'s layers
+    split over it (the family's rules, checked first: ValueError naming the flag). Weights a
+    previous engine split already (`build_engine`'s `loaded_model`) are reused as they are."""
+    if model_state.tp_size not in (1, size):
+        raise ValueError(f"tensor_parallel_size={size}: the loaded weights are split for "
+                         f"{model_state.tp_size} devices already; load the model again")
+    if size == 1:
+        return None
+    from mrv2_jax.runner.tensor_parallel import TensorParallel
+
+    model_state.tensor_parallel_rules(size)  # the model's limits before the devices'
+    tensor_parallel = TensorParallel(size)
+    if model_state.tp_size == 1:
+        tensor_parallel.shard_model(model_state, lm)
+    return tensor_parallel
+
+
 def build_engine(config: EngineConfig, loaded_model=None):
     """-> (EngineCore, tokenizer or None, model_state); the engine's `startup` says where the time
     went. `loaded_model`: a `load_model` result to reuse (benchmarks that build several engines over
@@ -114,6 +132,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
         model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
     lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
     use_moe_backend(model_state, config.kernels)
+    tensor_parallel = make_tensor_parallel(config.tensor_parallel_size, model_state, lm)
     with report.phase("tokenizer"):
         tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len
@@ -131,10 +150,10 @@ def build_engine(config: EngineConfig, loaded_model=None):
                                                     draft_model and draft_model[0], kv_dtype)
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
-        extra_kv_bytes_per_token=proposer_kv_bytes)
+        extra_kv_bytes_per_token=proposer_kv_bytes, kv_shards=config.tensor_parallel_size)
     with report.phase("runner (KV cache, tables, compile)"):
         spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
-        runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder)
+        runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder, tensor_parallel)
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
     fused_rows = runner.max_fused_rows  # the largest batch the runner can fuse
     scheduler = Scheduler(

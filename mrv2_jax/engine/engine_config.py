@@ -71,6 +71,9 @@ class EngineConfig:
     # Kernel or reference for each piece that has both: a KernelConfig, a dict of its fields or
     # "field=value,..." (`--kernels`), over the environment's defaults; resolved for the backend here.
     kernels: KernelConfig | dict | str | None = None
+    # Devices of this host the decoder layers and the KV cache are split over (Megatron-style
+    # tensor parallelism, docs/parallelism.md); 1: one device, nothing sharded.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         self.runner = (self.runner or envs.read("MRV2_RUNNER")).lower()
@@ -102,11 +105,26 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.runner == "v1" and self.max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) needs the v2 runner")
+        self._check_tensor_parallel()
         if self.speculative_config is not None and self.max_fused_steps > 1:
             raise ValueError(
                 f"max_fused_steps={self.max_fused_steps} with speculative_config: speculative decoding "
                 "and fused decode do not run together; leave max_fused_steps unset or set it to 1"
             )
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not cover yet, refused here (the model's own limits, such
+        as heads that N does not divide or MoE layers, when it is loaded)."""
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {n!r}")
+        if n == 1:
+            return
+        if self.runner != "v2":
+            raise ValueError(f"tensor_parallel_size={n} needs the v2 runner, got runner={self.runner!r}")
+        if self.speculative_config is not None:
+            raise ValueError(f"tensor_parallel_size={n} with speculative_config: speculative decoding is not "
+                             "supported with tensor parallelism yet")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -6,12 +6,17 @@ backend object carries that step's metadata, and the decoder threads `kv_cache` 
 layer loop.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from mrv2_jax.models.layers import dense_causal_attention
+from mrv2_jax.models.tensor_parallel import AXIS
+
+_META_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "num_seqs")
 
 
 @dataclass(frozen=True)
@@ -41,8 +46,29 @@ class PagedAttention:
     num_seqs: jax.Array  # int32[]
     use_kernels: bool = True
     interpret: bool = False
+    # Tensor parallelism: the jax.sharding.Mesh whose AXIS splits the heads of q, k, v and of the
+    # KV cache; each device then writes and attends its own heads (shard_map), with the same
+    # kernels. None: one device, no shard_map.
+    mesh: object = None
 
     def __call__(self, q, k, v, layer, kv_cache, scale):
+        if self.mesh is None:
+            return self._attend(q, k, v, layer, kv_cache, scale)
+        heads = P(None, AXIS, None)  # q, k, v, out: [T, heads, D]
+        cache = P(None, None, AXIS, None, None)  # [layers, blocks, KV heads, block_size, D]
+        meta = (self.slot_mapping, self.block_tables, self.seq_lens, self.query_start_loc, self.num_seqs)
+
+        def local(q, k, v, layer, kv_cache, meta):
+            # This device's heads, attended over its own slice of the cache: the metadata is the
+            # whole batch's, replicated, so the arithmetic per head is that of one device.
+            attention = dataclasses.replace(self, **dict(zip(_META_FIELDS, meta)), mesh=None)
+            return attention._attend(q, k, v, layer, kv_cache, scale)
+
+        # check_vma off: the Pallas kernels inside carry no varying-axes annotations.
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, P(), (cache, cache), P()),
+                             out_specs=(heads, (cache, cache)), check_vma=False)(q, k, v, layer, kv_cache, meta)
+
+    def _attend(self, q, k, v, layer, kv_cache, scale):
         from pallas_kernels import kv_write
         from pallas_kernels import ragged_paged_attention as rpa
 

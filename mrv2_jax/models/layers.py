@@ -7,6 +7,8 @@ concatenated), which is the shape the engine feeds the model every step.
 import jax
 import jax.numpy as jnp
 
+from mrv2_jax.models.tensor_parallel import row_parallel, split_sharded
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32 and cast back, as the Hugging Face Qwen/GLM code does."""
@@ -48,16 +50,26 @@ def apply_rope_interleaved_partial(x: jax.Array, cos: jax.Array, sin: jax.Array)
     return jnp.concatenate([rotated.astype(x.dtype), x[..., rotary_dim:]], axis=-1)
 
 
-def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """SwiGLU MLP with the gate and up projections fused into one matmul."""
-    gate, up = jnp.split(x @ gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ down
+def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, shards: int = 1) -> jax.Array:
+    """SwiGLU MLP with the gate and up projections fused into one matmul. `shards` > 1: `gate_up`
+    is in the tensor-parallel layout of that many devices (models/tensor_parallel.py)."""
+    if shards == 1:
+        gate, up = jnp.split(x @ gate_up, 2, axis=-1)
+    else:
+        gate, up = split_sharded(x @ gate_up, (gate_up.shape[-1] // 2,) * 2, shards)
+    return row_parallel(jax.nn.silu(gate) * up, down, shards)
 
 
-def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):
-    """Split a fused [T, (H + 2 Hkv) * D] projection into q [T, H, D], k and v [T, Hkv, D]."""
+def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int, shards: int = 1):
+    """Split a fused [T, (H + 2 Hkv) * D] projection into q [T, H, D], k and v [T, Hkv, D].
+    `shards` > 1: the projection's weight is in the tensor-parallel layout of that many devices
+    (models/tensor_parallel.py)."""
     t = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if shards > 1:
+        q, k, v = split_sharded(qkv, (q_size, kv_size, kv_size), shards)
+        return (q.reshape(t, num_heads, head_dim), k.reshape(t, num_kv_heads, head_dim),
+                v.reshape(t, num_kv_heads, head_dim))
     q = qkv[:, :q_size].reshape(t, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].reshape(t, num_kv_heads, head_dim)
     v = qkv[:, q_size + kv_size :].reshape(t, num_kv_heads, head_dim)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mrv2_jax.models.decoder import CausalLM
+from mrv2_jax.models.tensor_parallel import ShardRule
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class ModelState(ABC):
     """A model family: config parsing, parameter layout, weight names and the layer math."""
 
     architecture: ClassVar[str]
+    # Devices the decoder layers are split over (tensor parallelism, models/tensor_parallel.py);
+    # set by `set_tensor_parallel` before the model is traced. With N > 1 the fused weights are in
+    # the per-device layout and the layer math splits them accordingly.
+    tp_size: int = 1
 
     def __init__(self, hf_config):
         self.hf_config = hf_config
@@ -116,6 +121,23 @@ class ModelState(ABC):
     def qkv_widths(self) -> tuple[int, int, int]:
         kv = self.num_kv_heads * self.head_dim
         return (self.num_heads * self.head_dim, kv, kv)
+
+    # --- tensor parallelism ------------------------------------------------------------
+    def tensor_parallel_rules(self, n: int) -> dict[str, ShardRule]:
+        """{layer parameter: ShardRule} for splitting the layers over n devices (parameters not
+        named are replicated); ValueError when this model cannot be split that way."""
+        raise ValueError(f"tensor_parallel_size={n}: {self.architecture} is not supported yet "
+                         "(tensor parallelism covers the dense Qwen3 family)")
+
+    def set_tensor_parallel(self, n: int) -> dict[str, ShardRule]:
+        """Split the layers over n devices from now on (checked first) -> the family's rules."""
+        rules = {}
+        if n > 1:
+            if self.has_mtp:
+                raise ValueError(f"tensor_parallel_size={n}: MTP layers are not supported with tensor parallelism yet")
+            rules = self.tensor_parallel_rules(n)
+        self.tp_size = n
+        return rules
 
     # --- the math --------------------------------------------------------------------
     @abstractmethod

@@ -2,6 +2,7 @@
 
 from mrv2_jax.models.layers import apply_rope_halves, gated_mlp, rms_norm, rope_angles, split_qkv
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
+from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
 _ATTN = "model.layers.{i}.self_attn."
 
@@ -50,6 +51,17 @@ class Qwen3ModelState(ModelState):
             sources["o_bias"] = WeightSource((_ATTN + "o_proj.bias",))
         return sources
 
+    def tensor_parallel_rules(self, n):
+        """q/k/v and gate/up split by output features (whole heads, whole MLP units per device), o and
+        down by input features; the fused ones interleaved per device (models/tensor_parallel.py)."""
+        check_divides("tensor_parallel_size", n, {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
+                                                  "intermediate_size": self.intermediate_size})
+        rules = {"qkv_proj": ShardRule(1, self.qkv_widths()), "o_proj": ShardRule(0),
+                 "gate_up_proj": ShardRule(1, (self.intermediate_size,) * 2), "down_proj": ShardRule(0)}
+        if self.attention_bias:
+            rules["qkv_bias"] = ShardRule(0, self.qkv_widths())  # o_bias is added after the all-reduce
+        return rules
+
     def rope(self, positions):
         return rope_angles(positions, self.head_dim, self.rope_theta)
 
@@ -59,14 +71,15 @@ class Qwen3ModelState(ModelState):
         qkv = h @ p["qkv_proj"]
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
-        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.tp_size)
         cos, sin = rope
         q = apply_rope_halves(rms_norm(q, p["q_norm"], eps), cos, sin)
         k = apply_rope_halves(rms_norm(k, p["k_norm"], eps), cos, sin)
         out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
-        out = out.reshape(x.shape[0], -1) @ p["o_proj"]
+        out = row_parallel(out.reshape(x.shape[0], -1), p["o_proj"], self.tp_size)
         if self.attention_bias:
             out = out + p["o_bias"]
         x = x + out
-        x = x + gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"])
+        x = x + gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"],
+                          self.tp_size)
         return x, kv_cache

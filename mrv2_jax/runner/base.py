@@ -36,7 +36,8 @@ class RunnerBase:
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
-                 spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager"):
+                 spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager",
+                 tensor_parallel=None):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
@@ -44,14 +45,16 @@ class RunnerBase:
         exception entries) of the device's structured-output pool (sample/automata.py).
         `compile_mode`: when the step programs compile: "eager" (all at start-up), "lazy" (each at
         its first use) or "background" (on threads beside the engine, and at first use if that
-        comes sooner: runner/lazy_programs.py)."""
+        comes sooner: runner/lazy_programs.py). `tensor_parallel`: a runner.tensor_parallel.
+        TensorParallel whose mesh `lm` is already split over (the builder did it), or None."""
+        self.tp = tensor_parallel
         self.params = FlatParams(lm)
         self.compile_mode = compile_mode
         self.background_compile = None  # a BackgroundCompile while compile_mode is "background"
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
-        self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype)
+        self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype, tensor_parallel)
         self.spec = spec_decoder
         self.spec_params = spec_decoder.init_params() if spec_decoder else ()
         self.spec_state = spec_decoder.init_state() if spec_decoder else ()
@@ -66,6 +69,8 @@ class RunnerBase:
         # written once when a request arrives (only if it uses them).
         self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS,
                                                      max_model_len, automaton_pool)
+        if self.tp is not None:  # on every device before the writers compile for it
+            self.slot_state = self.tp.replicate(self.slot_state)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
 
     @property
@@ -94,10 +99,14 @@ class RunnerBase:
         num_state = len(device_state)
         donate = (*range(1, 1 + num_state), num_state + 3)
         options = step_compiler_options(self.params.leaves)
+        # Tensor parallelism: the packed input is replicated and every output keeps its place, so
+        # that the donated state comes back where the next call expects it.
+        packed_sharding, out = self.tp.step_shardings(device_state) if self.tp else (None, None)
+        sharded = {} if self.tp is None else {"out_shardings": out}
 
         def lower(layout, make_fn, i):
-            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-            return jax.jit(make_fn(layout, self.sampler_variants[i]), donate_argnums=donate).lower(
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=packed_sharding)
+            return jax.jit(make_fn(layout, self.sampler_variants[i]), donate_argnums=donate, **sharded).lower(
                 self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
 
         num_variants = len(self.sampler_variants)

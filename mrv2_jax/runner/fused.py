@@ -71,9 +71,11 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
 
 
 def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, num_tokens: int,
-                      block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0):
+                      block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0,
+                      mesh=None):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
-            -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields)."""
+            -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields).
+    `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
         x = layout.unpack(packed)
@@ -94,7 +96,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             sampling, sampler_rows = prepare.batch_sampling(state, idx, num_reqs)
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
-                                       inputs.query_start_loc, num_reqs, use_kernels=use_kernels)
+                                       inputs.query_start_loc, num_reqs, use_kernels=use_kernels, mesh=mesh)
             kv_cache, out = forward_and_sample(
                 params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids, positions=inputs.positions,
                 attention=attention, logits_indices=inputs.logits_indices, sampling=sampling,

@@ -28,7 +28,8 @@ MASK_ROWS = 8  # states per write dispatch
 
 class GrammarMasks:
     def __init__(self, tables: AutomatonTables, eager: bool):
-        self._shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tables)
+        # With their shardings: under tensor parallelism the tables are replicated over a mesh.
+        self._shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tables)
         self._w = tables.allowed.shape[1]
         self._program = None
         self._where: dict[str, tuple[object, int]] = {}  # req_id -> (its matcher, its global state id)

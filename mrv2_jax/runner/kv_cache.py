@@ -5,25 +5,29 @@ import jax.numpy as jnp
 
 
 def num_blocks_for_budget(model_state, block_size: int, dtype, gpu_memory_utilization: float,
-                          reserve_bytes: int = 2 << 30, extra_kv_bytes_per_token: int = 0) -> int:
+                          reserve_bytes: int = 2 << 30, extra_kv_bytes_per_token: int = 0, kv_shards: int = 1) -> int:
     """How many KV blocks fit in `gpu_memory_utilization` of device memory after what is already
     allocated (the weights) and a reserve for activations, logits and XLA workspace. On CPU (no memory stats) a small
     fixed pool is used. `extra_kv_bytes_per_token`: another cache indexed by the same blocks (a
-    draft model's), which each block pays for too."""
+    draft model's), which each block pays for too. `kv_shards`: devices the KV heads are split
+    over (tensor parallelism): each holds 1/kv_shards of a block, next to its share of the weights."""
     stats = jax.devices()[0].memory_stats() or {}
     total = stats.get("bytes_limit")
     if not total:
         return 1024
     free = int(total * gpu_memory_utilization) - stats.get("bytes_in_use", 0) - reserve_bytes
-    per_block = (model_state.kv_bytes_per_token(dtype) + extra_kv_bytes_per_token) * block_size
+    per_block = (model_state.kv_bytes_per_token(dtype) // kv_shards + extra_kv_bytes_per_token) * block_size
     if free < per_block:
         raise ValueError(f"no memory left for the KV cache ({free / 2**30:.2f} GiB free after the "
                          f"weights); raise gpu_memory_utilization or use a smaller model")
     return free // per_block
 
 
-def allocate_kv_cache(model_state, num_blocks: int, block_size: int, dtype=jnp.bfloat16):
+def allocate_kv_cache(model_state, num_blocks: int, block_size: int, dtype=jnp.bfloat16, tensor_parallel=None):
     """(k_cache, v_cache), each [num_layers, num_blocks, num_kv_heads, block_size, head_dim].
-    Zero-filled: since jax 0.11 `jnp.empty` is uninitialised memory."""
+    Zero-filled: since jax 0.11 `jnp.empty` is uninitialised memory. `tensor_parallel`: a
+    runner.tensor_parallel.TensorParallel, which splits the KV heads over its devices."""
     shape = model_state.kv_cache_shape(num_blocks, block_size)
+    if tensor_parallel is not None:
+        return tensor_parallel.kv_zeros(shape, dtype), tensor_parallel.kv_zeros(shape, dtype)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -119,11 +119,15 @@ class ModelRunnerV2(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
-                 fused_unroll: int = 1, compile_mode: str = "eager"):
+                 fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
-        to `max_fused_rows` rows; it cannot be combined with a spec decoder."""
+        to `max_fused_rows` rows; it cannot be combined with a spec decoder.
+        `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
+        over; the device state is replicated on it; not with a spec decoder."""
+        if spec_decoder is not None and tensor_parallel is not None:
+            raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
@@ -131,7 +135,7 @@ class ModelRunnerV2(RunnerBase):
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, automaton_pool=pool,
-                         compile_mode=compile_mode)
+                         compile_mode=compile_mode, tensor_parallel=tensor_parallel)
         # Structured outputs: the automata in the device pool, the writer that copies one in, and
         # the token a row whose state allows nothing gets (sample/automata.py).
         self.automaton_pool = AutomatonPool(*pool)
@@ -140,6 +144,8 @@ class ModelRunnerV2(RunnerBase):
         self.grammar_masks = GrammarMasks(self.slot_state.automata, eager=compile_mode == "eager")
         self.eos_for_masks = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
+        if self.tp is not None:
+            self.state = self.tp.replicate(self.state)
         self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
         self._logprob_reqs: dict[str, int] = {}  # requests that asked for logprobs -> top n
@@ -183,6 +189,7 @@ class ModelRunnerV2(RunnerBase):
 
     def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
         block_size, use_kernels = self.block_size, self.use_kernels
+        mesh = None if self.tp is None else self.tp.mesh
 
         def step(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
             x = layout.unpack(packed)
@@ -196,7 +203,7 @@ class ModelRunnerV2(RunnerBase):
             sampling, sampler_rows = prepare.batch_sampling(state, x["idx_mapping"], x["num_reqs"])
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
-                                       inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels)
+                                       inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels, mesh=mesh)
             if self.spec is not None:
                 kv_cache, state, sampler_state, spec_state, out = self.spec.v2_step(
                     self.params.merge(param_leaves), spec_params, spec_state, kv_cache, state, sampler_state,
@@ -224,7 +231,7 @@ class ModelRunnerV2(RunnerBase):
         fused = make_fused_decode(layout, features, params=self.params, num_tokens=bucket.num_tokens,
                                   block_size=self.block_size, use_kernels=self.use_kernels,
                                   max_steps=self.max_fused_steps, unroll=self.fused_unroll,
-                                  eos_for_masks=self.eos_for_masks)
+                                  eos_for_masks=self.eos_for_masks, mesh=None if self.tp is None else self.tp.mesh)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
