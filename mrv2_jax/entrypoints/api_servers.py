@@ -117,7 +117,7 @@ def run_attached_api_server(index: int, input_addr: str, output_addr: str, host:
     (or until the serving process is gone)."""
     from mrv2_jax.async_llm import AsyncLLM
     from mrv2_jax.core_client import AttachedCoreClient
-    from mrv2_jax.entrypoints.openai_server import run_http_server
+    from mrv2_jax.entrypoints.openai_server import import_lazy_modules, run_http_server
 
     logging.basicConfig(level=server_kwargs["log_level"].upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -126,6 +126,7 @@ def run_attached_api_server(index: int, input_addr: str, output_addr: str, host:
     except BaseException as exc:  # noqa: BLE001 - the serving process says why and stops
         report.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
+    import_lazy_modules()
     report.send("listening")
     report.close()
 

@@ -108,7 +108,9 @@ def _import_for_serving() -> None:
     tokenizer), imported on a thread while the engine process starts instead of before or after."""
     from transformers import AutoTokenizer  # noqa: F401
 
-    import mrv2_jax.entrypoints.openai_server  # noqa: F401
+    from mrv2_jax.entrypoints.openai_server import import_lazy_modules
+
+    import_lazy_modules()
 
 
 def cmd_serve(args) -> int:

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 
+import anyio
 import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
@@ -38,6 +39,13 @@ logger = logging.getLogger(__name__)
 _json_encode = msgspec.json.Encoder().encode
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt the context can hold
+
+
+def import_lazy_modules() -> None:
+    """anyio imports most of itself on first use (sockets, streams), so a server process's first
+    streamed response paid for those imports; called at start, off the request path."""
+    for name in dir(anyio):
+        getattr(anyio, name, None)
 
 
 def create_app(engine: AsyncLLM, served_model_names: str | list[str] = "demo", *, api_key: str | None = None,
