@@ -194,10 +194,8 @@ class AsyncLLM:
 
             return cls(LLM(model, **engine_args))
         if data_parallel_size > 1:
-            if api_server_count != 1:
-                raise ValueError("several API server processes with several engine replicas are not supported yet: "
-                                 "give one of --api-server-count and --data-parallel-size")
-            return cls(client=EngineReplicas(dict(model=model, **engine_args), data_parallel_size, startup_timeout))
+            return cls(client=EngineReplicas(dict(model=model, **engine_args), data_parallel_size, startup_timeout,
+                                             api_server_count))
         return cls(client=CoreClient(dict(model=model, **engine_args), startup_timeout, api_server_count))
 
     @property

@@ -65,6 +65,12 @@ class _EngineLink:
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
 
+    @property
+    def poll_targets(self) -> tuple:
+        """What `recv` waits on (the output socket, the sentinel of the process it watches: the
+        engine, or for an attached client the serving process), for a poller over several links."""
+        return self._output, self._watched_sentinel
+
     def _wait_ready(self, timeout: float, exitcode) -> M.Ready:
         try:
             msg = self.recv(timeout)
@@ -140,7 +146,8 @@ class CoreClient(_EngineLink):
         self._dir = tempfile.mkdtemp(prefix="mrv2-engine-")
         inputs = [f"ipc://{self._dir}/input{i}" for i in range(api_server_count)]
         outputs = [f"ipc://{self._dir}/output{i}" for i in range(api_server_count)]
-        self.attach_endpoints = list(zip(inputs, outputs))[1:]
+        # Per other API process: its endpoint pair on each engine (here one engine).
+        self.attach_endpoints = [[pair] for pair in list(zip(inputs, outputs))[1:]]
         self._bind(inputs[0], outputs[0])
         # The attached clients hear of the engine's death from here (it is this process's child).
         self._notifiers = []
@@ -149,6 +156,7 @@ class CoreClient(_EngineLink):
             sock.setsockopt(zmq.LINGER, 1000)
             sock.connect(addr)
             self._notifiers.append(sock)
+        self._shutdown_sent = False
         self.process = multiprocessing.get_context("spawn").Process(
             target=_engine_process, args=(dict(engine_args), inputs, outputs), name="mrv2-engine-core", daemon=True)
         self.process.start()
@@ -179,15 +187,17 @@ class CoreClient(_EngineLink):
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
-    @property
-    def poll_targets(self) -> tuple:
-        """What `recv` waits on (the output socket, the engine's sentinel), for a poller over several."""
-        return self._output, self.process.sentinel
+    def ask_to_stop(self) -> None:
+        """Send the engine `Shutdown`, once: a second send could find the engine gone from the
+        socket while its process still exits, and a PUSH with no peer blocks."""
+        if not self._shutdown_sent and self.process.is_alive():
+            self._shutdown_sent = True
+            self.send(M.Shutdown())
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the engine to stop, wait up to `timeout` s, then terminate (and kill) it."""
         if self.process.is_alive():
-            self.send(M.Shutdown())
+            self.ask_to_stop()
             self.process.join(timeout)
             if self.process.is_alive():
                 self.process.terminate()

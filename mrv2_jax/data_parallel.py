@@ -1,7 +1,9 @@
 """Data-parallel replicas (`mrv2-jax serve --data-parallel-size N`): N engine processes, each with
-its own devices, behind the one client interface the API server already talks to.
+its own devices, behind the one client interface the API server already talks to; with
+`--api-server-count` too, every API process talks to every replica.
 
-`EngineReplicas` starts N `CoreClient`s and looks like one of them to `AsyncLLM`: a new request
+`EngineReplicas` starts N `CoreClient`s and looks like one of them to `AsyncLLM` (the other API
+processes hold `AttachedReplicas`, one attached link per replica): a new request
 goes to the replica with the fewest open requests (sent by this process and not finished), the
 lower KV cache usage breaking ties; aborts and stop-string finishes follow the request to its
 replica; the per-step messages of every replica come out of one `recv`, with the counters summed
@@ -21,7 +23,7 @@ import zmq
 
 from mrv2_jax import envs
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
-from mrv2_jax.core_client import CoreClient
+from mrv2_jax.core_client import AttachedCoreClient, CoreClient
 from mrv2_jax.engine import core_messages as M
 
 _SUMMED = ("num_running_reqs", "num_waiting_reqs", "num_free_blocks", "num_blocks", "prefix_cache_queries",
@@ -49,35 +51,25 @@ def summed_stats(stats: list[M.CoreStats]) -> M.CoreStats:
                        spec_decode=spec_total)
 
 
-class EngineReplicas:
-    """N engine processes behind `CoreClient`'s interface (send / recv / ready / stop / close)."""
+class _Replicas:
+    """N engine links (`CoreClient`s this process started, or another API process's
+    `AttachedCoreClient`s to them) behind one link's interface (send / recv / ready / stop / close)."""
 
-    index = 0  # the API server process index (several API processes with replicas: not yet)
-    attach_endpoints: tuple = ()
+    index = 0  # the API server process index
+    attach_endpoints: list = []
 
-    def __init__(self, engine_args: dict, count: int, startup_timeout: float = ENGINE_STARTUP_TIMEOUT):
-        if count < 2:
-            raise ValueError(f"EngineReplicas is for 2 or more replicas, got {count}")
-        if engine_args.get("tensor_parallel_size", 1) > 1:  # each replica sees one device
-            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
-        self.replicas: list[CoreClient] = []
-        try:
-            for i in range(count):  # one after another: each start-up reads the compile cache the first filled
-                with envs.child_environment(CUDA_VISIBLE_DEVICES=replica_devices(i, count)):
-                    self.replicas.append(CoreClient(engine_args, startup_timeout))
-        except BaseException:
-            self.close(timeout=5.0)
-            raise
-        first = self.replicas[0]
+    def _init_links(self, links: list) -> None:
+        self.replicas = links
+        first = links[0]
         self.tokenizer = first.tokenizer
-        self._stats = [r.ready.stats for r in self.replicas]
+        self._stats = [r.ready.stats for r in links]
         self.ready = msgspec.structs.replace(first.ready, stats=summed_stats(self._stats))
         self._replica_of: dict[str, int] = {}
-        self._open = [0] * count
+        self._open = [0] * len(links)
         self._next = 0  # the replica whose messages `recv` looks at first
         self._lock = threading.Lock()
         self._poller = zmq.Poller()
-        for r in self.replicas:
+        for r in links:
             for target in r.poll_targets:
                 self._poller.register(target, zmq.POLLIN)
 
@@ -138,9 +130,8 @@ class EngineReplicas:
         return all(r.is_alive for r in self.replicas)
 
     def stop(self, timeout: float = 30.0) -> None:
-        for r in self.replicas:
-            if r.process.is_alive():
-                r.send(M.Shutdown())
+        for r in self.replicas:  # all at once, then wait for each
+            r.ask_to_stop()
         for r in self.replicas:
             r.stop(timeout)
 
@@ -148,3 +139,45 @@ class EngineReplicas:
         for r in self.replicas:
             r.close(timeout)
 
+
+class EngineReplicas(_Replicas):
+    """Starts N engine processes; with `api_server_count` > 1 each also serves that many - 1 other
+    API processes, whose endpoint pairs on every replica are in `attach_endpoints`."""
+
+    def __init__(self, engine_args: dict, count: int, startup_timeout: float = ENGINE_STARTUP_TIMEOUT,
+                 api_server_count: int = 1):
+        if count < 2:
+            raise ValueError(f"EngineReplicas is for 2 or more replicas, got {count}")
+        if engine_args.get("tensor_parallel_size", 1) > 1:  # each replica sees one device
+            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
+        self.replicas: list[CoreClient] = []
+        try:
+            for i in range(count):  # one after another: each start-up reads the compile cache the first filled
+                with envs.child_environment(CUDA_VISIBLE_DEVICES=replica_devices(i, count)):
+                    self.replicas.append(CoreClient(engine_args, startup_timeout, api_server_count))
+        except BaseException:
+            self.close(timeout=5.0)
+            raise
+        self._init_links(self.replicas)
+        # Per other API process: its endpoint pair on each replica.
+        self.attach_endpoints = [[r.attach_endpoints[j][0] for r in self.replicas]
+                                 for j in range(api_server_count - 1)]
+
+
+class AttachedReplicas(_Replicas):
+    """Another API process's links to the replicas an `EngineReplicas` started: its endpoint pair
+    on each. It balances the requests it sends itself; it neither starts nor stops an engine."""
+
+    def __init__(self, index: int, pairs: list[tuple[str, str]], startup_timeout: float = ENGINE_STARTUP_TIMEOUT):
+        self.index = index
+        self.replicas: list[AttachedCoreClient] = []
+        try:
+            for input_addr, output_addr in pairs:
+                self.replicas.append(AttachedCoreClient(index, input_addr, output_addr, startup_timeout))
+        except BaseException:
+            self.close()
+            raise
+        self._init_links(self.replicas)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """The engines belong to the serving process: nothing to stop here."""

@@ -44,8 +44,9 @@ class ApiServerProcesses:
     """The API processes beside the serving one: started with `start`, told to drain with
     `signal`, waited for (then killed if they hang) with `stop`."""
 
-    def __init__(self, endpoints: list[tuple[str, str]], host: str, port: int, server_kwargs: dict,
+    def __init__(self, endpoints: list[list[tuple[str, str]]], host: str, port: int, server_kwargs: dict,
                  startup_timeout: float):
+        """`endpoints`: per API process, its (input, output) pair on each engine process."""
         self._ctx = multiprocessing.get_context("spawn")
         self._endpoints, self._host, self._port = endpoints, host, port
         self._server_kwargs, self._startup_timeout = server_kwargs, startup_timeout
@@ -55,10 +56,10 @@ class ApiServerProcesses:
     def start(self) -> None:
         """Start them and wait until each listens; RuntimeError (after stopping them) if one fails."""
         waiting = {}
-        for index, (input_addr, output_addr) in enumerate(self._endpoints, start=1):
+        for index, pairs in enumerate(self._endpoints, start=1):
             receive, send = self._ctx.Pipe(duplex=False)
             proc = self._ctx.Process(target=run_attached_api_server, name=f"mrv2-api-server-{index}",
-                                     args=(index, input_addr, output_addr, self._host, self._port,
+                                     args=(index, pairs, self._host, self._port,
                                            self._server_kwargs, self._startup_timeout, send))
             proc.start()
             send.close()
@@ -111,17 +112,21 @@ class ApiServerProcesses:
                 proc.join(5.0)
 
 
-def run_attached_api_server(index: int, input_addr: str, output_addr: str, host: str, port: int,
+def run_attached_api_server(index: int, pairs: list[tuple[str, str]], host: str, port: int,
                             server_kwargs: dict, startup_timeout: float, report) -> None:
-    """An API server process's entry point: attach to the engine, listen, serve until a signal
-    (or until the serving process is gone)."""
+    """An API server process's entry point: attach to the engine (or to each engine replica: one
+    endpoint pair per engine process), listen, serve until a signal (or until the serving process
+    is gone)."""
     from mrv2_jax.async_llm import AsyncLLM
     from mrv2_jax.core_client import AttachedCoreClient
+    from mrv2_jax.data_parallel import AttachedReplicas
     from mrv2_jax.entrypoints.openai_server import import_lazy_modules, run_http_server
 
     logging.basicConfig(level=server_kwargs["log_level"].upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        engine = AsyncLLM(client=AttachedCoreClient(index, input_addr, output_addr, startup_timeout))
+        client = (AttachedCoreClient(index, *pairs[0], startup_timeout) if len(pairs) == 1
+                  else AttachedReplicas(index, pairs, startup_timeout))
+        engine = AsyncLLM(client=client)
         sock = listening_socket(host, port)
     except BaseException as exc:  # noqa: BLE001 - the serving process says why and stops
         report.send(f"{type(exc).__name__}: {exc}")

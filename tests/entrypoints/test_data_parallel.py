@@ -4,6 +4,10 @@ offline output (the reference: `LLM.generate` in this process, not streamed); th
 replicas' sums; a killed replica ends every open stream and turns the server 503."""
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 
 import httpx
 
@@ -56,3 +60,46 @@ def test_replica_devices_and_summed_counters(monkeypatch):
     total = summed_stats([a, b])
     assert (total.num_running_reqs, total.num_free_blocks, total.num_blocks, total.num_steps) == (3, 40, 60, 12)
     assert abs(total.kv_cache_usage - (0.25 * 40 + 0.5 * 20) / 60) < 1e-12
+
+
+def test_two_replicas_behind_two_api_processes(tmp_path):
+    """`serve --data-parallel-size 2 --api-server-count 2`: each API process sends to both replicas;
+    every stream is the offline output, either process's /metrics counts all requests, and SIGTERM
+    ends every process."""
+    from tests.entrypoints.test_api_servers import _healthy, _metrics, _pinned, _stream_text
+    from tests.entrypoints.test_serve_cli import ENGINE_FLAGS, _children, _free_port, _gone
+
+    port, log = _free_port(), tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mrv2_jax.entrypoints.cli", "serve", MODEL_NAME,
+                                 "--port", str(port), "--data-parallel-size", "2", "--api-server-count", "2",
+                                 "--log-level", "warning", *ENGINE_FLAGS], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[:2], PROMPTS[2:4]]  # to API process 0, to API process 1
+    reference = [o.outputs[0].text for o in make_llm().generate(
+        prompts[0] + prompts[1], SamplingParams(**greedy), use_tqdm=False)]
+    try:
+        wait_until(lambda: proc.poll() is not None or _healthy(url), timeout=300, what="the server to come up")
+        assert proc.poll() is None, log.read_text()
+        clients = [_pinned(url, 0), _pinned(url, 1)]
+        results: dict[int, list] = {}
+        threads = [threading.Thread(target=lambda i=i: results.update(
+            {i: [_stream_text(clients[i], p, **greedy)[0] for p in prompts[i]]})) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert results[0] + results[1] == reference
+        for client in clients:
+            counted = _metrics(client)
+            assert counted["mrv2_requests_total"] == 4
+            assert counted["mrv2_kv_cache_free_blocks"] == 2 * ENGINE_ARGS["num_gpu_blocks"]
+        children = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, log.read_text()
+        wait_until(lambda: all(_gone(pid) for pid in children), what="the API process and the replicas to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
