@@ -13,7 +13,8 @@
 # per call (sampler-probe), one replayed sampling step's events (ab-s1-sampling-timeline), the
 # sampler's logit pass by tile size (logit-stats), the whole-row passes as kernels (ab-s1-kernels), the
 # slow path's search kernel (threshold-search), the batch-1 kernel split (timeline-b1) and tensor
-# parallelism on 2+ GPUs (tp: parity with one GPU, Qwen3-8B S1 at N = 1 and 2).
+# parallelism on 2+ GPUs (tp: parity with one GPU, Qwen3-8B S1 at N = 1 and 2) and expert parallelism
+# (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -277,6 +278,14 @@ unrolled||--unroll}" ;;
         run_section tp-throughput-$n python3 -m mrv2_jax.bench.throughput --model qwen3-8b --load-format dummy \
           --tensor-parallel-size $n --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
           --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_tp$n.json"
+      done ;;
+  ep) export NCCL_NVLS_ENABLE=0
+      run_section ep-parity python3 -m tests.runner.expert_parallel_run
+      for n in 1 2; do
+        run_section ep-throughput-$n python3 -m mrv2_jax.bench.throughput --model qwen3-30b-a3b --load-format dummy \
+          --tensor-parallel-size $n $([ $n -gt 1 ] && echo --enable-expert-parallel) --input-len 128 --output-len 512 \
+          --num-prompts 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+          --output-json "$OUT/throughput_ep$n.json"
       done ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \

@@ -100,19 +100,23 @@ def use_moe_backend(model_state, kernels: KernelConfig) -> None:
         model_state.moe_backend = kernels.moe_backend
 
 
-def make_tensor_parallel(size: int, model_state, lm):
+def make_tensor_parallel(size: int, model_state, lm, expert_parallel: bool = False):
     """None for one device; else the mesh of the first `size` local devices with `lm`'s layers
-    split over it (the family's rules, checked first: ValueError naming the flag). Weights a
-    previous engine split already (`build_engine`'s `loaded_model`) are reused as they are."""
+    split over it (the family's rules, checked first: ValueError naming the flag), its experts
+    too with `expert_parallel`. Weights a previous engine split already (`build_engine`'s
+    `loaded_model`) are reused as they are."""
     if model_state.tp_size not in (1, size):
         raise ValueError(f"tensor_parallel_size={size}: the loaded weights are split for "
                          f"{model_state.tp_size} devices already; load the model again")
+    if model_state.tp_size > 1 and (model_state.expert_mesh is not None) != expert_parallel:
+        raise ValueError(f"enable_expert_parallel={expert_parallel}: the loaded weights were split "
+                         f"{'with' if model_state.expert_mesh is not None else 'without'} it; load the model again")
     if size == 1:
         return None
     from mrv2_jax.runner.tensor_parallel import TensorParallel
 
-    model_state.tensor_parallel_rules(size)  # the model's limits before the devices'
-    tensor_parallel = TensorParallel(size)
+    model_state.check_tensor_parallel(size, expert_parallel)  # the model's limits before the devices'
+    tensor_parallel = TensorParallel(size, expert_parallel)
     if model_state.tp_size == 1:
         tensor_parallel.shard_model(model_state, lm)
     return tensor_parallel
@@ -132,7 +136,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
         model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
     lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
     use_moe_backend(model_state, config.kernels)
-    tensor_parallel = make_tensor_parallel(config.tensor_parallel_size, model_state, lm)
+    tensor_parallel = make_tensor_parallel(config.tensor_parallel_size, model_state, lm, config.enable_expert_parallel)
     with report.phase("tokenizer"):
         tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len

@@ -74,6 +74,9 @@ class EngineConfig:
     # Devices of this host the decoder layers and the KV cache are split over (Megatron-style
     # tensor parallelism, docs/parallelism.md); 1: one device, nothing sharded.
     tensor_parallel_size: int = 1
+    # MoE families (Qwen3-MoE): split the experts whole over the tensor_parallel_size devices (each
+    # holds num_experts / N of them), attention split as above; needs tensor_parallel_size > 1.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         self.runner = (self.runner or envs.read("MRV2_RUNNER")).lower()
@@ -118,12 +121,18 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {n!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
+        if self.enable_expert_parallel and n == 1:
+            raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1 (the experts are split over "
+                             "those devices)")
         if n == 1:
             return
+        flag = f"tensor_parallel_size={n}" + (" with enable_expert_parallel" if self.enable_expert_parallel else "")
         if self.runner != "v2":
-            raise ValueError(f"tensor_parallel_size={n} needs the v2 runner, got runner={self.runner!r}")
+            raise ValueError(f"{flag} needs the v2 runner, got runner={self.runner!r}")
         if self.speculative_config is not None:
-            raise ValueError(f"tensor_parallel_size={n} with speculative_config: speculative decoding is not "
+            raise ValueError(f"{flag} with speculative_config: speculative decoding is not "
                              "supported with tensor parallelism yet")
 
     @classmethod

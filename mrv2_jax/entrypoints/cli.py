@@ -57,7 +57,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "program is not ready yet compiles or waits for it); default: lazy on CPUs, eager on GPUs")
     g.add_argument("--tensor-parallel-size", type=int, default=EngineConfig.tensor_parallel_size, metavar="N",
                    help="split the decoder layers and the KV cache over the first N devices of this host "
-                        "(dense Qwen3, v2 runner; docs/parallelism.md; default 1)")
+                        "(dense Qwen3, Qwen3-MoE with --enable-expert-parallel; v2 runner; docs/parallelism.md; "
+                        "default 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE (Qwen3-MoE): split the experts whole over the --tensor-parallel-size devices, "
+                        "num_experts / N each (docs/parallelism.md)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
                         "methods: ngram (prompt_lookup_min/max), draft_model (model), mtp, "

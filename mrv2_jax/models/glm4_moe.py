@@ -55,6 +55,11 @@ class Glm4MoeModelState(Qwen3MoeModelState):
                                                          _L + "mlp.shared_experts.")
         return shapes | sh_shapes, sources | sh_sources, dtypes
 
+    def tensor_parallel_rules(self, n, expert_parallel=False):
+        # No rules yet for its shared expert, router bias and partial rotary (nor its MTP layers).
+        raise ValueError(f"tensor_parallel_size={n}: {self.architecture} is not supported yet "
+                         "(expert parallelism covers the Qwen3-MoE family)")
+
     def route(self, p, h):
         # As the reference: router logits in float32 from float32 inputs.
         logits = jnp.dot(h.astype(jnp.float32), p["router"].astype(jnp.float32))

@@ -63,6 +63,11 @@ class ModelState(ABC):
     # set by `set_tensor_parallel` before the model is traced. With N > 1 the fused weights are in
     # the per-device layout and the layer math splits them accordingly.
     tp_size: int = 1
+    # Expert parallelism (with tensor parallelism): the jax.sharding.Mesh whose AXIS splits the
+    # experts whole over the devices, each running its own under shard_map (models/moe.py); set by
+    # `set_tensor_parallel`. None: the experts are not split.
+    expert_mesh = None
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense family)
 
     def __init__(self, hf_config):
         self.hf_config = hf_config
@@ -123,20 +128,29 @@ class ModelState(ABC):
         return (self.num_heads * self.head_dim, kv, kv)
 
     # --- tensor parallelism ------------------------------------------------------------
-    def tensor_parallel_rules(self, n: int) -> dict[str, ShardRule]:
+    def tensor_parallel_rules(self, n: int, expert_parallel: bool = False) -> dict[str, ShardRule]:
         """{layer parameter: ShardRule} for splitting the layers over n devices (parameters not
-        named are replicated); ValueError when this model cannot be split that way."""
+        named are replicated); `expert_parallel`: the experts too, whole ones per device (MoE
+        families). ValueError when this model cannot be split that way."""
         raise ValueError(f"tensor_parallel_size={n}: {self.architecture} is not supported yet "
-                         "(tensor parallelism covers the dense Qwen3 family)")
+                         "(tensor parallelism covers the dense Qwen3 family, and Qwen3-MoE with "
+                         "enable_expert_parallel)")
 
-    def set_tensor_parallel(self, n: int) -> dict[str, ShardRule]:
-        """Split the layers over n devices from now on (checked first) -> the family's rules."""
-        rules = {}
-        if n > 1:
-            if self.has_mtp:
-                raise ValueError(f"tensor_parallel_size={n}: MTP layers are not supported with tensor parallelism yet")
-            rules = self.tensor_parallel_rules(n)
+    def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> dict[str, ShardRule]:
+        """What no family can split yet (MTP layers; expert parallelism without experts), then the
+        family's rules for n > 1 devices: ValueError naming the flag, or the rules."""
+        if expert_parallel and not self.num_experts:
+            raise ValueError(f"enable_expert_parallel: {self.architecture} has no experts to split")
+        if self.has_mtp:
+            raise ValueError(f"tensor_parallel_size={n}: MTP layers are not supported with tensor parallelism yet")
+        return self.tensor_parallel_rules(n, expert_parallel)
+
+    def set_tensor_parallel(self, n: int, expert_mesh=None) -> dict[str, ShardRule]:
+        """Split the layers over n devices from now on (checked first) -> the family's rules.
+        `expert_mesh`: the mesh the experts are split over too (expert parallelism), or None."""
+        rules = self.check_tensor_parallel(n, expert_mesh is not None) if n > 1 else {}
         self.tp_size = n
+        self.expert_mesh = expert_mesh if n > 1 else None
         return rules
 
     # --- the math --------------------------------------------------------------------

@@ -21,6 +21,9 @@ other backends, by dequantising first.
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from mrv2_jax.models.tensor_parallel import AXIS
 
 BACKENDS = ("auto", "pallas", "ragged_dot", "dense")
 
@@ -84,6 +87,41 @@ def routed_experts(x, weights, ids, gate_up, down, *, backend: str = "auto",
                    gate_up_scale=None, down_scale=None, scale_block: int = 128):
     """x [T, H], routing (weights f32 [T, k], ids int32 [T, k]), gate_up [E, H, 2I],
     down [E, I, H] -> [T, H]: sum over k of weight * SwiGLU-MLP of the chosen expert."""
+    return _experts_f32(x, weights, ids, gate_up, down, backend, gate_up_scale, down_scale,
+                        scale_block).astype(x.dtype)
+
+
+def expert_parallel_experts(x, weights, ids, gate_up, down, mesh, *, backend: str = "auto",
+                            gate_up_scale=None, down_scale=None, scale_block: int = 128):
+    """`routed_experts` with the experts split whole over `mesh`'s AXIS (expert parallelism): the
+    weights [E, ...] sharded on their expert axis, device d holding experts [d E/N, (d + 1) E/N);
+    the tokens and their routing replicated (every device has all of them). Each device runs its
+    own experts on the pairs routed to them, under `jax.shard_map` so that the grouped GEMM (the
+    Pallas kernel on GPUs) sees only its local experts; pairs routed to another device's experts
+    contribute zero there. One all-reduce sums the devices' partial outputs, in float32, rounded
+    to x's dtype once after the sum (as one device rounds once after its f32 combine)."""
+    experts = P(AXIS, None, None)  # [E, in, out] and FP8 scales [E, in/b, out/b]
+    scales = tuple(s for s in (gate_up_scale, down_scale) if s is not None)
+
+    def local(x, weights, ids, gate_up, down, scales):
+        num_local = gate_up.shape[0]
+        ids = ids - jax.lax.axis_index(AXIS) * num_local  # global expert id -> this device's
+        # Pairs routed elsewhere get id num_local: sorted after every local group, they come out of
+        # the grouped GEMM as zero rows (the dense backend drops them from its weight matrix).
+        ids = jnp.where((ids >= 0) & (ids < num_local), ids, num_local)
+        gu_scale, d_scale = scales if scales else (None, None)
+        partial = _experts_f32(x, weights, ids, gate_up, down, backend, gu_scale, d_scale, scale_block)
+        return jax.lax.psum(partial, AXIS)
+
+    # check_vma off: the Pallas kernel inside carries no varying-axes annotations.
+    out = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), experts, experts, (experts,) * len(scales)),
+                        out_specs=P(), check_vma=False)(x, weights, ids, gate_up, down, scales)
+    return out.astype(x.dtype)
+
+
+def _experts_f32(x, weights, ids, gate_up, down, backend, gate_up_scale, down_scale, scale_block):
+    """`routed_experts` before its final rounding: float32 [T, H]. An id equal to the number of
+    experts (gate_up.shape[0]) names no expert: that pair contributes zero."""
     backend = resolve_backend(backend)
     if backend == "dense":
         return _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, scale_block)
@@ -97,8 +135,7 @@ def routed_experts(x, weights, ids, gate_up, down, *, backend: str = "auto",
     out = _grouped(jax.nn.silu(gate) * up, down, group_sizes, down_scale, backend, scale_block)
     # Un-permute: row j of `out` belongs to pair order[j]; gather back to pair order.
     unsorted = out[jnp.argsort(order)].reshape(t, k, -1)
-    combined = jnp.einsum("tkh,tk->th", unsorted.astype(jnp.float32), weights)
-    return combined.astype(x.dtype)
+    return jnp.einsum("tkh,tk->th", unsorted.astype(jnp.float32), weights)
 
 
 def _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, scale_block):
@@ -116,4 +153,4 @@ def _dense_experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, sc
     h = jnp.einsum("th,ehi->tei", x, gate_up.astype(x.dtype))
     gate, up = jnp.split(h, 2, axis=-1)
     out = jnp.einsum("tei,eih->teh", jax.nn.silu(gate) * up, down.astype(x.dtype))
-    return jnp.einsum("teh,te->th", out.astype(jnp.float32), dense_w).astype(x.dtype)
+    return jnp.einsum("teh,te->th", out.astype(jnp.float32), dense_w)

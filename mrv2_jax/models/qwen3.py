@@ -51,7 +51,7 @@ class Qwen3ModelState(ModelState):
             sources["o_bias"] = WeightSource((_ATTN + "o_proj.bias",))
         return sources
 
-    def tensor_parallel_rules(self, n):
+    def tensor_parallel_rules(self, n, expert_parallel=False):
         """q/k/v and gate/up split by output features (whole heads, whole MLP units per device), o and
         down by input features; the fused ones interleaved per device (models/tensor_parallel.py)."""
         check_divides("tensor_parallel_size", n, {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,

@@ -9,12 +9,15 @@ GLM-4.5 (glm4_moe.py) shares this layer structure and overrides the router, the 
 the shared experts.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from mrv2_jax.models import fp8
 from mrv2_jax.models.layers import (
     apply_rope_halves_partial,
+    gated_mlp,
     rms_norm,
     rope_angles,
     split_qkv,
@@ -25,7 +28,8 @@ from mrv2_jax.models.model_state import (
     WeightSource,
     register_model_state,
 )
-from mrv2_jax.models.moe import routed_experts, softmax_topk_router
+from mrv2_jax.models.moe import expert_parallel_experts, routed_experts, softmax_topk_router
+from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
 _L = "model.layers.{i}."
 _ATTN = _L + "self_attn."
@@ -130,6 +134,30 @@ class Qwen3MoeModelState(ModelState):
         }
         return shapes, sources, {}
 
+    # --- tensor and expert parallelism -----------------------------------------------------
+    def tensor_parallel_rules(self, n, expert_parallel=False):
+        """With expert parallelism only: attention (and the dense layers' MLP) split as dense Qwen3's,
+        the experts whole over the devices (E/N each, on their expert axis); the router replicated."""
+        if not expert_parallel:
+            raise ValueError(f"tensor_parallel_size={n}: {self.architecture} is not supported yet without "
+                             "enable_expert_parallel (splitting each expert's matrices is not implemented)")
+        if self.fp8_block:
+            raise ValueError(f"tensor_parallel_size={n}: FP8 checkpoints are not supported with tensor "
+                             "parallelism yet")
+        dense = any(not self.is_moe_layer(i) for i in range(self.num_layers))
+        check_divides("tensor_parallel_size", n, {"attention heads": self.num_heads, "KV heads": self.num_kv_heads}
+                      | ({"intermediate_size": self.intermediate_size} if dense else {}))
+        if self.num_experts % n:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size={n} must divide the model's "
+                             f"{self.num_experts} experts")
+        rules = {"qkv_proj": ShardRule(1, self.qkv_widths()), "o_proj": ShardRule(0),
+                 "experts_gate_up": ShardRule(0), "experts_down": ShardRule(0)}
+        if dense:
+            rules |= {"gate_up_proj": ShardRule(1, (self.intermediate_size,) * 2), "down_proj": ShardRule(0)}
+        if self.attention_bias:
+            rules["qkv_bias"] = ShardRule(0, self.qkv_widths())  # o_bias is added after the all-reduce
+        return rules
+
     # --- the math --------------------------------------------------------------------------
     def rope(self, positions):
         return rope_angles(positions, self.rotary_dim, self.rope_theta)
@@ -143,13 +171,15 @@ class Qwen3MoeModelState(ModelState):
         qkv = self.linear(rms_norm(x, p["input_norm"], eps), p, "qkv_proj")
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
-        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.tp_size)
         if self.qk_norm:
             q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
         cos, sin = rope
         q, k = apply_rope_halves_partial(q, cos, sin), apply_rope_halves_partial(k, cos, sin)
         out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
-        out = self.linear(out.reshape(x.shape[0], -1), p, "o_proj")
+        out = out.reshape(x.shape[0], -1)
+        # Tensor parallelism (no FP8 then): o_proj is row-parallel, summed in f32 by one all-reduce.
+        out = row_parallel(out, p["o_proj"], self.tp_size) if self.tp_size > 1 else self.linear(out, p, "o_proj")
         if self.o_bias:
             out = out + p["o_bias"]
         return x + out, kv_cache
@@ -157,6 +187,8 @@ class Qwen3MoeModelState(ModelState):
     def dense_mlp(self, p, h, prefix="gate_up_proj"):
         """SwiGLU over `gate_up_proj`/`down_proj`, or `<prefix>_gate_up`/`<prefix>_down`."""
         gate_up, down = _mlp_names(prefix)
+        if self.tp_size > 1:  # column- then row-parallel, as dense Qwen3's (no FP8 then)
+            return gated_mlp(h, p[gate_up], p[down], self.tp_size)
         gate, up = jnp.split(self.linear(h, p, gate_up), 2, axis=-1)
         return self.linear(jax.nn.silu(gate) * up, p, down)
 
@@ -165,9 +197,11 @@ class Qwen3MoeModelState(ModelState):
 
     def moe_mlp(self, p, h):
         weights, ids = self.route(p, h)
-        return routed_experts(h, weights, ids, p["experts_gate_up"], p["experts_down"],
-                              backend=self.moe_backend, gate_up_scale=p.get("experts_gate_up_scale"),
-                              down_scale=p.get("experts_down_scale"), scale_block=self.fp8_block or 128)
+        experts = routed_experts if self.expert_mesh is None else functools.partial(expert_parallel_experts,
+                                                                                  mesh=self.expert_mesh)
+        return experts(h, weights, ids, p["experts_gate_up"], p["experts_down"],
+                       backend=self.moe_backend, gate_up_scale=p.get("experts_gate_up_scale"),
+                       down_scale=p.get("experts_down_scale"), scale_block=self.fp8_block or 128)
 
     def dense_layer_forward(self, p, x, rope, attention, layer, kv_cache):
         x, kv_cache = self.attention_block(p, x, rope, attention, layer, kv_cache)

@@ -7,6 +7,10 @@ rules (ModelState.tensor_parallel_rules, models/tensor_parallel.py), the KV cach
 axis; everything else (embeddings, norms, lm_head, the runner's device state, the sampler's
 tables, the packed step input and the step's outputs) is replicated, so the host side of a step
 is the same as on one device. With size 1 none of this exists: the runner gets None.
+
+Expert parallelism (`expert_parallel`, MoE families): the experts' stacked weights are split on
+their expert axis over the same mesh, whole experts per device; the family's MoE block runs each
+device's experts under shard_map (models/moe.py::expert_parallel_experts).
 """
 
 import jax
@@ -24,12 +28,13 @@ FLAG = "tensor_parallel_size"
 class TensorParallel:
     """The mesh over the first `size` local devices and the shardings of the engine's arrays."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, expert_parallel: bool = False):
         devices = jax.local_devices()
         if size > len(devices):
             raise ValueError(f"{FLAG}={size} exceeds the {len(devices)} local device(s) "
                              f"({devices[0].platform}); multi-host tensor parallelism is not supported yet")
         self.size = size
+        self.expert_parallel = expert_parallel
         self.mesh = Mesh(np.array(devices[:size]), (AXIS,))
         self.replicated = NamedSharding(self.mesh, P())
         # [layers, blocks, KV heads, block_size, head_dim]: each device holds its heads' pages.
@@ -39,7 +44,7 @@ class TensorParallel:
         """Split `lm`'s layer weights over the mesh by the family's rules (fused ones re-ordered
         into their per-device layout first) and replicate the rest, in place; from now on the
         family's layer math expects that layout (ModelState.tp_size)."""
-        rules = model_state.set_tensor_parallel(self.size)
+        rules = model_state.set_tensor_parallel(self.size, self.mesh if self.expert_parallel else None)
         groups = model_state.layer_groups()
         for path, param in nnx.iter_graph(lm):
             if not isinstance(param, nnx.Param):

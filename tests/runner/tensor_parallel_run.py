@@ -84,16 +84,16 @@ def side_programs_run(runner) -> bool:
     return all(jax.tree.leaves(jax.tree.map(same, state, runner.state))) and same(tables.allowed, tables.allowed)
 
 
-def run(model, n: int, sample: bool = False, **extra) -> dict:
+def run(model, n: int, sample: bool = False, prompts=PROMPTS, **extra) -> dict:
     """The greedy requests at `n` devices; `sample`: then a few seeded sampled ones (the sampler's
     widest program: it compiles for seconds, so only on one model)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = LLM(str(model), tensor_parallel_size=n, **(ENGINE | extra))
-        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY)]
         runner = llm.engine.runner
         side_ok = n == 1 or side_programs_run(runner)
-        sampled = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], SAMPLED)] if sample else None
+        sampled = [list(o.outputs[0].token_ids) for o in llm.generate(prompts[:3], SAMPLED)] if sample else None
     out = {"tokens": tokens, "sampled": sampled, "side_programs": side_ok, "fused_calls": runner.num_fused_calls,
            "preemptions": llm.engine.scheduler.num_preemptions,
            "warnings": [str(w.message)[:300] for w in caught if "donat" in str(w.message)]}
