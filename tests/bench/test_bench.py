@@ -13,6 +13,11 @@ MODEL = str(Path(__file__).parents[1] / "fixtures" / "qwen3-tiny")
 # tests/engine/test_engine.py's engine shape: the steps it compiled load from the persistent cache.
 ENGINE = ["--model", MODEL, "--dtype", "float32", "--num-gpu-blocks", "128", "--block-size", "4",
           "--max-model-len", "96", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
+# tests/engine/test_structured_engine.py's engine shape (the demo model): a constrained run loads its steps
+# from the persistent cache, or leaves them there for that module.
+STRUCTURED_ENGINE = ["--model", "demo", "--dtype", "float32", "--num-gpu-blocks", "48", "--block-size", "4",
+                     "--max-model-len", "128", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+                     "--max-fused-steps", "4"]
 ENVIRONMENT_KEYS = {"date", "git_sha", "jax_version", "backend", "device"}
 
 
@@ -52,7 +57,7 @@ def test_bench_throughput_with_a_constraint(tmp_path):
     out = tmp_path / "throughput.json"
     assert cli.main(["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
                      "--structured-outputs", '{"choice": ["yes", "no"]}', "--runner", "v2",
-                     "--output-json", str(out), *ENGINE, "--model", "demo"]) == 0  # a model with a tokenizer
+                     "--output-json", str(out), *STRUCTURED_ENGINE]) == 0  # a model with a tokenizer
     result = json.loads(out.read_text())
     assert result["structured_outputs"] == {"choice": ["yes", "no"]}
     assert 0 < result["num_output_tokens"] < 4 * 6  # "yes" / "no" and EOS

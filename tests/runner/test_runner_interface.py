@@ -29,14 +29,17 @@ def protocol_members(protocol) -> set[str]:
 
 
 def small_llm(runner: str, **overrides) -> LLM:
-    """One token bucket and two sampler variants: a quick compile."""
-    args = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=8, max_model_len=48, num_gpu_blocks=26,
+    """One token bucket and two sampler variants: a quick compile. The shape of test_prompt_logprobs'
+    preemption engines, whose `all` step programs (what a logprobs batch runs) are then shared through
+    the persistent compilation cache."""
+    args = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=8, max_model_len=48, num_gpu_blocks=12,
                 block_size=4, show_progress=False, sampler_variants="greedy,all")
     return LLM(str(MODEL), runner=runner, **(args | overrides))
 
 
+# Fused decode at the default K (16): test_prompt_logprobs' v2 engine compiles the same fused program.
 @pytest.mark.parametrize("runner, overrides", [("v1", {}), ("v2", {"max_fused_steps": 1}),
-                                               ("v2", {"max_fused_steps": 4})])
+                                               ("v2", {"max_fused_steps": 16})])
 def test_runners_provide_the_interface_and_steps_return_outcomes(runner, overrides, monkeypatch):
     llm = small_llm(runner, **overrides)
     model_runner = llm.engine.runner

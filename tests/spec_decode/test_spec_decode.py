@@ -5,7 +5,7 @@ asynchronous; no compiles after warm-up (MRV2_STRICT_COMPILES=1 turns any into a
 
 Uses the embedded demo pair (checkpoints/demo-qwen3, checkpoints/demo-qwen3-draft). Engines
 are built once per configuration (module cache) and reused, v2-sync and v2-async on one engine.
-Spec steps with the greedy sampler variant and with `all` both meet the reference (SAMPLING_ENGINES).
+Spec steps with the greedy, plain and `all` sampler variants meet the reference (SAMPLING_ENGINES, PLAIN_ENGINES).
 """
 
 import functools
@@ -39,14 +39,18 @@ def _key(spec):
 
 
 # The engines that sampled or logprobs batches run too (the tests below share them with the greedy
-# ones) compile the CPU default, `all` alone. Every other engine here runs greedy batches only and
-# lists the greedy sampler variant first: it compiles in about a third of `all`'s time, and `all`
-# stays listed (compiled only if a batch needs it).
+# ones) compile the CPU default, `all` alone. Every other engine here but PLAIN_ENGINES' runs greedy
+# batches only and lists the greedy sampler variant first: it compiles in about a third of `all`'s
+# time, and `all` stays listed (compiled only if a batch needs it).
 SAMPLING_ENGINES = {
     ("v2", None),
     ("v2", _key({"method": "ngram", "k": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})),
     ("v2", _key({"method": "draft_model", "k": 3, "model": DRAFT})),
     ("v1", _key({"method": "ngram", "k": 2})),
+}
+# The draft-equals-target engine runs greedy and temperature-only (seeded) rows alone: the plain
+# sampling variant covers those batches and compiles in about two thirds of `all`'s time.
+PLAIN_ENGINES = {
     ("v2", _key({"method": "draft_model", "k": 3, "model": TARGET, "rejection_sampling": "probabilistic"})),
 }
 
@@ -57,9 +61,15 @@ def engine(runner="v2", spec=None) -> LLM:
 
 @functools.cache
 def _engine(runner, spec) -> LLM:
-    variants = None if (runner, spec) in SAMPLING_ENGINES else "greedy,all"
+    if (runner, spec) in SAMPLING_ENGINES:
+        variants = None
+    else:
+        variants = "plain,all" if (runner, spec) in PLAIN_ENGINES else "greedy,all"
+    # The reference (no speculation) runs one decode step per call, as the speculating engines must:
+    # its fused-decode program would be one more compile, and the fused path has its own tests.
+    fused = dict(max_fused_steps=1) if spec is None else {}
     return LLM("demo", runner=runner, async_scheduling=runner == "v2", speculative_config=spec,
-               sampler_variants=variants, **ENGINE_ARGS)
+               sampler_variants=variants, **ENGINE_ARGS, **fused)
 
 
 def run(llm, params, async_scheduling=None, prompts=PROMPTS):
