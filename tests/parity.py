@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mrv2_jax.models.loader import load_model
+from mrv2_jax.models.loader import load_hf_config, load_model
+from mrv2_jax.models.model_state import model_state_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILY_FIXTURES = ("qwen3-tiny", "qwen3-tiny-tied", "glm4-tiny", "qwen3-moe-tiny", "glm4-moe-tiny",
@@ -24,3 +25,11 @@ def max_logit_error(model_dir, expected: dict, **load_kwargs) -> float:
 
 def load_expected(name: str) -> dict:
     return dict(np.load(FIXTURES / name / "expected.npz"))
+
+
+def fixture_model_state(fixture: str, **config):
+    """The ModelState of a fixture model's config, with `config` fields changed."""
+    hf_config = load_hf_config(FIXTURES / fixture)
+    for key, value in config.items():
+        setattr(hf_config, key, value)
+    return model_state_for(hf_config)

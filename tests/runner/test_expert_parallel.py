@@ -16,9 +16,7 @@ import pytest
 
 from mrv2_jax import envs
 from mrv2_jax.engine.engine_config import EngineConfig
-from mrv2_jax.models.loader import load_hf_config
-from mrv2_jax.models.model_state import model_state_for
-from tests.parity import FIXTURES
+from tests.parity import fixture_model_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,12 +97,6 @@ def test_engine_config_refuses(kwargs, message):
         EngineConfig(**kwargs)
 
 
-def _model_state(fixture, **config):
-    hf_config = load_hf_config(FIXTURES / fixture)
-    for key, value in config.items():
-        setattr(hf_config, key, value)
-    return model_state_for(hf_config)
-
 
 FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 
@@ -122,7 +114,7 @@ FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     ("qwen3-moe-tiny", 2, dict(quantization_config=FP8), "FP8 checkpoints are not supported with tensor parallelism"),
 ])
 def test_models_it_cannot_split_are_refused(fixture, n, config, message):
-    state = _model_state(fixture, **config)
+    state = fixture_model_state(fixture, **config)
     if message is None:
         assert "experts_gate_up" in state.check_tensor_parallel(n, expert_parallel=True)
         return
@@ -133,7 +125,7 @@ def test_models_it_cannot_split_are_refused(fixture, n, config, message):
 
 def test_dense_layers_only_need_not_divide_the_moe_model_intermediate_size():
     """intermediate_size is the dense layers' MLP: a model without dense layers does not split it."""
-    state = _model_state("qwen3-moe-tiny", mlp_only_layers=[], intermediate_size=47)
+    state = fixture_model_state("qwen3-moe-tiny", mlp_only_layers=[], intermediate_size=47)
     assert "gate_up_proj" not in state.check_tensor_parallel(2, expert_parallel=True)
 
 
@@ -150,7 +142,7 @@ def test_weights_split_without_experts_are_refused():
     """An engine over weights another engine split must split the experts the same way."""
     from mrv2_jax.engine.builder import make_tensor_parallel
 
-    state = _model_state("qwen3-moe-tiny")
+    state = fixture_model_state("qwen3-moe-tiny")
     state.tp_size, state.expert_mesh = 2, object()  # as TensorParallel.shard_model leaves it with experts split
     with pytest.raises(ValueError, match="enable_expert_parallel=False: the loaded weights were split with it"):
         make_tensor_parallel(2, state, lm=None)

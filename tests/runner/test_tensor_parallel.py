@@ -16,10 +16,8 @@ import pytest
 
 from mrv2_jax import envs
 from mrv2_jax.engine.engine_config import EngineConfig
-from mrv2_jax.models.loader import load_hf_config
-from mrv2_jax.models.model_state import model_state_for
 from mrv2_jax.models.tensor_parallel import interleave_shards, split_sharded
-from tests.parity import FIXTURES
+from tests.parity import FIXTURES, fixture_model_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,12 +121,6 @@ def test_engine_config_refuses(kwargs, message):
         EngineConfig(**kwargs)
 
 
-def _model_state(fixture, **config):
-    hf_config = load_hf_config(FIXTURES / fixture)
-    for key, value in config.items():
-        setattr(hf_config, key, value)
-    return model_state_for(hf_config)
-
 
 @pytest.mark.parametrize("fixture,n,config,message", [
     ("qwen3-moe-tiny", 2, {}, "tensor_parallel_size=2: Qwen3MoeForCausalLM is not supported yet"),
@@ -141,7 +133,7 @@ def _model_state(fixture, **config):
      r"must divide the model's intermediate_size \(90\)"),
 ])
 def test_models_it_cannot_split_are_refused(fixture, n, config, message):
-    state = _model_state(fixture, **config)
+    state = fixture_model_state(fixture, **config)
     with pytest.raises(ValueError, match=message):
         state.set_tensor_parallel(n)
     assert state.tp_size == 1
@@ -173,7 +165,7 @@ def test_weights_split_for_another_size_are_refused():
     use the same size: the fused weights are in that size's layout."""
     from mrv2_jax.engine.builder import make_tensor_parallel
 
-    state = _model_state("qwen3-tiny")
+    state = fixture_model_state("qwen3-tiny")
     state.tp_size = 2  # as TensorParallel.shard_model leaves it
     for n in (1, 4):
         with pytest.raises(ValueError, match=f"tensor_parallel_size={n}: the loaded weights are split for 2"):
