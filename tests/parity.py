@@ -1,11 +1,15 @@
 """Helpers for comparing our models' logits with Hugging Face golden fixtures."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mrv2_jax import envs
 from mrv2_jax.models.loader import load_hf_config, load_model
 from mrv2_jax.models.model_state import model_state_for
 
@@ -33,3 +37,13 @@ def fixture_model_state(fixture: str, **config):
     for key, value in config.items():
         setattr(hf_config, key, value)
     return model_state_for(hf_config)
+
+
+def run_on_virtual_devices(module: str, devices: int = 4) -> dict:
+    """Run `python -m module` with `devices` virtual CPU devices (the rest of the suite keeps one)
+    and return the JSON its last output line holds."""
+    flags = f"{envs.subprocess_env().get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    run = subprocess.run([sys.executable, "-m", module], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=600, env=envs.subprocess_env(XLA_FLAGS=flags))
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -7,27 +7,16 @@ The engines run in a child process with 4 virtual CPU devices (tests/runner/expe
 as tests/runner/test_tensor_parallel.py's do."""
 
 import functools
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from mrv2_jax import envs
 from mrv2_jax.engine.engine_config import EngineConfig
-from tests.parity import fixture_model_state
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.parity import fixture_model_state, run_on_virtual_devices
 
 
 @functools.cache
 def child() -> dict:
-    flags = f"{envs.subprocess_env().get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    run = subprocess.run([sys.executable, "-m", "tests.runner.expert_parallel_run"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=envs.subprocess_env(XLA_FLAGS=flags))
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_on_virtual_devices("tests.runner.expert_parallel_run")
 
 
 @pytest.mark.parametrize("model,n", [("moe", "2"), ("wide", "4")])

@@ -6,29 +6,18 @@ The engines run in a child process with 4 virtual CPU devices (tests/runner/tens
 the rest of the suite keeps one CPU device, and XLA_FLAGS is read once per process."""
 
 import functools
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mrv2_jax import envs
 from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.models.tensor_parallel import interleave_shards, split_sharded
-from tests.parity import FIXTURES, fixture_model_state
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.parity import FIXTURES, fixture_model_state, run_on_virtual_devices
 
 
 @functools.cache
 def child() -> dict:
-    flags = f"{envs.subprocess_env().get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    run = subprocess.run([sys.executable, "-m", "tests.runner.tensor_parallel_run"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600, env=envs.subprocess_env(XLA_FLAGS=flags))
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_on_virtual_devices("tests.runner.tensor_parallel_run")
 
 
 @pytest.mark.parametrize("model,sizes", [("tiny", ("2",)), ("demo", ("2",)), ("wide", ("2", "4"))])
