@@ -32,7 +32,9 @@ def replay(dispatch: Dispatch, repeats: int, head_start=None) -> tuple[float, fl
     replay, not the GPU. head_start: a callable that enqueues GPU work first (its time is in the
     result), so that the host has enqueued the steps before the GPU reaches them."""
     runner = dispatch.runner
-    packed = jax.device_put(dispatch.packed)
+    # Where the program takes it (runner/base.py, packed_input_memory): already there, no copy per call.
+    pinned = runner.packed_input_memory == "pinned_host"
+    packed = jax.device_put(dispatch.packed, jax.memory.Space.Host if pinned else jax.memory.Space.Device)
     jax.block_until_ready(runner.state)
     start = time.perf_counter()
     if head_start is not None:
