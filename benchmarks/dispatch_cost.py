@@ -166,7 +166,8 @@ def main(argv=None, prog=None):
     if jax.default_backend() == "gpu" and runner.packed_input_memory == "device":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        ways.append(("pinned", [compiled], lambda: jax.device_put(jax.device_put(np.array(packed), pinned), device)))
+        ways.append(("pinned", [compiled], lambda: jax.device_put(jax.device_put(np.array(packed), pinned),
+                                                                 jax.memory.Space.Device)))
         # (XLA:CPU cannot serialize the step's executables, so no twin there)
         ways.append(("twins", [compiled, twin_of(compiled)], lambda: np.array(packed)))
     results = {}

@@ -79,6 +79,14 @@ class RunnerBase:
             self.slot_state = self.tp.replicate(self.slot_state)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
 
+    def placed(self, packed):
+        """A step's packed host input where its program takes it: as it is (the call copies it onto
+        the device), or written into page-locked host memory (`packed_input_memory="pinned_host"`;
+        a numpy argument would otherwise go to device memory, which that program refuses)."""
+        if self.packed_input_memory == "pinned_host":
+            return jax.device_put(packed, jax.memory.Space.Host)
+        return packed
+
     @property
     def supports_prompt_logprobs(self) -> bool:
         """Prompt logprobs come from the full variant's plain step (not a spec step)."""

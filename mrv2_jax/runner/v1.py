@@ -176,7 +176,8 @@ class ModelRunnerV1(RunnerBase):
         else:
             compiled = self._pick_variant(layout, packed, variants)
         self.kv_cache, self.slot_state, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
+            self.params.leaves, self.kv_cache, self.slot_state, self.placed(packed), self.spec_params,
+            self.spec_state)
         if self.spec:
             return self._finish_spec_step(req_ids, rows, counts, samples, num_draft, layout, packed, *result)
         tokens = np.asarray(result.tokens)  # the V1 sync point: the next step needs these values

@@ -361,7 +361,8 @@ class ModelRunnerV2(RunnerBase):
         """Run one compiled step on the runner's state, which the call donates and replaces;
         -> the step's device result. Benchmarks replay captured steps through it."""
         self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
+            self.params.leaves, self.kv_cache, self.state, self.slot_state, self.placed(packed), self.spec_params,
+            self.spec_state)
         return result
 
     def _write_new_requests(self, out: SchedulerOutput, view):
