@@ -138,9 +138,10 @@ def moved_buffers(runner, compiled, packed, calls: int) -> dict:
     return {kind: {name: statistics.median(ns) for name, ns in groups.items()} for kind, groups in counts.items()}
 
 
-def program_memory(runner) -> jax.memory.Space:
+def program_memory(runner) -> jax.sharding.Sharding:
     """Where the runner's step programs take their packed input (`--packed-input-memory`)."""
-    return jax.memory.Space.Host if runner.packed_input_memory == "pinned_host" else jax.memory.Space.Device
+    memory = "pinned_host" if runner.packed_input_memory == "pinned_host" else "device"
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory)
 
 
 def main(argv=None, prog=None):
@@ -166,8 +167,8 @@ def main(argv=None, prog=None):
     if jax.default_backend() == "gpu" and runner.packed_input_memory == "device":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        ways.append(("pinned", [compiled], lambda: jax.device_put(jax.device_put(np.array(packed), pinned),
-                                                                 jax.memory.Space.Device)))
+        on_gpu = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        ways.append(("pinned", [compiled], lambda: jax.device_put(jax.device_put(np.array(packed), pinned), on_gpu)))
         # (XLA:CPU cannot serialize the step's executables, so no twin there)
         ways.append(("twins", [compiled, twin_of(compiled)], lambda: np.array(packed)))
     results = {}

@@ -33,8 +33,8 @@ def replay(dispatch: Dispatch, repeats: int, head_start=None) -> tuple[float, fl
     result), so that the host has enqueued the steps before the GPU reaches them."""
     runner = dispatch.runner
     # Where the program takes it (runner/base.py, packed_input_memory): already there, no copy per call.
-    pinned = runner.packed_input_memory == "pinned_host"
-    packed = jax.device_put(dispatch.packed, jax.memory.Space.Host if pinned else jax.memory.Space.Device)
+    memory = "pinned_host" if runner.packed_input_memory == "pinned_host" else "device"
+    packed = jax.device_put(dispatch.packed, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory))
     jax.block_until_ready(runner.state)
     start = time.perf_counter()
     if head_start is not None:

@@ -84,7 +84,7 @@ class RunnerBase:
         the device), or written into page-locked host memory (`packed_input_memory="pinned_host"`;
         a numpy argument would otherwise go to device memory, which that program refuses)."""
         if self.packed_input_memory == "pinned_host":
-            return jax.device_put(packed, jax.memory.Space.Host)
+            return jax.device_put(packed, self._pinned)
         return packed
 
     @property
@@ -118,8 +118,7 @@ class RunnerBase:
         packed_sharding, out = self.tp.step_shardings(device_state) if self.tp else (None, None)
         sharded = {} if self.tp is None else {"out_shardings": out}
         if self.packed_input_memory == "pinned_host":
-            device = jax.tree.leaves(device_state)[0].sharding
-            packed_sharding = device.with_memory_kind("pinned_host")
+            packed_sharding = self._pinned = jax.tree.leaves(device_state)[0].sharding.with_memory_kind("pinned_host")
 
         def lower(layout, make_fn, i):
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=packed_sharding)
