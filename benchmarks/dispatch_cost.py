@@ -13,10 +13,6 @@ packed input buffer), then calls that step again and again on the runner's live 
                   transfer of call N+1 is under way while call N is made
   pinned          numpy packed, copied into pinned host memory first, then onto the device
                   (GPUs only: a DMA from page-locked memory need not wait for the device)
-
-With `--packed-input-memory pinned_host` the programs take the packed input in pinned host memory
-and copy it in themselves: "device packed" and "prefetched" then mean a buffer already in pinned
-host memory, and the `pinned` and `twins` rows are left out.
   twins (GPUs)    numpy packed, calls alternating between two loaded copies of the same
                   executable: each copy keeps its own recorded command buffers, and the result
                   buffers it sees recur from its own call before (the engine's results alternate
@@ -122,7 +118,7 @@ def moved_buffers(runner, compiled, packed, calls: int) -> dict:
     counts = {"arguments": defaultdict(list), "results": defaultdict(list)}
     before = None
     for _ in range(calls + 1):
-        fresh = jax.device_put(packed, program_memory(runner))
+        fresh = jax.device_put(packed)
         args = addresses({"params": runner.params.leaves, "kv_cache": runner.kv_cache, "state": runner.state,
                           "slot_state": runner.slot_state, "packed input": fresh,
                           "spec_params": runner.spec_params, "spec_state": runner.spec_state})
@@ -136,12 +132,6 @@ def moved_buffers(runner, compiled, packed, calls: int) -> dict:
                     counts[kind][name].append(n)
         before = {"arguments": args, "results": results}
     return {kind: {name: statistics.median(ns) for name, ns in groups.items()} for kind, groups in counts.items()}
-
-
-def program_memory(runner) -> jax.sharding.Sharding:
-    """Where the runner's step programs take their packed input (`--packed-input-memory`)."""
-    memory = "pinned_host" if runner.packed_input_memory == "pinned_host" else "device"
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory)
 
 
 def main(argv=None, prog=None):
@@ -159,12 +149,12 @@ def main(argv=None, prog=None):
     kwargs["max_fused_steps"] = 1
     llm = LLM(**kwargs)
     compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
+    on_device = jax.device_put(packed)
     runner = llm.engine.runner
-    on_device = jax.device_put(packed, program_memory(runner))
     ways = [("numpy packed", [compiled], lambda: np.array(packed)),
             ("device packed", [compiled], lambda: on_device),
-            ("prefetched", [compiled], prefetching(lambda: jax.device_put(np.array(packed), program_memory(runner))))]
-    if jax.default_backend() == "gpu" and runner.packed_input_memory == "device":
+            ("prefetched", [compiled], prefetching(lambda: jax.device_put(np.array(packed))))]
+    if jax.default_backend() == "gpu":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         on_gpu = jax.sharding.SingleDeviceSharding(device, memory_kind="device")

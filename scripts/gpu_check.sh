@@ -246,19 +246,6 @@ for s in $sections; do case $s in
           python3 -m benchmarks.command_buffer_updates $extra --output-json "$OUT/cb_updates_$name.json"
     done <<< "${CB_UPDATES_VARIANTS:-scan||
 unrolled||--unroll}" ;;
-  # Issue 25: the packed input copied onto the device before the call, or taken from pinned host
-  # memory by the program itself: the call's host cost at 1 and 256 rows, and small-batch decode
-  # with one step per call (K = 1) against fused decode. PACKED_MEMORIES picks the arms.
-  packed-memory)
-    for m in ${PACKED_MEMORIES:-device pinned_host}; do
-      for rows in 1 256; do
-        run_section dispatch-$m-$rows python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy \
-            --rows $rows --calls 60 --sampler-variants greedy,all --max-model-len 1024 --max-num-batched-tokens 8192 \
-            --packed-input-memory $m --output-json "$OUT/dispatch_${m}_$rows.json"
-      done
-      run_section fused-$m python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --packed-input-memory $m \
-          --output-json "$OUT/fused_decode_$m.json"
-    done ;;
   # Issue 25, next: why XLA re-records the decode step's command buffer on every call. XLA's own
   # log says per call how many allocations moved and whether a command forced the update; the dump
   # lists every step program's thunks (a conditional or while loop inside the graph forces updates).

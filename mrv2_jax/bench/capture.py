@@ -32,9 +32,7 @@ def replay(dispatch: Dispatch, repeats: int, head_start=None) -> tuple[float, fl
     replay, not the GPU. head_start: a callable that enqueues GPU work first (its time is in the
     result), so that the host has enqueued the steps before the GPU reaches them."""
     runner = dispatch.runner
-    # Where the program takes it (runner/base.py, packed_input_memory): already there, no copy per call.
-    memory = "pinned_host" if runner.packed_input_memory == "pinned_host" else "device"
-    packed = jax.device_put(dispatch.packed, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=memory))
+    packed = jax.device_put(dispatch.packed)
     jax.block_until_ready(runner.state)
     start = time.perf_counter()
     if head_start is not None:

@@ -60,8 +60,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                   sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
-                  spec_decoder=spec_decoder, compile_mode=resolve_compile_mode(config.compile_mode),
-                  packed_input_memory=config.packed_input_memory)
+                  spec_decoder=spec_decoder, compile_mode=resolve_compile_mode(config.compile_mode))
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 

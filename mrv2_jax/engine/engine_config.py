@@ -23,7 +23,6 @@ DEFAULT_STREAM_INTERVAL = 1
 
 
 COMPILE_MODES = ("eager", "lazy", "background")
-PACKED_INPUT_MEMORIES = ("device", "pinned_host")
 
 
 @dataclass
@@ -50,9 +49,6 @@ class EngineConfig:
     # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
     # ever run there), eager on GPUs (serving never stalls on a compile).
     compile_mode: str | None = None
-    # Where a step program takes its packed host input: "device" (copied onto the device before the
-    # call) or "pinned_host" (placed in page-locked host memory; the program copies it in itself).
-    packed_input_memory: str = "device"
     # V2: up to this many decode steps in one compiled call for small, stable batches
     # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
     max_fused_steps: int | None = None
@@ -99,9 +95,6 @@ class EngineConfig:
         self.kernels = KernelConfig.parse(self.kernels).resolved()
         if self.compile_mode not in (None, *COMPILE_MODES):
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
-        if self.packed_input_memory not in PACKED_INPUT_MEMORIES:
-            raise ValueError(f"packed_input_memory must be one of {PACKED_INPUT_MEMORIES}, "
-                             f"got {self.packed_input_memory!r}")
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
         if self.max_fused_steps is None:

@@ -55,9 +55,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
                         "on threads beside the serving engine (background: it serves at once, a step whose "
                         "program is not ready yet compiles or waits for it); default: lazy on CPUs, eager on GPUs")
-    g.add_argument("--packed-input-memory", default=EngineConfig.packed_input_memory,
-                   choices=["device", "pinned_host"], help="where a step takes its packed host input: copied "
-                   "onto the device before the call, or page-locked host memory the program copies from")
     g.add_argument("--tensor-parallel-size", type=int, default=EngineConfig.tensor_parallel_size, metavar="N",
                    help="split the decoder layers and the KV cache over the first N devices of this host "
                         "(dense Qwen3, Qwen3-MoE with --enable-expert-parallel; v2 runner; docs/parallelism.md; "

@@ -37,7 +37,7 @@ class RunnerBase:
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager",
-                 tensor_parallel=None, packed_input_memory: str = "device"):
+                 tensor_parallel=None):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
@@ -46,14 +46,8 @@ class RunnerBase:
         `compile_mode`: when the step programs compile: "eager" (all at start-up), "lazy" (each at
         its first use) or "background" (on threads beside the engine, and at first use if that
         comes sooner: runner/lazy_programs.py). `tensor_parallel`: a runner.tensor_parallel.
-        TensorParallel whose mesh `lm` is already split over (the builder did it), or None.
-        `packed_input_memory`: "device" (a step's packed host input is copied onto the device before
-        the call) or "pinned_host" (the call places it in page-locked host memory and the program
-        copies it onto the device itself, on its own stream)."""
-        if packed_input_memory == "pinned_host" and tensor_parallel is not None:
-            raise ValueError("packed_input_memory='pinned_host' is not supported with tensor parallelism")
+        TensorParallel whose mesh `lm` is already split over (the builder did it), or None."""
         self.tp = tensor_parallel
-        self.packed_input_memory = packed_input_memory
         self.params = FlatParams(lm)
         self.compile_mode = compile_mode
         self.background_compile = None  # a BackgroundCompile while compile_mode is "background"
@@ -78,14 +72,6 @@ class RunnerBase:
         if self.tp is not None:  # on every device before the writers compile for it
             self.slot_state = self.tp.replicate(self.slot_state)
         self._slot_writer = slot_state.SlotStateWriter(self.slot_state)
-
-    def placed(self, packed):
-        """A step's packed host input where its program takes it: as it is (the call copies it onto
-        the device), or written into page-locked host memory (`packed_input_memory="pinned_host"`;
-        a numpy argument would otherwise go to device memory, which that program refuses)."""
-        if self.packed_input_memory == "pinned_host":
-            return jax.device_put(packed, self._pinned)
-        return packed
 
     @property
     def supports_prompt_logprobs(self) -> bool:
@@ -117,15 +103,10 @@ class RunnerBase:
         # that the donated state comes back where the next call expects it.
         packed_sharding, out = self.tp.step_shardings(device_state) if self.tp else (None, None)
         sharded = {} if self.tp is None else {"out_shardings": out}
-        if self.packed_input_memory == "pinned_host":
-            packed_sharding = self._pinned = jax.tree.leaves(device_state)[0].sharding.with_memory_kind("pinned_host")
 
         def lower(layout, make_fn, i):
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=packed_sharding)
-            fn = make_fn(layout, self.sampler_variants[i])
-            if self.packed_input_memory == "pinned_host":
-                fn = copies_packed_in(fn, num_state)
-            return jax.jit(fn, donate_argnums=donate, **sharded).lower(
+            return jax.jit(make_fn(layout, self.sampler_variants[i]), donate_argnums=donate, **sharded).lower(
                 self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
 
         num_variants = len(self.sampler_variants)
@@ -143,14 +124,3 @@ class RunnerBase:
                    for i in range(num_variants)}
         compiled = compile_all(lowered, show_progress, compiler_options=options)
         return {key: (layout, [compiled[key, i] for i in range(num_variants)]) for key, (layout, _) in steps.items()}
-
-
-def copies_packed_in(step_fn, num_state: int):
-    """`step_fn` taking its packed input in host memory: the program's first op copies it onto the
-    device, so the call only writes it into page-locked memory."""
-
-    def step(param_leaves, *args):
-        state, (packed, spec_params, spec_state) = args[:num_state], args[num_state:]
-        return step_fn(param_leaves, *state, jax.device_put(packed, jax.memory.Space.Device), spec_params, spec_state)
-
-    return step

@@ -119,8 +119,7 @@ class ModelRunnerV2(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
-                 fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
-                 packed_input_memory: str = "device"):
+                 fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -136,8 +135,7 @@ class ModelRunnerV2(RunnerBase):
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, automaton_pool=pool,
-                         compile_mode=compile_mode, tensor_parallel=tensor_parallel,
-                         packed_input_memory=packed_input_memory)
+                         compile_mode=compile_mode, tensor_parallel=tensor_parallel)
         # Structured outputs: the automata in the device pool, the writer that copies one in, and
         # the token a row whose state allows nothing gets (sample/automata.py).
         self.automaton_pool = AutomatonPool(*pool)
@@ -361,8 +359,7 @@ class ModelRunnerV2(RunnerBase):
         """Run one compiled step on the runner's state, which the call donates and replaces;
         -> the step's device result. Benchmarks replay captured steps through it."""
         self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, self.state, self.slot_state, self.placed(packed), self.spec_params,
-            self.spec_state)
+            self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
         return result
 
     def _write_new_requests(self, out: SchedulerOutput, view):

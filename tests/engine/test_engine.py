@@ -187,18 +187,3 @@ def test_unrolled_layer_loop_gives_the_same_tokens():
     assert got == want
     with pytest.raises(ValueError, match="layer_unroll"):
         make_llm(layer_unroll=-1)
-
-
-@pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_packed_input_in_pinned_host_memory_gives_the_same_tokens(runner):
-    # The step programs take their packed input in page-locked host memory and copy it in
-    # themselves; v2 also runs fused decode calls that way.
-    prompts = random_prompts(4, seed=6)
-    llm = make_llm(runner=runner, packed_input_memory="pinned_host", max_num_batched_tokens=8,
-                   sampler_variants="greedy,all")
-    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
-        assert out.outputs[0].token_ids == greedy_reference(MODEL, prompt, 8)
-    if runner == "v2":
-        assert llm.engine.runner.num_fused_calls > 0
-    with pytest.raises(ValueError, match="packed_input_memory"):
-        make_llm(packed_input_memory="host")
