@@ -7,6 +7,8 @@ Each row runs `python -c` with the statements of the rows above it untimed and i
 timed, so the figures add up to one process start: importing jax, starting its backend (CUDA
 context, client, memory pool), the first tiny program, and importing the engine's modules
 (transformers, FastAPI and the rest), and making --model's dummy weights once the backend runs.
+Then, each alone in a fresh interpreter, what reading a model's config through transformers costs
+with torch importable and with torch kept out (mrv2_jax/without_torch.py, as the engine process does).
 """
 
 import argparse
@@ -26,6 +28,14 @@ STEPS = (
      "from mrv2_jax.models.loader import load_model; _, lm, _ = load_model(MODEL, load_format='dummy'); "
      "jax.block_until_ready(jax.tree.leaves(lm))"),
 )
+
+CONFIG = "from transformers import AutoConfig; AutoConfig.from_pretrained(resolve_model_path(MODEL))"
+ALONE = (
+    ("load a config through transformers", CONFIG),
+    ("the same, torch kept out", f"keep_torch_out(); {CONFIG}"),
+)
+ALONE_SETUP = ["from mrv2_jax.models.loader import resolve_model_path",
+               "from mrv2_jax.without_torch import keep_torch_out"]
 
 
 def time_step(before: list[str], statement: str, model: str) -> float:
@@ -48,6 +58,9 @@ def main(argv=None):
         results[name] = time_step(before, statement, args.model)
         if results[name] == results[name]:  # a step that failed is left out of the later ones
             before.append(statement)
+        print(f"{name:48} {results[name]:7.2f} s", flush=True)
+    for name, statement in ALONE:
+        results[name] = time_step(ALONE_SETUP, statement, args.model)
         print(f"{name:48} {results[name]:7.2f} s", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:

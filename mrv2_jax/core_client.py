@@ -29,6 +29,7 @@ from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.engine.tokenizer import load_tokenizer
+from mrv2_jax.without_torch import keep_torch_out
 
 
 class EngineStartupError(RuntimeError):
@@ -126,6 +127,7 @@ class _EngineLink:
 def _engine_process(engine_args: dict, inputs: list[str], outputs: list[str]) -> None:
     """The engine process's entry point. The engine (and JAX) is imported there, not here: the API
     server processes never load it."""
+    keep_torch_out()  # before transformers loads: the engine uses its configs and tokenizers only
     from mrv2_jax.engine.core_proc import run_engine_core
 
     run_engine_core(engine_args, inputs, outputs)

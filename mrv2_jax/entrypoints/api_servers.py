@@ -25,6 +25,8 @@ import socket
 import threading
 from multiprocessing.connection import wait
 
+from mrv2_jax.without_torch import keep_torch_out
+
 logger = logging.getLogger(__name__)
 
 
@@ -117,6 +119,7 @@ def run_attached_api_server(index: int, pairs: list[tuple[str, str]], host: str,
     """An API server process's entry point: attach to the engine (or to each engine replica: one
     endpoint pair per engine process), listen, serve until a signal (or until the serving process
     is gone)."""
+    keep_torch_out()  # before transformers loads: this process uses its tokenizers only
     from mrv2_jax.async_llm import AsyncLLM
     from mrv2_jax.core_client import AttachedCoreClient
     from mrv2_jax.data_parallel import AttachedReplicas
