@@ -59,10 +59,11 @@ def run(args) -> dict:
     params = SamplingParams(n=1, temperature=args.temperature, top_p=1.0, ignore_eos=constraint is None,
                             max_tokens=args.output_len, detokenize=args.detokenize or constraint is not None,
                             **structured)
-    if args.warmup_prompts:  # prompts of their own, as in mrv2-jax's throughput bench
+    if args.warmup_prompts:  # prompts of their own, and the constraint, as in mrv2-jax's throughput bench
         warm = random_prompts(args.warmup_prompts, args.input_len, 0.0, vocab, args.dataset_seed + 1)
         llm.generate([{"prompt_token_ids": p} for p in warm],
-                     SamplingParams(max_tokens=min(args.output_len, 16), ignore_eos=True), use_tqdm=False)
+                     SamplingParams(max_tokens=min(args.output_len, 16), ignore_eos=constraint is None,
+                                    detokenize=constraint is not None, **structured), use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - t0

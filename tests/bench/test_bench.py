@@ -56,7 +56,7 @@ def test_bench_throughput(tmp_path):
 def test_bench_throughput_with_a_constraint(tmp_path):
     out = tmp_path / "throughput.json"
     assert cli.main(["bench", "throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "6",
-                     "--structured-outputs", '{"choice": ["yes", "no"]}', "--runner", "v2",
+                     "--structured-outputs", '{"choice": ["yes", "no"]}', "--runner", "v2", "--warmup-prompts", "2",
                      "--output-json", str(out), *STRUCTURED_ENGINE]) == 0  # a model with a tokenizer
     result = json.loads(out.read_text())
     assert result["structured_outputs"] == {"choice": ["yes", "no"]}
