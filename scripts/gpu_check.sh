@@ -174,16 +174,17 @@ for s in $sections; do case $s in
       --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
-  # Issue 30: structured outputs at S1@256 with a constraint whose outputs run to max_tokens (only the
-  # single token "#" ends it), beside the same arms unconstrained: bench compare (mrv2-jax and vLLM +
-  # xgrammar) and the per-step timeline (wait fraction). Needs the vLLM payload and .whl from
+  # Issue 30: structured outputs at S1@256 with a JSON schema whose outputs run to max_tokens (a string
+  # that only "#" ends; its one-time compile falls in the warm-up), beside the same arms unconstrained:
+  # bench compare (mrv2-jax and vLLM + xgrammar; vLLM's constrained arm runs minutes) and the per-step
+  # timeline (wait fraction). Needs the vLLM payload and .whl from
   # scripts/fetch_structured_wheels.sh (carried): the mrv2-jax arms get outlines-core, llguidance and
   # the payload's jsonschema and msgspec, without the rest of the payload; vLLM gets lm-format-enforcer.
   structured)
     python3 -m pip install -q --no-index --no-deps --target /tmp/so .whl/*.whl
-    cp -r /tmp/so/lm_format_enforcer /tmp/so/interegular $SITE/
-    for p in jsonschema jsonschema_specifications referencing rpds attrs msgspec; do cp -r $SITE/$p /tmp/so/; done
-    SO=${STRUCTURED:-'{"regex": "[a-z]{1,8}( [a-z]{1,8})*#"}'}
+    cp -r /tmp/so/lmformatenforcer /tmp/so/interegular $SITE/
+    for p in jsonschema jsonschema_specifications referencing rpds msgspec; do cp -r $SITE/$p /tmp/so/; done
+    SO=${STRUCTURED:-'{"json": {"type": "string", "pattern": "^[a-z]{1,8}( [a-z]{1,8})*#$"}}'}
     V=--mrv2-arg=--sampler-variants=greedy,plain,structured,full,all
     for arm in structured plain; do
       so=(); [ $arm = structured ] && so=(--structured-outputs "$SO")
