@@ -4,11 +4,12 @@
 # attention microbenchmark, the V1 throughput baseline; on request also the runner A/B (ab-s1,
 # ab-s1-1024, ab-s2), the sampler benchmark (sampler), the
 # serving benchmark (serve-256), the per-step timeline (timeline), XLA vs CUDA graphs
-# (xla-vs-cudagraph), the side-by-side with vLLM (compare-s1-256, compare-s1-1024, compare-s2,
-# compare-batch1) and small-batch fused decode (fused: K = 1 vs adaptive K; fused-while: the
-# same with the fused while loop captured in XLA command buffers; fused-unroll: 4 steps per
-# loop iteration), MoE grouped GEMM (moe), the MoE presets A/B (moe-presets, moe-presets-s2) and the
-# speculative-decoding benchmark (spec: ~5 min), the sampler's cost inside an S1 step
+# (xla-vs-cudagraph; xla-vs-cudagraph-vllm adds vLLM's own decode graph), the side-by-side with
+# vLLM (compare-s1-256, compare-s1-1024, compare-s2, compare-batch1) and small-batch fused
+# decode (fused: K = 1 vs adaptive K; fused-while: the same with the fused while loop captured in
+# XLA command buffers; fused-unroll: 4 steps per loop iteration), MoE grouped GEMM (moe), the
+# MoE presets A/B (moe-presets, moe-presets-s2) and the speculative-decoding benchmark (spec:
+# ~5 min), the sampler's cost inside an S1 step
 # (ab-s1-sampling), the cost of one lax.cond (conditionals), the sampler's kernels and idle gaps
 # per call (sampler-probe), one replayed sampling step's events (ab-s1-sampling-timeline), the
 # sampler's logit pass by tile size (logit-stats), the whole-row passes as kernels (ab-s1-kernels), the
@@ -225,6 +226,13 @@ for s in $sections; do case $s in
       --num-prompts 1 --disable-tqdm --output-json "$OUT/timeline_b1.json" ;;
   xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
       --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
+  # Issue 25: every arm and vLLM's own FULL decode graph, replayed (needs the vLLM payload: /tmp/site
+  # goes on the vLLM arm's PYTHONPATH only). XVC_ARGS adds flags (e.g. --arms vllm-cudagraph,jax-cmdbuf).
+  xla-vs-cudagraph-vllm) run_section xla-vs-cudagraph-vllm python3 -m mrv2_jax.bench.xla_vs_cudagraph \
+      --model qwen3-0.6b --batches 1,32,256 --context 512 \
+      --arms jax-cmdbuf-while,jax-cmdbuf,jax-no-cmdbuf,torch-cudagraph,torch-eager,vllm-cudagraph \
+      --vllm-python python3 --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b ${XVC_ARGS:-} \
+      --output-json "$OUT/xla_vs_cudagraph_vllm${TAG:-}.json" ;;
   # COMPARE_ARGS adds compare flags (e.g. --arms, --warmup-prompts); TAG suffixes the file names.
   compare-*) run_section $s${TAG:-} python3 -m mrv2_jax.bench.compare --settings ${s#compare-} --vllm-python python3 \
       --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b ${COMPARE_ARGS:-} --output-json "$OUT/${s//-/_}${TAG:-}.json" \

@@ -12,6 +12,9 @@
                       a StaticCache, the step captured once in a CUDA graph and replayed
     torch-eager       the same model and cache, launched eagerly
     torch-compile     torch.compile(mode="reduce-overhead") of the step (slow to compile; opt in)
+    vllm-cudagraph    vLLM's own FULL CUDA graph for a decode batch of that size, replayed with the
+                      inputs of a real decode step (vllm_decode_graph.py): the model forward only,
+                      without vLLM's input preparation, LM head and sampling
 
     python -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b --batches 1,32,256 --context 512 \
         --output-json xla_vs_cudagraph.json
@@ -23,9 +26,11 @@ Per batch size and arm:
   pipelined_ms   wall time per step of --runs steps launched back to back, waited for once
   floor_ms       (weight bytes + KV bytes read) / 4.3 TB/s, the memory-bandwidth floor
   overhead_ms    sync_ms - floor_ms: launch overhead plus kernels' distance from the floor
+  device_ms      (vllm-cudagraph) CUDA-event time of one replay
 Our batch-1 step runs in the engine's smallest bucket (8 rows; 7 padded), as the engine does.
 The PyTorch arms need torch and transformers (--torch-python picks the interpreter) and, for
-the graph, CUDA; without them they are reported as skipped with the reason.
+the graph, CUDA; without them they are reported as skipped with the reason. So is the vLLM arm
+where vLLM does not import (--vllm-python, --vllm-site, as in `bench compare`) or there is no GPU.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mrv2_jax import envs
+from mrv2_jax.bench.compare import vllm_available, vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -49,7 +56,16 @@ COPY_BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (../shared/reference/me
 JAX_ARMS = {"jax-cmdbuf": None, "jax-no-cmdbuf": "--xla_gpu_enable_command_buffer=",
             "jax-cmdbuf-while": "--xla_gpu_enable_command_buffer=+WHILE"}
 TORCH_ARMS = ("torch-cudagraph", "torch-eager", "torch-compile")
-DEFAULT_ARMS = "jax-cmdbuf-while,jax-cmdbuf,jax-no-cmdbuf,torch-cudagraph,torch-eager"
+VLLM_ARM = "vllm-cudagraph"
+VLLM_MODULE = "mrv2_jax.bench.vllm_decode_graph"
+DEFAULT_ARMS = "jax-cmdbuf-while,jax-cmdbuf,jax-no-cmdbuf,torch-cudagraph,torch-eager,vllm-cudagraph"
+NOTES = [
+    "jax-*: our whole decode step in one call: input preparation, the forward, the LM head and greedy sampling.",
+    "torch-*: the Hugging Face model's forward, the LM head and an argmax.",
+    ("vllm-cudagraph: vLLM's captured FULL decode graph, the model forward only: vLLM prepares the inputs before "
+     "it and computes the logits and samples after it, outside the graph, so it does less than our step. Its "
+     "floor counts the weights the graph reads (not the embedding table or the LM head)."),
+]
 
 
 def floor_ms(param_bytes: int, kv_bytes: int) -> float:
@@ -237,28 +253,53 @@ def time_torch(launch, synchronize, rewind, args) -> dict:
 
 
 # --- the orchestrator ------------------------------------------------------------------------
-def run_worker(kind: str, args, python: str, extra_env: dict) -> dict:
-    """Run one worker process; its result comes back through a JSON file."""
+def run_json_process(kind: str, make_argv: Callable[[str], list[str]], env: dict, timeout: float) -> dict:
+    """Run one arm's process, `make_argv(path)`; its result comes back through the JSON file `path`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        argv = [python, "-m", "mrv2_jax.bench.xla_vs_cudagraph", "--worker", kind, "--worker-json", out,
-                "--model", args.model, "--model-dir", args.model_dir, "--load-format", args.load_format,
-                "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)), "--context", str(args.context),
-                "--runs", str(args.runs), "--warmup", str(args.warmup), "--torch-arms", ",".join(args.torch_arms),
-                "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        argv += ["--allow-cpu"] if args.allow_cpu else []
-        # The worker imports this package, also from another interpreter (--torch-python).
-        path = os.pathsep.join(filter(None, [REPO_ROOT, envs.read_external("PYTHONPATH")]))
-        env = envs.subprocess_env(PYTHONPATH=path, **extra_env)
         t0 = time.perf_counter()
         try:
-            run = subprocess.run(argv, env=env, timeout=args.arm_timeout, check=False)
+            run = subprocess.run(make_argv(out), env=env, timeout=timeout, check=False)
         except (OSError, subprocess.TimeoutExpired) as e:
             return {"error": f"the {kind} process did not run: {e}"}
         if run.returncode != 0 or not os.path.exists(out):
             return {"error": f"the {kind} process exited with code {run.returncode} (its output is above)"}
         with open(out) as f:
             return json.load(f) | {"process_s": time.perf_counter() - t0}
+
+
+def run_worker(kind: str, args, python: str, extra_env: dict) -> dict:
+    """Run one worker process of this module."""
+    make_argv = lambda out: [
+        python, "-m", "mrv2_jax.bench.xla_vs_cudagraph", "--worker", kind, "--worker-json", out,
+        "--model", args.model, "--model-dir", args.model_dir, "--load-format", args.load_format,
+        "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)), "--context", str(args.context),
+        "--runs", str(args.runs), "--warmup", str(args.warmup), "--torch-arms", ",".join(args.torch_arms),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), *(["--allow-cpu"] if args.allow_cpu else [])]
+    # The worker imports this package, also from another interpreter (--torch-python).
+    path = os.pathsep.join(filter(None, [REPO_ROOT, envs.read_external("PYTHONPATH")]))
+    return run_json_process(kind, make_argv, envs.subprocess_env(PYTHONPATH=path, **extra_env), args.arm_timeout)
+
+
+def run_vllm_arm(args) -> dict:
+    """vLLM's decode graph (vllm_decode_graph.py) in vLLM's interpreter and environment, with the
+    engine core in this arm's process; skipped with the reason where vLLM does not import."""
+    ok, version = vllm_available(args)
+    if not ok:
+        return {"skipped": version}
+    make_argv = lambda out: [
+        args.vllm_python, "-m", VLLM_MODULE, "--model", args.vllm_model, "--load-format", args.load_format,
+        "--dtype", args.dtype, "--batches", ",".join(map(str, args.batches)), "--context", str(args.context),
+        "--runs", str(args.runs), "--warmup", str(args.warmup),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--output-json", out]
+    env = vllm_env(args, {"v2": "1", "v1": "0"}[args.vllm_runner]) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    result = run_json_process(VLLM_ARM, make_argv, env, args.arm_timeout)
+    config_path = Path(args.vllm_model) / "config.json"
+    config = json.loads((config_path if config_path.exists() else Path(args.model_dir) / "config.json").read_text())
+    for batch, r in result.get("batches", {}).items():
+        if "sync_ms" in r:
+            r["kv_bytes"] = kv_bytes_read(config, int(batch), args.context, 4 if args.dtype == "float32" else 2)
+    return result
 
 
 def collect(args) -> dict:
@@ -281,32 +322,39 @@ def collect(args) -> dict:
         for arm in args.torch_arms:
             about = {"device": result.get("device"), "torch_version": result.get("torch_version")}
             arms[arm] = result["arms"].get(arm, {"skipped": "not run"}) | about if "arms" in result else result
+    if VLLM_ARM in args.arms:
+        print(f"== {VLLM_ARM} ({args.vllm_python}, runner {args.vllm_runner})", flush=True)
+        arms[VLLM_ARM] = run_vllm_arm(args)
     return arms
 
 
 def table_rows(arms: dict, batches: list[int]) -> list[dict]:
-    """One row per (batch, arm) that ran; ratio = this arm's sync time / the CUDA graph's."""
+    """One row per (batch, arm) that ran; ratios = this arm's sync time / the torch CUDA graph's
+    (vs_cudagraph) and / vLLM's decode graph's (vs_vllm)."""
     rows = []
     for batch in batches:
         graph = arms.get("torch-cudagraph", {}).get("batches", {}).get(str(batch), {})
+        vllm = arms.get(VLLM_ARM, {}).get("batches", {}).get(str(batch), {})
         for arm, result in arms.items():
             r = result.get("batches", {}).get(str(batch))
             if not r or "sync_ms" not in r:
                 continue
             floor = floor_ms(r["param_bytes"], r["kv_bytes"])
             rows.append({"batch": batch, "arm": arm, "sync_ms": r["sync_ms"], "pipelined_ms": r["pipelined_ms"],
-                         "floor_ms": floor, "overhead_ms": r["sync_ms"] - floor,
-                         "vs_cudagraph": r["sync_ms"] / graph["sync_ms"] if "sync_ms" in graph else None})
+                         "device_ms": r.get("device_ms"), "floor_ms": floor, "overhead_ms": r["sync_ms"] - floor,
+                         "vs_cudagraph": r["sync_ms"] / graph["sync_ms"] if "sync_ms" in graph else None,
+                         "vs_vllm": r["sync_ms"] / vllm["sync_ms"] if "sync_ms" in vllm else None})
     return rows
 
 
 def print_table(rows: list[dict], arms: dict) -> None:
-    print(f"\n{'batch':>5} {'arm':18} {'sync ms':>9} {'pipelined ms':>13} {'floor ms':>9} {'overhead ms':>12} "
-          f"{'vs CUDA graph':>14}")
+    fmt = lambda v, spec, suffix="": f"{v:{spec}}{suffix}" if v is not None else "-"
+    print(f"\n{'batch':>5} {'arm':18} {'sync ms':>9} {'pipelined ms':>13} {'device ms':>10} {'floor ms':>9} "
+          f"{'overhead ms':>12} {'vs CUDA graph':>14} {'vs vLLM graph':>14}")
     for r in rows:
-        ratio = f"{r['vs_cudagraph']:.2f}x" if r["vs_cudagraph"] is not None else "-"
-        print(f"{r['batch']:5} {r['arm']:18} {r['sync_ms']:9.3f} {r['pipelined_ms']:13.3f} {r['floor_ms']:9.3f} "
-              f"{r['overhead_ms']:12.3f} {ratio:>14}")
+        print(f"{r['batch']:5} {r['arm']:18} {r['sync_ms']:9.3f} {r['pipelined_ms']:13.3f} "
+              f"{fmt(r['device_ms'], '.3f'):>10} {r['floor_ms']:9.3f} {r['overhead_ms']:12.3f} "
+              f"{fmt(r['vs_cudagraph'], '.2f', 'x'):>14} {fmt(r['vs_vllm'], '.2f', 'x'):>14}")
     for arm, result in arms.items():
         why = result.get("skipped") or result.get("error")
         if why:
@@ -314,6 +362,8 @@ def print_table(rows: list[dict], arms: dict) -> None:
         for batch, r in result.get("batches", {}).items():
             if "error" in r:
                 print(f"{arm} batch {batch}: failed: {r['error']}")
+    if VLLM_ARM in arms:
+        print("\n".join(["Notes:", *NOTES]))
 
 
 def parse_args(argv=None, prog=None):
@@ -326,9 +376,18 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--runs", type=int, default=100, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--arms", default=DEFAULT_ARMS, type=lambda s: s.split(","),
-                   help=f"comma-separated, from {', '.join([*JAX_ARMS, *TORCH_ARMS])} (default {DEFAULT_ARMS})")
+                   help=f"comma-separated, from {', '.join([*JAX_ARMS, *TORCH_ARMS, VLLM_ARM])} (default "
+                        f"{DEFAULT_ARMS})")
     p.add_argument("--torch-python", default=sys.executable, help="the Python with torch + transformers")
     p.add_argument("--allow-cpu", action="store_true", help="time eager PyTorch on the CPU (tests)")
+    p.add_argument("--vllm-python", default="python3", help="the Python that has vLLM (default python3)")
+    p.add_argument("--vllm-site", default=envs.read("MRV2_VLLM_SITE"),
+                   help="a folder put first on vLLM's PYTHONPATH, e.g. /tmp/site (default $MRV2_VLLM_SITE)")
+    p.add_argument("--vllm-model", default=envs.read("MRV2_VLLM_MODEL"),
+                   help="a Qwen3 model directory for vLLM (config.json), the architecture of --model "
+                        "(default $MRV2_VLLM_MODEL or /tmp/qwen3-0.6b)")
+    p.add_argument("--vllm-runner", default="v2", choices=["v2", "v1"],
+                   help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER=1 or 0)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="our engine's token budget")
     p.add_argument("--arm-timeout", type=float, default=900.0, help="seconds before an arm's process is killed")
     p.add_argument("--output-json", default=None)
@@ -337,7 +396,7 @@ def parse_args(argv=None, prog=None):
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--torch-arms", default=None, type=lambda s: [a for a in s.split(",") if a], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    unknown = set(args.arms) - set(JAX_ARMS) - set(TORCH_ARMS)
+    unknown = set(args.arms) - set(JAX_ARMS) - set(TORCH_ARMS) - {VLLM_ARM}
     if unknown:
         p.error(f"unknown arm(s): {', '.join(sorted(unknown))}")
     if args.torch_arms is None:
@@ -355,7 +414,8 @@ def main(argv=None, prog=None):
     arms = collect(args)
     rows = table_rows(arms, args.batches)
     print_table(rows, arms)
-    report = {**describe_environment(probe_device=False), "settings": vars(args), "arms": arms, "table": rows}
+    report = {**describe_environment(probe_device=False), "settings": vars(args), "arms": arms, "table": rows,
+              "notes": NOTES}
     if args.output_json:
         write_report(report, args.output_json)
     return report

@@ -1,9 +1,13 @@
 """The XLA vs CUDA-graph benchmark on the CPU: the JAX arms (each its own process, one with the
 command-buffer flag off) on the tiny model; the PyTorch arms are reported as skipped where torch
-or CUDA is missing, and the eager one runs on the CPU when a Python with torch is given."""
+or CUDA is missing, and the eager one runs on the CPU when a Python with torch is given; the vLLM
+arm is reported as skipped where vLLM does not import, or (its script run in vLLM's environment)
+where there is no GPU."""
 
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +52,51 @@ def test_torch_eager_arm_on_cpu(tmp_path):
     for batch in ("1", "3"):
         r = arms["torch-eager"]["batches"][batch]
         assert r["sync_ms"] > 0 and r["pipelined_ms"] > 0 and r["kv_bytes"] == int(batch) * 12 * 2 * 2 * 2 * 16 * 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm imports here")
+def test_vllm_arm_skipped_where_vllm_does_not_import(tmp_path):
+    out = tmp_path / "x.json"
+    bench.main([*COMMON, "--arms", "vllm-cudagraph", "--vllm-python", sys.executable, "--vllm-site", str(tmp_path),
+                "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["arms"]["vllm-cudagraph"]["skipped"].startswith("vllm does not import (ModuleNotFoundError")
+    assert report["table"] == [] and any("vllm-cudagraph" in n for n in report["notes"])
+
+
+# Stand-ins on the vLLM arm's PYTHONPATH: a vllm that notes each process importing it, and a torch
+# without CUDA. The arm runs its real script through the real launcher, which must report the skip.
+STUB_VLLM = """import json, os, sys
+__version__ = "0.0-stub"
+keys = ("PYTHONPATH", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_V2_MODEL_RUNNER", "HF_HUB_OFFLINE",
+        "VLLM_USE_FLASHINFER_SAMPLER")
+with open(os.path.join(os.path.dirname(__file__), "..", "imports.jsonl"), "a") as f:
+    f.write(json.dumps({"argv": sys.argv, "env": {k: os.environ.get(k) for k in keys}}) + "\\n")
+"""
+STUB_TORCH = """__version__ = "0.0-stub"
+class cuda:
+    is_available = staticmethod(lambda: False)
+"""
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_vllm_arm_runs_its_script_in_vllms_environment(tmp_path, runner):
+    site = tmp_path / "site"
+    for name, text in (("vllm", STUB_VLLM), ("torch", STUB_TORCH)):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(text)
+    out = tmp_path / "x.json"
+    bench.main([*COMMON, "--arms", "vllm-cudagraph", "--vllm-python", sys.executable, "--vllm-site", str(site),
+                "--vllm-model", MODEL, "--vllm-runner", runner, "--output-json", str(out)])
+    arm = json.loads(out.read_text())["arms"]["vllm-cudagraph"]
+    assert arm["skipped"] == "no CUDA device" and arm["vllm_version"] == "0.0-stub" and arm["process_s"] > 0
+    probe, script = [json.loads(line) for line in (site / "imports.jsonl").read_text().splitlines()]
+    assert probe["argv"] == ["-c"]  # the launcher's check that vllm imports, then the arm's script
+    assert script["argv"][0].endswith("mrv2_jax/bench/vllm_decode_graph.py")
+    assert script["argv"][script["argv"].index("--batches") + 1] == "1,3"
+    assert script["argv"][script["argv"].index("--model") + 1] == MODEL
+    env = script["env"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(site)
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == {"v2": "1", "v1": "0"}[runner]
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
