@@ -6,6 +6,7 @@ import sys
 from mrv2_jax import envs
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT, SERVER_SHUTDOWN_TIMEOUT, KernelConfig
 from mrv2_jax.engine.engine_config import EngineConfig
+from mrv2_jax.without_torch import keep_torch_out
 
 KERNELS_HELP = ("kernel or reference per piece, as field=value,...; fields (values): "
                 + "; ".join(f"{name} ({'/'.join(allowed)})" for name, (_, allowed) in KernelConfig.CHOICES.items())
@@ -282,5 +283,13 @@ def main(argv=None) -> int:
         return 2
 
 
+def run_as_program() -> int:
+    """`mrv2-jax ...` run as a command: a `serve` process never uses torch, so transformers is kept
+    from importing it (mrv2_jax/without_torch.py); `main` itself leaves the caller's process as is."""
+    if sys.argv[1:2] == ["serve"]:
+        keep_torch_out()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_as_program())

@@ -14,6 +14,7 @@ import httpx
 
 from mrv2_jax.entrypoints import cli
 from tests.server_harness import ENGINE_ARGS
+from tests.test_without_torch import fake_torch
 
 # The same engine shapes as the other server tests, so the compilation cache is shared.
 ENGINE_FLAGS = ["--runner", ENGINE_ARGS["runner"], "--dtype", ENGINE_ARGS["dtype"],
@@ -47,9 +48,11 @@ def _gone(pid: int) -> bool:
 
 def test_serve_subprocess_answers_then_drains_on_sigterm_and_leaves_no_engine(tmp_path):
     """The real command: the engine in its own process; SIGTERM lets the stream in flight finish,
-    then the server exits 0 and its engine process is gone."""
+    then the server exits 0 and its engine process is gone. An installed torch stays unimported in
+    both processes (mrv2_jax/without_torch.py)."""
     port = _free_port()
-    env = os.environ | {"MRV2_API_KEY": "k1"}
+    site, torch_marker = fake_torch(tmp_path)
+    env = os.environ | {"MRV2_API_KEY": "k1", "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"}
     log = tmp_path / "serve.log"  # a file, not a pipe: a full pipe would block the server
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mrv2_jax.entrypoints.cli", "serve", "demo",
@@ -92,6 +95,7 @@ def test_serve_subprocess_answers_then_drains_on_sigterm_and_leaves_no_engine(tm
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, log.read_text()
+    assert not torch_marker.exists()
     deadline = time.monotonic() + 10
     while not all(_gone(pid) for pid in engines):
         assert time.monotonic() < deadline, "the engine process outlived the server"
