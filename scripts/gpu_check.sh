@@ -198,6 +198,11 @@ for s in $sections; do case $s in
           --num-prompts 1000 --temperature 1.0 --sampler-variants greedy,plain,structured,full,all "${so[@]}" \
           --disable-tqdm --output-json "$OUT/structured_timeline_$arm.json"
     done ;;
+  # Issue 25: the layers unrolled in the step (--layer-unroll 0) cut the call's host time but asked
+  # for ~274 GiB at serving size: one decode step per unroll value, its memory analysis and copies.
+  unrolled-copies) run_section unrolled-copies python3 -m benchmarks.unrolled_copies --model qwen3-0.6b \
+      --load-format dummy --rows 256 --max-model-len 1024 --max-num-batched-tokens 8192 \
+      --output-json "$OUT/unrolled_copies.json" ;;
   # Issue 28: a fresh process's start before the engine's report (imports, backend), and the dummy
   # weights' programs timed one by one, cold (empty compilation cache) then warm.
   startup-split)

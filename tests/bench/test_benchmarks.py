@@ -71,3 +71,18 @@ def test_logit_stats_bench_runs_the_kernels_interpreted(tmp_path):
     cases = {(c["inputs"], c["case"]) for c in report["cases"]}
     assert ("bfloat16 logits, uint16 counts", "kernel tb=2 warps=4") in cases and len(cases) == 2 * 7
     assert all(c["ms"] > 0 for c in report["cases"])
+
+
+def test_unrolled_copies_compiles_one_step_per_unroll_value(tmp_path):
+    """One decode step program per --layer-unroll value, its memory analysis and large copies
+    (the demo model's KV cache is an argument of the step, so the arguments hold at least it)."""
+    from benchmarks import unrolled_copies
+
+    out = tmp_path / "copies.json"
+    results = unrolled_copies.main(["--rows", "8", "--min-mib", "0", "--max-model-len", "128",
+                                    "--output-json", str(out)])
+    assert [r["layer_unroll"] for r in results] == [1, 0]
+    for r in results:
+        assert r["argument_size_in_bytes"] >= r["kv_cache_gib"] * 2**30 > 0
+        assert all(c["line"].split("=")[1].strip().startswith(c["dtype"]) for c in r["large_copies"])
+    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
