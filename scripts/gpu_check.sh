@@ -202,7 +202,7 @@ for s in $sections; do case $s in
   # for ~274 GiB at serving size: one decode step per unroll value, its memory analysis and copies.
   unrolled-copies) run_section unrolled-copies python3 -m benchmarks.unrolled_copies --model qwen3-0.6b \
       --load-format dummy --rows 256 --max-model-len 1024 --max-num-batched-tokens 8192 \
-      --output-json "$OUT/unrolled_copies.json" ;;
+      --gpu-memory-utilization 0.4 --output-json "$OUT/unrolled_copies.json" ;;
   # Issue 28: a fresh process's start before the engine's report (imports, backend), and the dummy
   # weights' programs timed one by one, cold (empty compilation cache) then warm.
   startup-split)
