@@ -8,7 +8,7 @@ program's memory analysis and its copies of large buffers (the KV cache above al
 With the layers unrolled (`--layer-unroll 0`) the H200 asked for ~274 GiB at serving size and its
 fused decode returned no tokens, while the CPU tests (jnp references, not the Pallas kernels) give
 the scan's tokens. This compiles only the step program of the decode bucket for `--rows` rows
-(cheapest sampler variant), once per unroll value, and lists every copy in the optimized program
+and of fused decode (cheapest sampler variant), once per unroll value, and lists every copy in the optimized program
 whose result is at least `--min-mib`: a copy of the stacked KV cache per layer would show there.
 """
 
@@ -39,23 +39,28 @@ def large_copies(hlo_text: str, min_bytes: int) -> list[dict]:
     return found
 
 
-def analyse(unroll: int, args) -> dict:
+def analyse(unroll: int, args) -> list[dict]:
+    """The step program and the fused-decode program of the `--rows` bucket, for one unroll value."""
     from mrv2_jax.llm import LLM
 
-    llm = LLM(**(engine_kwargs(args) | {"layer_unroll": unroll, "compile_mode": "lazy", "max_fused_steps": 1}))
+    llm = LLM(**(engine_kwargs(args) | {"layer_unroll": unroll, "compile_mode": "lazy"}))
     runner = llm.engine.runner
     bucket = runner.buckets.pick(args.rows, args.rows)
-    _, programs = runner.compiled[bucket]
-    compiled = programs[0]
-    memory = compiled.memory_analysis()
+    programs = {"step": runner.compiled[bucket][1]}
+    fused = [b for b in runner.fused_buckets if b.num_reqs >= args.rows]
+    if fused:
+        programs["fused"] = runner.fused[fused[0]][1]
+    kv_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in runner.kv_cache)
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
-    kv_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in runner.kv_cache)
-    copies = large_copies(compiled.as_text(), args.min_mib << 20)
-    result = {"layer_unroll": unroll, "bucket": str(bucket), "kv_cache_gib": kv_bytes / 2**30,
-              **{f: getattr(memory, f, None) for f in fields}, "large_copies": copies}
-    del llm, runner, programs, compiled
-    return result
+    results = []
+    for kind, variants in programs.items():
+        compiled = variants[0]
+        memory = compiled.memory_analysis()
+        results.append({"layer_unroll": unroll, "program": kind, "bucket": str(bucket),
+                        "kv_cache_gib": kv_bytes / 2**30, **{f: getattr(memory, f, None) for f in fields},
+                        "large_copies": large_copies(compiled.as_text(), args.min_mib << 20)})
+    return results
 
 
 def main(argv=None):
@@ -66,12 +71,14 @@ def main(argv=None):
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args(argv)
-    results = [analyse(u, args) for u in args.unroll_values]
-    print(f"{'unroll':>6} {'KV GiB':>7} {'args GiB':>9} {'temp GiB':>9} {'alias GiB':>10} {'large copies':>13}")
+    results = [r for u in args.unroll_values for r in analyse(u, args)]
+    print(f"{'unroll':>6} {'program':>7} {'KV GiB':>7} {'args GiB':>9} {'temp GiB':>9} {'alias GiB':>10} "
+          f"{'large copies':>13}")
     for r in results:
         gib = lambda b: (b or 0) / 2**30  # noqa: E731
-        print(f"{r['layer_unroll']:>6} {r['kv_cache_gib']:7.2f} {gib(r['argument_size_in_bytes']):9.2f} "
-              f"{gib(r['temp_size_in_bytes']):9.2f} {gib(r['alias_size_in_bytes']):10.2f} {len(r['large_copies']):>13}")
+        print(f"{r['layer_unroll']:>6} {r['program']:>7} {r['kv_cache_gib']:7.2f} "
+              f"{gib(r['argument_size_in_bytes']):9.2f} {gib(r['temp_size_in_bytes']):9.2f} "
+              f"{gib(r['alias_size_in_bytes']):10.2f} {len(r['large_copies']):>13}")
         for c in r["large_copies"][:8]:
             print(f"         copy {c['dtype']}{c['shape']} {c['mib']:.0f} MiB")
     if args.output_json:

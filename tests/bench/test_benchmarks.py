@@ -81,7 +81,8 @@ def test_unrolled_copies_compiles_one_step_per_unroll_value(tmp_path):
     out = tmp_path / "copies.json"
     results = unrolled_copies.main(["--rows", "8", "--min-mib", "0", "--max-model-len", "128",
                                     "--output-json", str(out)])
-    assert [r["layer_unroll"] for r in results] == [1, 0]
+    programs = [(r["layer_unroll"], r["program"]) for r in results]
+    assert programs == [(1, "step"), (1, "fused"), (0, "step"), (0, "fused")]
     for r in results:
         assert r["argument_size_in_bytes"] >= r["kv_cache_gib"] * 2**30 > 0
         assert all(c["line"].split("=")[1].strip().startswith(c["dtype"]) for c in r["large_copies"])
