@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 
+from mrv2_jax.process_clock import process_age_s
 from mrv2_jax.runner.compile_guard import compile_seconds, executables_made
 
 logger = logging.getLogger(__name__)
@@ -15,9 +16,12 @@ logger = logging.getLogger(__name__)
 class StartupReport:
     """Phases in the order they ran: {name: seconds}, and `phase_compile_s` {name: seconds XLA
     spent compiling or loading from its cache in that phase}; `compiled` / `cache_hits`:
-    executables XLA compiled / loaded from the persistent compilation cache while the report was open."""
+    executables XLA compiled / loaded from the persistent compilation cache while the report was open;
+    `process_age_at_start_s`: how long the process had run when the report began (its interpreter's
+    start and imports; None where the platform does not say)."""
 
     def __init__(self):
+        self.process_age_at_start_s = process_age_s()
         self.phases: dict[str, float] = {}
         self.phase_compile_s: dict[str, float] = {}
         self._start = time.perf_counter()
@@ -43,7 +47,8 @@ class StartupReport:
         return self
 
     def as_dict(self) -> dict:
-        return {"total_s": self.total_s, "phases_s": dict(self.phases),
+        return {"total_s": self.total_s, "process_age_at_start_s": self.process_age_at_start_s,
+                "phases_s": dict(self.phases),
                 "phases_compile_s": dict(self.phase_compile_s), "executables_compiled": self.compiled,
                 "executables_from_cache": self.cache_hits}
 

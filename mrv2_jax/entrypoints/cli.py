@@ -120,12 +120,17 @@ def _import_for_serving() -> None:
 
 def cmd_serve(args) -> int:
     import atexit
+    import json
     import logging
     import shutil
     import tempfile
     import threading
 
     from mrv2_jax.async_llm import AsyncLLM
+    from mrv2_jax.process_clock import process_age_s
+
+    # Where this process's start-up goes (seconds since it started), logged once it serves.
+    startup = {"serve_entered_s": process_age_s()}
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model_tag is not None:
@@ -153,8 +158,12 @@ def cmd_serve(args) -> int:
     except EngineStartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    startup["engine_ready_s"] = process_age_s()
     importer.join()
     from mrv2_jax.entrypoints.openai_server import serve
+
+    startup["server_imports_done_s"] = process_age_s()
+    logging.getLogger("mrv2_jax.serve").info("API process start-up: %s", json.dumps(startup))
 
     processes = f" ({args.api_server_count} API server processes)" if args.api_server_count > 1 else ""
     print(f"serving {names[0]!r} on http://{args.host}:{args.port}/v1{processes} (Ctrl-C to stop)", file=sys.stderr)

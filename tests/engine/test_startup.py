@@ -29,6 +29,7 @@ def test_phases_and_executables_are_counted():
     d = report.as_dict()
     assert d["phases_s"] == report.phases and d["executables_compiled"] == report.compiled
     assert d["phases_compile_s"] == report.phase_compile_s
+    assert d["process_age_at_start_s"] > 0  # this process ran (imports included) before the report began
 
 
 def test_an_engine_reports_its_start():

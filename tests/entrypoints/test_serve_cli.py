@@ -56,7 +56,7 @@ def test_serve_subprocess_answers_then_drains_on_sigterm_and_leaves_no_engine(tm
     log = tmp_path / "serve.log"  # a file, not a pipe: a full pipe would block the server
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "mrv2_jax.entrypoints.cli", "serve", "demo",
-                                 "--port", str(port), "--served-model-name", "poet", "--log-level", "warning",
+                                 "--port", str(port), "--served-model-name", "poet", "--log-level", "info",
                                  "--shutdown-timeout", "60", *ENGINE_FLAGS], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -96,6 +96,10 @@ def test_serve_subprocess_answers_then_drains_on_sigterm_and_leaves_no_engine(tm
             proc.wait()
     assert proc.returncode == 0, log.read_text()
     assert not torch_marker.exists()
+    # The start-up line: seconds since the process started, at each milestone in order.
+    line = next(x for x in log.read_text().splitlines() if "API process start-up: " in x)
+    startup = json.loads(line.split("API process start-up: ", 1)[1])
+    assert 0 < startup["serve_entered_s"] <= startup["engine_ready_s"] <= startup["server_imports_done_s"]
     deadline = time.monotonic() + 10
     while not all(_gone(pid) for pid in engines):
         assert time.monotonic() < deadline, "the engine process outlived the server"
