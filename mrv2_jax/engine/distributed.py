@@ -40,7 +40,8 @@ def start(num_processes: int, coordinator_address: str | None, process_id: int |
     import jax
 
     if not jax.distributed.is_initialized():
-        # CPU devices talk to other processes' through gloo (the default has no cross-process collectives).
+        # CPU devices reach other processes' through gloo (JAX's default), named so that a
+        # version or setting with no cross-process CPU collectives cannot slip in.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         try:
             jax.distributed.initialize(coordinator_address, num_processes, process_id)

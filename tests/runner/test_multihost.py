@@ -101,6 +101,15 @@ def test_engine_config_refuses(kwargs, message):
         EngineConfig(**kwargs)
 
 
+def test_an_engine_after_jax_started_is_refused():
+    import jax
+
+    jax.devices()  # this process's backend is up (else the engine would wait for a second process)
+    with pytest.raises(ValueError, match="build the engine before anything else in this process uses JAX"):
+        EngineConfig(num_processes=2, tensor_parallel_size=2, process_id=0,
+                     coordinator_address=f"127.0.0.1:{free_port()}")
+
+
 def test_the_environment_is_the_fallback(monkeypatch):
     monkeypatch.setenv("MRV2_NUM_PROCESSES", "2")
     monkeypatch.setenv("MRV2_PROCESS_ID", "5")
