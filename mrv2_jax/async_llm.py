@@ -140,8 +140,6 @@ class AsyncLLM:
                  thread_name: str = "mrv2-engine"):
         if (llm is None) == (client is None):
             raise ValueError("AsyncLLM runs either an LLM on a thread or a CoreClient's engine process: give one")
-        if llm is not None:
-            distributed.refuse_serving(llm.config.num_processes)
         self._llm, self._client = llm, client
         if client is None:
             self.tokenizer = llm.tokenizer

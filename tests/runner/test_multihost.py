@@ -128,6 +128,10 @@ def test_serving_across_processes_is_refused(monkeypatch):
     assert {k: engine_kwargs(args)[k] for k in ("num_processes", "coordinator_address", "process_id")} == {
         "num_processes": 2, "coordinator_address": "10.0.0.1:1234", "process_id": 1}
     from mrv2_jax.async_llm import AsyncLLM
+    from mrv2_jax.entrypoints.cli import cmd_serve
+
+    with pytest.raises(ValueError, match="num_processes=2: serving"):
+        cmd_serve(build_parser().parse_args(["serve", "--num-processes", "2", "--tensor-parallel-size", "2"]))
 
     with pytest.raises(ValueError, match=r"num_processes=2: serving \(mrv2-jax serve, AsyncLLM\) is not supported"):
         AsyncLLM.from_engine_args("demo", num_processes=2, tensor_parallel_size=2)
