@@ -8,8 +8,6 @@ anything asks JAX for its devices; the engine configuration calls it while it is
 
 from mrv2_jax import envs
 
-FLAGS = "num_processes / coordinator_address / process_id"
-
 
 def requested_processes(num_processes: int | None) -> int:
     """The run's process count: the argument, else $MRV2_NUM_PROCESSES, else 1."""
