@@ -44,6 +44,7 @@ from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.core_client import AttachedCoreClient, CoreClient, EngineProcessDied
 from mrv2_jax.data_parallel import EngineReplicas
 from mrv2_jax.engine import core_messages as M
+from mrv2_jax.engine import distributed
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
@@ -187,6 +188,7 @@ class AsyncLLM:
         on a thread of this one. `api_server_count` > 1: the engine also serves that many - 1
         other API processes (`client.attach_endpoints`; entrypoints/api_servers.py).
         `data_parallel_size` > 1: that many engine processes, one device each (data_parallel.py)."""
+        distributed.refuse_serving(engine_args.get("num_processes"))
         if engine_in_process:
             if api_server_count != 1 or data_parallel_size != 1:
                 raise ValueError("several API server processes or engine replicas need the engine in its own process")

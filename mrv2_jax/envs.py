@@ -19,7 +19,7 @@ BOOL_VALUES = ("0", "1")
 @dataclass(frozen=True)
 class Switch:
     name: str
-    kind: str  # "choice" (one of `allowed`), "bool" ("0" / "1"), "int" (> 0), "str" or "path"
+    kind: str  # "choice" (one of `allowed`), "bool" ("0" / "1"), "int" (> 0), "index" (>= 0), "str" or "path"
     default: str | bool | None
     doc: str
     allowed: tuple[str, ...] = ()
@@ -37,6 +37,10 @@ class Switch:
         if self.kind == "int":
             if not raw.isdigit() or int(raw) < 1:
                 raise ValueError(f"{self.name} must be a positive integer; got {raw!r}")
+            return int(raw)
+        if self.kind == "index":
+            if not raw.isdigit():
+                raise ValueError(f"{self.name} must be an integer >= 0; got {raw!r}")
             return int(raw)
         if self.kind == "path":
             return os.path.expanduser(raw)
@@ -72,6 +76,12 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "States of the device's structured-output automaton pool (8 * ceil(V / 32) bytes each)."),
     Switch("MRV2_STRUCTURED_EXCEPTIONS", "int", "262144",
            "Exception entries (4 bytes each) of the device's structured-output automaton pool."),
+    Switch("MRV2_NUM_PROCESSES", "int", None,
+           "Processes of a multi-host run when `--num-processes` is not given (docs/parallelism.md, Several hosts)."),
+    Switch("MRV2_COORDINATOR_ADDRESS", "str", None,
+           "`host:port` of process 0 when `--coordinator-address` is not given (multi-host runs)."),
+    Switch("MRV2_PROCESS_ID", "index", None,
+           "This process's rank, 0 .. processes - 1, when `--process-id` is not given (multi-host runs)."),
     Switch("MRV2_GIT_SHA", "str", None, "Benchmarks: the commit recorded in their reports (default: `git rev-parse`)."),
     Switch("MRV2_VLLM_SITE", "path", None,
            "Benchmarks: a folder put first on vLLM's PYTHONPATH (`bench compare --vllm-site`)."),

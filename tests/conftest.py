@@ -60,7 +60,7 @@ SPEC_FIRST = ("test_spec_decode.py", "test_spec_decode_mtp.py")
 # Then the units that take longest (measured, a fresh compilation cache), longest first, so that the
 # two workers finish together. Units not named here follow in xdist's order.
 LONGEST_FIRST = ("test_engine.py", "group:server", "test_notebooks.py", "test_moe.py", "test_tensor_parallel.py",
-                 "test_expert_parallel.py", "test_data_parallel.py", "test_bench.py",
+                 "test_multihost.py", "test_expert_parallel.py", "test_data_parallel.py", "test_bench.py",
                  "test_sampler.py", "test_sampling_engine.py", "test_prompt_logprobs.py", "test_runner_v2.py",
                  "test_fp8.py", "test_bench_serve.py", "test_ragged_paged_attention.py", "test_benchmarks.py",
                  "test_fused_decode.py", "test_cli.py")

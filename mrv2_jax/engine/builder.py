@@ -101,7 +101,7 @@ def use_moe_backend(model_state, kernels: KernelConfig) -> None:
 
 
 def make_tensor_parallel(size: int, model_state, lm, expert_parallel: bool = False):
-    """None for one device; else the mesh of the first `size` local devices with `lm`'s layers
+    """None for one device; else the mesh of `size` devices (runner/tensor_parallel.py) with `lm`'s layers
     split over it (the family's rules, checked first: ValueError naming the flag), its experts
     too with `expert_parallel`. Weights a previous engine split already (`build_engine`'s
     `loaded_model`) are reused as they are."""
@@ -155,6 +155,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
         extra_kv_bytes_per_token=proposer_kv_bytes, kv_shards=config.tensor_parallel_size)
+    if tensor_parallel is not None and not config.num_gpu_blocks:
+        num_blocks = tensor_parallel.smallest(num_blocks)  # one cache size for every process
     with report.phase("runner (KV cache, tables, compile)"):
         spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
         runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder, tensor_parallel)

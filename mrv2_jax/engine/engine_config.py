@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from mrv2_jax import envs
 from mrv2_jax.config import KernelConfig
+from mrv2_jax.engine import distributed
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
@@ -71,12 +72,20 @@ class EngineConfig:
     # Kernel or reference for each piece that has both: a KernelConfig, a dict of its fields or
     # "field=value,..." (`--kernels`), over the environment's defaults; resolved for the backend here.
     kernels: KernelConfig | dict | str | None = None
-    # Devices of this host the decoder layers and the KV cache are split over (Megatron-style
-    # tensor parallelism, docs/parallelism.md); 1: one device, nothing sharded.
+    # Devices the decoder layers and the KV cache are split over (Megatron-style tensor
+    # parallelism, docs/parallelism.md): this host's, or N / num_processes of each process's;
+    # 1: one device, nothing sharded.
     tensor_parallel_size: int = 1
     # MoE families (Qwen3-MoE): split the experts whole over the tensor_parallel_size devices (each
     # holds num_experts / N of them), attention split as above; needs tensor_parallel_size > 1.
     enable_expert_parallel: bool = False
+    # A run over several processes (hosts), each running the same offline program on the same
+    # requests (engine/distributed.py); unset: $MRV2_NUM_PROCESSES, $MRV2_COORDINATOR_ADDRESS,
+    # $MRV2_PROCESS_ID, then JAX's own cluster detection for the address and id. After the
+    # config is built: the process count (1: one process) and this process's id.
+    num_processes: int | None = None
+    coordinator_address: str | None = None  # "host:port" of process 0
+    process_id: int | None = None
 
     def __post_init__(self):
         self.runner = (self.runner or envs.read("MRV2_RUNNER")).lower()
@@ -92,7 +101,7 @@ class EngineConfig:
         if self.sampler_variants is not None:
             variants_by_name(self.sampler_variants)  # a bad list fails here, not at compile time
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        self.kernels = KernelConfig.parse(self.kernels).resolved()
+        kernels = KernelConfig.parse(self.kernels)
         if self.compile_mode not in (None, *COMPILE_MODES):
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.layer_unroll < 0:
@@ -114,6 +123,18 @@ class EngineConfig:
                 f"max_fused_steps={self.max_fused_steps} with speculative_config: speculative decoding "
                 "and fused decode do not run together; leave max_fused_steps unset or set it to 1"
             )
+        self._start_processes()  # after every check (the others wait for this process), before JAX's backend
+        self.kernels = kernels.resolved()
+
+    def _start_processes(self) -> None:
+        self.num_processes = distributed.requested_processes(self.num_processes)
+        if self.num_processes > 1:
+            self.coordinator_address = self.coordinator_address or envs.read("MRV2_COORDINATOR_ADDRESS")
+            if self.process_id is None:
+                self.process_id = envs.read("MRV2_PROCESS_ID")
+        distributed.check(self.num_processes, self.coordinator_address, self.process_id, self.tensor_parallel_size)
+        if self.num_processes > 1:
+            self.process_id = distributed.start(self.num_processes, self.coordinator_address, self.process_id)
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not cover yet, refused here (the model's own limits, such

@@ -63,6 +63,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE (Qwen3-MoE): split the experts whole over the --tensor-parallel-size devices, "
                         "num_experts / N each (docs/parallelism.md)")
+    g.add_argument("--num-processes", type=int, default=None, metavar="P",
+                   help="one engine over P processes (hosts), each started with the same command and prompts and "
+                        "its own --process-id; --tensor-parallel-size spans all of them (offline generate only, "
+                        "not serve; docs/parallelism.md, Several hosts; default $MRV2_NUM_PROCESSES or 1)")
+    g.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="with --num-processes: process 0's address, the same for every process "
+                        "(default $MRV2_COORDINATOR_ADDRESS, else JAX's cluster detection)")
+    g.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="with --num-processes: this process's rank, 0 .. P - 1 "
+                        "(default $MRV2_PROCESS_ID, else JAX's cluster detection)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'; '
                         "methods: ngram (prompt_lookup_min/max), draft_model (model), mtp, "
@@ -119,6 +129,9 @@ def _import_for_serving() -> None:
 
 
 def cmd_serve(args) -> int:
+    from mrv2_jax.engine.distributed import refuse_serving
+
+    refuse_serving(args.num_processes)  # before any process or thread starts
     import atexit
     import json
     import logging

@@ -64,7 +64,8 @@ class RunnerBase:
         self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
         self.vocab_size = model_state.vocab_size
         self.eos_token_ids = tuple(model_state.eos_token_ids or ())
-        self._seed_rng = np.random.default_rng()  # seeds for requests that give none
+        # Seeds for requests that give none; across processes from one seed all of them share.
+        self._seed_rng = np.random.default_rng(None if self.tp is None else self.tp.shared_seed())
         # Persistent device tables: penalty counts / prompt masks, bias and stop lists per slot,
         # written once when a request arrives (only if it uses them).
         self.slot_state = slot_state.init_slot_state(max_num_seqs, self.vocab_size, MAX_LOGIT_BIAS, MAX_STOP_IDS,

@@ -11,7 +11,7 @@ def num_blocks_for_budget(model_state, block_size: int, dtype, gpu_memory_utiliz
     fixed pool is used. `extra_kv_bytes_per_token`: another cache indexed by the same blocks (a
     draft model's), which each block pays for too. `kv_shards`: devices the KV heads are split
     over (tensor parallelism): each holds 1/kv_shards of a block, next to its share of the weights."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     total = stats.get("bytes_limit")
     if not total:
         return 1024

@@ -26,16 +26,16 @@ FLAG = "tensor_parallel_size"
 
 
 class TensorParallel:
-    """The mesh over the first `size` local devices and the shardings of the engine's arrays."""
+    """The mesh over `size` devices and the shardings of the engine's arrays. One process: its first
+    `size` local devices. Several (engine/distributed.py): the first size / P devices of each of
+    the P processes, process 0's first; every array is then global, each process holding its own
+    devices' shards, built from the same host values in every process."""
 
     def __init__(self, size: int, expert_parallel: bool = False):
-        devices = jax.local_devices()
-        if size > len(devices):
-            raise ValueError(f"{FLAG}={size} exceeds the {len(devices)} local device(s) "
-                             f"({devices[0].platform}); multi-host tensor parallelism is not supported yet")
         self.size = size
         self.expert_parallel = expert_parallel
-        self.mesh = Mesh(np.array(devices[:size]), (AXIS,))
+        self.multi_process = jax.process_count() > 1
+        self.mesh = Mesh(np.array(mesh_devices(size)), (AXIS,))
         self.replicated = NamedSharding(self.mesh, P())
         # [layers, blocks, KV heads, block_size, head_dim]: each device holds its heads' pages.
         self.kv = NamedSharding(self.mesh, P(None, None, AXIS, None, None))
@@ -52,18 +52,50 @@ class TensorParallel:
             rule = rules.get(path[-1]) if len(path) == 2 and path[0] in groups else None
             value = param.get_value()
             if rule is None:
-                param.set_value(jax.device_put(value, self.replicated))
+                param.set_value(self.put(value, self.replicated))
                 continue
             axis = rule.axis + 1  # stacked: the layer axis comes first
             if rule.widths:
                 value = interleave_shards(value, rule.widths, self.size, axis)
             spec = [None] * value.ndim
             spec[axis] = AXIS
-            param.set_value(jax.device_put(value, NamedSharding(self.mesh, P(*spec))))
+            param.set_value(self.put(value, NamedSharding(self.mesh, P(*spec))))
+
+    def put(self, value, sharding) -> jax.Array:
+        """`value` placed with `sharding`. Across processes each process builds its own devices'
+        shards from its host copy (the same in every process): an array on one device cannot
+        move to another host's devices."""
+        if not self.multi_process:
+            return jax.device_put(value, sharding)
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     def replicate(self, tree):
         """Every array of `tree` copied to every device of the mesh."""
-        return jax.device_put(tree, self.replicated)
+        return jax.tree.map(lambda a: self.put(a, self.replicated), tree)
+
+    def local(self, tree):
+        """This process's own copy of every replicated array of `tree` (a step's outputs), so
+        that reading it back moves nothing between processes."""
+        return tree if not self.multi_process else jax.tree.map(lambda a: a.addressable_data(0), tree)
+
+    def shared_seed(self) -> int | None:
+        """Across processes: a seed drawn by process 0, for the random seeds of requests that give
+        none (a sampled token must be the same in every process). One process: None."""
+        if not self.multi_process:
+            return None
+        from jax.experimental import multihost_utils
+
+        return int(multihost_utils.broadcast_one_to_all(np.random.default_rng().integers(1 << 30, dtype=np.int32)))
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every process's `value` (the KV blocks each host's memory allows: every
+        process must build the same cache)."""
+        if not self.multi_process:
+            return value
+        from jax.experimental import multihost_utils
+
+        return int(np.min(multihost_utils.process_allgather(np.int32(value))))
 
     def kv_zeros(self, shape, dtype) -> jax.Array:
         """A zero KV cache made directly in its sharded layout (never whole on one device)."""
@@ -75,3 +107,21 @@ class TensorParallel:
         output and the spec state are replicated."""
         state = tuple(jax.tree.map(lambda a: a.sharding, s) for s in device_state)
         return self.replicated, (*state, self.replicated, self.replicated)
+
+
+def mesh_devices(size: int) -> list:
+    """The mesh's devices: the first `size` of this host's, or size / P of each of P processes'."""
+    processes, local = jax.process_count(), jax.local_devices()
+    if processes == 1:
+        if size > len(local):
+            raise ValueError(f"{FLAG}={size} exceeds the {len(local)} local device(s) ({local[0].platform}); "
+                             "several hosts take num_processes (docs/parallelism.md)")
+        return local[:size]
+    per = size // processes
+    by_process: dict[int, list] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, []).append(device)
+    if size % processes or any(len(devices) < per for devices in by_process.values()):
+        raise ValueError(f"{FLAG}={size} over {processes} processes needs {per} device(s) from each; they have "
+                         f"{sorted(len(d) for d in by_process.values())}")
+    return [device for p in sorted(by_process) for device in by_process[p][:per]]

@@ -351,6 +351,8 @@ class ModelRunnerV2(RunnerBase):
         result = self.call_step(compiled, packed)
         if self.hooks is not None:  # benchmarks: the call, its input and its host time
             self.hooks.dispatched(self, compiled, packed, time.perf_counter() - start)
+        if self.tp is not None:  # several processes: read this process's copy of the replicated outputs
+            result = self.tp.local(result)
         wants_logprobs = ({r: self._logprob_reqs[r] for r in out.sampling_req_ids if r in self._logprob_reqs}
                           if self._logprob_reqs else {})  # (most batches: nobody asked)
         return PendingStep(result, req_ids, out.sampling_req_ids, wants_logprobs, prompt_spans)
@@ -358,6 +360,8 @@ class ModelRunnerV2(RunnerBase):
     def call_step(self, compiled, packed):
         """Run one compiled step on the runner's state, which the call donates and replaces;
         -> the step's device result. Benchmarks replay captured steps through it."""
+        if self.tp is not None and self.tp.multi_process:  # every process passes the same buffer
+            packed = self.tp.put(packed, self.tp.replicated)
         self.kv_cache, self.state, self.slot_state, result, self.spec_state = compiled(
             self.params.leaves, self.kv_cache, self.state, self.slot_state, packed, self.spec_params, self.spec_state)
         return result

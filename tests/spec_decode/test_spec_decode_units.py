@@ -276,7 +276,7 @@ def test_draft_model_kv_comes_out_of_the_same_budget(monkeypatch):
         seen.update(num_blocks=num_blocks, draft=draft_model)
         raise Sized
 
-    monkeypatch.setattr(kv_cache.jax, "devices", lambda: [_FakeDevice()])
+    monkeypatch.setattr(kv_cache.jax, "local_devices", lambda: [_FakeDevice()])
     monkeypatch.setattr(builder, "make_spec_decoder", stop_after_sizing)
     draft_dir = str(CHECKPOINTS_DIR / "demo-qwen3-draft")
     config = builder.EngineConfig(model="demo", dtype="float32", block_size=16, show_progress=False,
