@@ -94,19 +94,19 @@ def init_dummy(lm: CausalLM, seed: int = 0) -> None:
     per jitted call: fast even for 100B models, and the peak memory is the weights plus one
     parameter's temporaries (one jit over the whole model may keep tens of GB of random-number
     temporaries alive next to its outputs, too many for a 110 GB model on a 141 GB GPU)."""
-    key = jax.random.key(seed)
     params = [(p, node) for p, node in nnx.iter_graph(lm) if isinstance(node, nnx.Param)]
     for i, (param_path, param) in enumerate(params):
         value = param.get_value()
         param.set_value(_dummy_param(init_kind(str(param_path[-1])), tuple(value.shape), jnp.dtype(value.dtype),
-                                     jax.random.fold_in(key, i)))
+                                     seed, i))
 
 
 # Keyed by how the parameter starts, its shape and dtype (not its name): parameters alike share a
-# program, so a model compiles a few of them (k and v projections, gate and up, the norms).
+# program, so a model compiles a few of them (k and v projections, gate and up, the norms). The
+# parameter's key is made inside (eagerly, making it would be two more programs per start).
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _dummy_param(kind, shape, dtype, key):
-    return init_of_kind(kind, shape, dtype, key)
+def _dummy_param(kind, shape, dtype, seed, index):
+    return init_of_kind(kind, shape, dtype, jax.random.fold_in(jax.random.key(seed), index))
 
 
 # --- safetensors ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ into them, so nothing produced on the device goes through the host to become the
 input. The host only ever sends changes (new requests, prompt chunks, block-table appends).
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -36,7 +37,9 @@ SAMPLING_FIELDS = tuple(f for f in SCALAR_FIELDS if f != "num_output_tokens")
 MAX_DEVICE_STOP_IDS = 8
 
 
+@functools.partial(jax.jit, static_argnames=("max_num_seqs", "max_model_len", "max_blocks_per_seq"))
 def init_device_state(max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int) -> DeviceState:
+    """Every table in one compiled program (eager jnp.zeros would compile, or load, one program each)."""
     s = max_num_seqs
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
     neutral = SamplingTensors.neutral(s)

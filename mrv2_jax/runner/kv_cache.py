@@ -1,5 +1,7 @@
 """Allocating the paged KV cache: two stacked arrays sized from a memory budget."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -30,4 +32,10 @@ def allocate_kv_cache(model_state, num_blocks: int, block_size: int, dtype=jnp.b
     shape = model_state.kv_cache_shape(num_blocks, block_size)
     if tensor_parallel is not None:
         return tensor_parallel.kv_zeros(shape, dtype), tensor_parallel.kv_zeros(shape, dtype)
+    return _zero_pair(shape, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zero_pair(shape, dtype):
+    """Both caches made by one compiled program (eagerly, each jnp.zeros is a program of its own)."""
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

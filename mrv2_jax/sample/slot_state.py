@@ -23,6 +23,7 @@ small dispatch when a constrained request arrives, read by the steps that mask l
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -51,6 +52,10 @@ def counts_dtype(max_model_len: int | None):
     return jnp.uint16 if max_model_len is not None and max_model_len <= np.iinfo(np.uint16).max else jnp.int32
 
 
+# One compiled program makes every table: each eager jnp.zeros / jnp.full would be a program of its
+# own, compiled (or loaded from the compilation cache) at every engine start.
+@functools.partial(jax.jit, static_argnames=("num_slots", "vocab_size", "max_bias", "max_stop", "max_model_len",
+                                             "automaton_pool"))
 def init_slot_state(num_slots: int, vocab_size: int, max_bias: int, max_stop: int,
                     max_model_len: int | None = None, automaton_pool: tuple[int, int] = (1, 1)) -> SlotState:
     """automaton_pool: (states, exception entries) of the structured-output pool."""
