@@ -87,3 +87,14 @@ def test_unrolled_copies_compiles_one_step_per_unroll_value(tmp_path):
         assert r["argument_size_in_bytes"] >= r["kv_cache_gib"] * 2**30 > 0
         assert all(c["line"].split("=")[1].strip().startswith(c["dtype"]) for c in r["large_copies"])
     assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
+
+
+def test_loop_callback_probe_delivers_every_step_to_the_host():
+    """The callback way hands the host one arrival per step of the loop, as the one-step-per-call
+    way does, and every way reports a time per step."""
+    from benchmarks import loop_callback
+
+    results = loop_callback.main(["--steps", "4", "--layers", "2", "--hidden", "64", "--rows", "2", "--calls", "2"])
+    assert set(results) == {"loop", "loop + callback", "one step per call"}
+    assert results["loop + callback"]["arrivals_per_call"] == results["one step per call"]["arrivals_per_call"] == 4
+    assert all(r["ms_per_step"] > 0 for r in results.values()) and "gap_ms_median" not in results["loop"]
