@@ -34,11 +34,16 @@ def _require_int(name: str, value) -> None:
         raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _require_number(name: str, value) -> None:
     if not _is_number(value):
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    if abs(value) > FLOAT32_MAX:  # the device holds it as a float32
+        raise ValueError(f"{name} must be at most {FLOAT32_MAX:.4g} in magnitude, got {value}")
 
 
 @dataclass

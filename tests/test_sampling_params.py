@@ -112,3 +112,11 @@ def test_cache_config_validation():
         CacheConfig(gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         CacheConfig(gpu_memory_utilization=0)
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty"])
+def test_a_number_past_float32_is_refused_by_name(name):
+    # The device holds sampling numbers as float32: 1e39 would become inf there.
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: 1e39})
+    assert getattr(SamplingParams(**{name: 3e38}), name) == 3e38
