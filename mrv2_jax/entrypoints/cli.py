@@ -129,9 +129,6 @@ def _import_for_serving() -> None:
 
 
 def cmd_serve(args) -> int:
-    from mrv2_jax.engine.distributed import refuse_serving
-
-    refuse_serving(args.num_processes)  # before any process or thread starts
     import atexit
     import json
     import logging
@@ -140,8 +137,10 @@ def cmd_serve(args) -> int:
     import threading
 
     from mrv2_jax.async_llm import AsyncLLM
+    from mrv2_jax.engine.distributed import refuse_serving
     from mrv2_jax.process_clock import process_age_s
 
+    refuse_serving(args.num_processes)  # before any process or thread starts
     # Where this process's start-up goes (seconds since it started), logged once it serves.
     startup = {"serve_entered_s": process_age_s()}
 
