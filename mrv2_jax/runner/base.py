@@ -113,7 +113,8 @@ class RunnerBase:
         num_variants = len(self.sampler_variants)
         if self.compile_mode in ("lazy", "background"):
             def make(layout, make_fn):
-                return LazyPrograms(lambda i: lower(layout, make_fn, i).compile(options or None), num_variants)
+                return LazyPrograms(lambda i: lower(layout, make_fn, i), num_variants,
+                                    compile=lambda lowered: lowered.compile(options or None))
 
             programs = {key: (layout, make(layout, make_fn)) for key, (layout, make_fn) in steps.items()}
             if self.compile_mode == "background":

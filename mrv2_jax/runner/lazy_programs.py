@@ -8,9 +8,12 @@ included), as a planned compile that the compile guard does not count.
 `BackgroundCompile` (compile mode "background") compiles every program on threads of its own
 while the engine already serves: a step that needs a program nobody has compiled yet compiles it
 itself, and one that needs a program a thread is compiling waits for that compile, so each
-program is compiled exactly once. On CPUs the compiles of these programs take turns (one lock):
-XLA:CPU can crash writing one executable to the persistent cache while another thread compiles
-(runner/precompile.py).
+program is compiled exactly once. The engine's own compiles come first: tracing a program is
+Python work that holds the GIL, so the background threads trace one at a time (their XLA compiles,
+which release it, still run side by side) and start nothing new while the engine waits for a
+program; otherwise a step's trace would share the GIL with every compile thread. On CPUs the
+compiles of these programs take turns (one lock): XLA:CPU can crash writing one executable to the
+persistent cache while another thread compiles (runner/precompile.py).
 """
 
 import atexit
@@ -24,6 +27,10 @@ import jax
 from mrv2_jax.runner.compile_guard import planned
 
 _CPU_COMPILE_LOCK = threading.Lock()
+_BACKGROUND_TRACE_LOCK = threading.Lock()  # one background thread traces at a time
+_FOREGROUND = threading.Condition()  # guards _foreground_waits
+_foreground_waits = 0  # threads other than the background ones waiting for a program
+_thread = threading.local()  # .background: True on BackgroundCompile's threads
 EXIT_WAIT_S = 120.0  # at exit, how long the compiles still running may take to finish
 
 
@@ -31,12 +38,36 @@ def _one_compile_at_a_time():
     return _CPU_COMPILE_LOCK if jax.default_backend() == "cpu" else contextlib.nullcontext()
 
 
-class LazyPrograms(Sequence):
-    """One bucket's programs, one per sampler variant; `make(i)` lowers and compiles variant i.
-    Safe to index from several threads."""
+def _in_background() -> bool:
+    return getattr(_thread, "background", False)
 
-    def __init__(self, make: Callable[[int], object], count: int):
-        self._make = make
+
+@contextlib.contextmanager
+def _foreground_waiting():
+    """While a non-background thread waits for a program, background threads start no new one."""
+    global _foreground_waits
+    with _FOREGROUND:
+        _foreground_waits += 1
+    try:
+        yield
+    finally:
+        with _FOREGROUND:
+            _foreground_waits -= 1
+            _FOREGROUND.notify_all()
+
+
+def _until_no_foreground_waits() -> None:
+    with _FOREGROUND:
+        _FOREGROUND.wait_for(lambda: _foreground_waits == 0)
+
+
+class LazyPrograms(Sequence):
+    """One bucket's programs, one per sampler variant: `compile(lower(i))` is variant i, or
+    `lower(i)` itself without `compile`. Safe to index from several threads."""
+
+    def __init__(self, lower: Callable[[int], object], count: int, compile: Callable[[object], object] | None = None):
+        self._lower = lower
+        self._compile = compile
         self._programs: list = [None] * count
         self._compiling: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -50,7 +81,18 @@ class LazyPrograms(Sequence):
         if index < 0:
             index += len(self)
         program = self._programs[index]
-        return program if program is not None else self.ensure(index)
+        if program is not None:
+            return program
+        if _in_background():
+            return self.ensure(index)
+        with _foreground_waiting():
+            return self.ensure(index)
+
+    def _make(self, index: int):
+        trace_lock = _BACKGROUND_TRACE_LOCK if _in_background() else contextlib.nullcontext()
+        with trace_lock:
+            lowered = self._lower(index)
+        return lowered if self._compile is None else self._compile(lowered)
 
     def ensure(self, index: int):
         """Program `index`, compiled now by this thread unless another one is compiling it (then
@@ -101,7 +143,9 @@ class BackgroundCompile:
         atexit.register(self.close)
 
     def _work(self) -> None:
+        _thread.background = True
         while True:
+            _until_no_foreground_waits()
             with self._lock:
                 item = None if self._stopped else next(self._todo, None)
             if item is None:

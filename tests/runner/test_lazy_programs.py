@@ -4,6 +4,7 @@ needed; and an engine that compiles in the background gives the tokens of one th
 first use (the demo model, in a process of its own with the persistent compilation cache off:
 XLA:CPU must not write that cache while another thread compiles)."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+from mrv2_jax.runner import lazy_programs
 from mrv2_jax.runner.lazy_programs import BackgroundCompile, LazyPrograms
 from mrv2_jax.sampling_params import SamplingParams
 from tests.server_harness import ENGINE_ARGS, make_llm
@@ -57,6 +59,41 @@ def test_background_compiles_everything_in_order_and_errors_surface_where_needed
     assert len(background.errors) == 1
     with pytest.raises(ValueError, match="no such program"):
         programs[2]  # compiled again where it is needed, and the error raised there
+
+
+def test_the_engines_own_compile_comes_first_and_background_threads_trace_one_at_a_time(monkeypatch):
+    # Tracing holds the GIL: background threads trace one at a time, and start nothing new while
+    # another thread (the engine's step) waits for a program. As on GPUs, compiles need no turns here.
+    monkeypatch.setattr(lazy_programs, "_one_compile_at_a_time", contextlib.nullcontext)
+    workers, lock, tracing, most_tracing = 4, threading.Lock(), [], [0]
+    started = []  # (index, time) of every lower
+
+    def lower(i):
+        with lock:
+            started.append((i, time.perf_counter()))
+            tracing.append(i)
+            most_tracing[0] = max(most_tracing[0], sum(j != 39 for j in tracing))
+        time.sleep(0.02)
+        with lock:
+            tracing.remove(i)
+        return i
+
+    def compile_(lowered):
+        time.sleep(0.6 if lowered == 39 else 0.02)  # the engine's program compiles slowly
+        return f"program {lowered}"
+
+    programs = LazyPrograms(lower, 40, compile=compile_)
+    background = BackgroundCompile([(programs, i) for i in range(39)], workers=workers)
+    time.sleep(0.1)
+    asked = time.perf_counter()
+    assert programs[39] == "program 39"
+    done = time.perf_counter()
+    started_meanwhile = [i for i, t in started if asked < t < done and i != 39]
+    # Only threads already past the gate when the engine asked may start a trace meanwhile: at most
+    # one per worker, where without the gate they would keep going (~0.6 s / 0.04 s per program).
+    assert len(started_meanwhile) <= workers
+    assert background.wait(10) and programs.num_compiled == 40 and not background.errors
+    assert most_tracing[0] == 1
 
 
 PROMPTS = ["The king said", "ROMEO:\n", "To be, or not"]
