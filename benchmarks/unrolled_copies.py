@@ -43,7 +43,12 @@ def analyse(unroll: int, args) -> list[dict]:
     """The step program and the fused-decode program of the `--rows` bucket, for one unroll value."""
     from mrv2_jax.llm import LLM
 
-    llm = LLM(**(engine_kwargs(args) | {"layer_unroll": unroll, "compile_mode": "lazy"}))
+    kwargs = engine_kwargs(args) | {"layer_unroll": unroll, "compile_mode": "lazy"}
+    # A cache just big enough for --rows full sequences: two engines (one per unroll value) must fit
+    # on one device, and a serving-size cache takes most of it.
+    if args.max_model_len and not args.num_gpu_blocks:
+        kwargs["num_gpu_blocks"] = args.rows * -(-args.max_model_len // args.block_size)
+    llm = LLM(**kwargs)
     runner = llm.engine.runner
     bucket = runner.buckets.pick(args.rows, args.rows)
     programs = {"step": runner.compiled[bucket][1]}

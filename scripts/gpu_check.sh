@@ -202,7 +202,7 @@ for s in $sections; do case $s in
   # for ~274 GiB at serving size: one decode step per unroll value, its memory analysis and copies.
   unrolled-copies) run_section unrolled-copies python3 -m benchmarks.unrolled_copies --model qwen3-0.6b \
       --load-format dummy --rows 256 --max-model-len 1024 --max-num-batched-tokens 8192 \
-      --gpu-memory-utilization 0.4 --output-json "$OUT/unrolled_copies.json" ;;
+      --output-json "$OUT/unrolled_copies.json" ;;
   # Issue 24: can the fused loop hand each step's tokens to the host (a callback per step) at the
   # loop's pace? A toy decode loop with and without it, and one step per call.
   loop-callback) run_section loop-callback python3 -m benchmarks.loop_callback --steps 16 --layers 28 \
