@@ -203,6 +203,9 @@ for s in $sections; do case $s in
   unrolled-copies) run_section unrolled-copies python3 -m benchmarks.unrolled_copies --model qwen3-0.6b \
       --load-format dummy --rows 256 --max-model-len 1024 --max-num-batched-tokens 8192 \
       --output-json "$OUT/unrolled_copies.json" ;;
+  # Issue 26: decode projections' weight streaming at M <= 32, XLA's dot vs jax's Mosaic GPU Hopper matmul.
+  skinny-gemm) run_section skinny-gemm python3 -m benchmarks.skinny_gemm --rows 1 8 32 \
+      --output-json "$OUT/skinny_gemm.json" ;;
   # Issue 24: can the fused loop hand each step's tokens to the host (a callback per step) at the
   # loop's pace? A toy decode loop with and without it, and one step per call.
   loop-callback) run_section loop-callback python3 -m benchmarks.loop_callback --steps 16 --layers 28 \

@@ -1,0 +1,144 @@
+"""How close a decode step's projections come to streaming their weights at the memory floor, for
+M <= 32 rows (issue 26): XLA's dot (cuBLAS on GPUs) against jax's shipped Hopper matmul on Pallas
+Mosaic GPU (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`), at Qwen3-0.6B's shapes.
+
+  xla     y[M, N] = x[M, K] @ W[K, N], one dot per layer's weight
+  mgpu    y^T[N, 64] = W^T[N, K] @ x^T[K, 64]: the weight is the kernel's big operand and the rows
+          its small one, padded to 64 (the shipped kernel's smallest tile on that side)
+
+Each call runs the projection once for each of `--layers` distinct weights (as a decode step does
+over its layers), so the weights stream from HBM and not from L2. Reported per shape, rows and way:
+microseconds per projection (median over calls, divided by the layers), GB/s of weight read and the
+share of the 4.3 TB/s copy bandwidth; the mgpu way, whose time does not depend on the rows, at the
+largest `--rows` only. Every mgpu result is checked against the XLA dot first. On a
+CPU the mgpu way runs in Mosaic GPU's interpreter (tests, tiny shapes).
+
+    python -m benchmarks.skinny_gemm --rows 1 8 32 --output-json skinny_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import mrv2_jax  # noqa: F401  (the engine's XLA flags)
+
+COPY_BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth (docs/benchmarks.md)
+# Qwen3-0.6B's projections: name -> (K, N, copies per decode step).
+SHAPES = {"qkv_proj": (1024, 4096, 28), "o_proj": (2048, 1024, 28), "gate_up_proj": (1024, 6144, 28),
+          "down_proj": (3072, 1024, 28), "lm_head": (1024, 151936, 1)}
+MGPU_ROWS = 64  # the shipped kernel's smallest tile on the rows' side (its B tile is 64 wide)
+
+
+def mgpu_configs():
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    n = hm.MatmulDimension.N
+    return {f"tm{tm}_tk{tk}_s{steps}": hm.TuningConfig(tile_m=tm, tile_n=32, tile_k=tk, max_concurrent_steps=steps,
+                                                       epi_tile_n=32, epi_tile_m=64, wg_dimension=n)
+            for tm in (64, 128) for tk in (64,) for steps in (4, 6)}
+
+
+def projections(way: str, config=None):
+    """A jitted function of (x, weights) running the projection once per weight."""
+    import jax
+
+    if way == "xla":
+        return jax.jit(lambda x, ws: [x @ w for w in ws])
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    def run(xt, ws):
+        return [hm.matmul(w, xt, None, config) for w in ws]
+
+    if jax.default_backend() == "gpu":
+        return jax.jit(run)
+
+    def interpreted(xt, ws):
+        with plgpu.force_gpu_interpret_mode():
+            return run(xt, ws)
+
+    hm.get_num_sms = lambda: 4  # no GPU to ask: a few programs at once is enough for the interpreter
+    return interpreted
+
+
+def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.timing import time_calls
+
+    keys = jax.random.split(jax.random.key(0), layers + 1)
+    weights = [jax.random.normal(keys[i], (k, n), jnp.bfloat16) * 0.02 for i in range(layers)]
+    x = jax.random.normal(keys[-1], (rows, k), jnp.bfloat16)
+    weight_bytes = k * n * 2
+    results = []
+
+    def row(way, fn, call_args, check=None):
+        entry = {"shape": name, "k": k, "n": n, "rows": rows, "way": way}
+        try:
+            outs = jax.block_until_ready(fn(*call_args))
+            if check is not None:
+                entry["max_abs_error"] = check(outs)
+            seconds = statistics.median(time_calls(fn, call_args, args.runs, args.warmup)) / layers
+        except Exception as exc:  # noqa: BLE001 - a config the kernel refuses is a result, reported
+            results.append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+            return
+        results.append(entry | {"us": seconds * 1e6, "gb_per_s": weight_bytes / seconds / 1e9,
+                                "copy_bw_share": weight_bytes / seconds / COPY_BANDWIDTH})
+
+    xla_fn = projections("xla")
+    reference = [np.asarray(y, np.float32) for y in xla_fn(x, weights)]
+    row("xla", xla_fn, (x, weights))
+    if not with_mgpu:
+        return results
+    weights_t = [w.T.copy() for w in weights]
+    x_t = jnp.zeros((k, MGPU_ROWS), jnp.bfloat16).at[:, :rows].set(x.T)
+    for config_name, config in args.configs.items():
+        def check(outs):
+            return max(float(np.max(np.abs(np.asarray(o, np.float32)[:, :rows].T - r)))
+                       for o, r in zip(outs, reference))
+        row(f"mgpu {config_name}", projections("mgpu", config), (x_t, weights_t), check)
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), help=f"of {', '.join(SHAPES)}")
+    p.add_argument("--layers", type=int, default=None, help="weights per call (default: the model's count)")
+    p.add_argument("--tiny", action="store_true", help="every shape cut to K=128, N=256 (CPU tests)")
+    p.add_argument("--configs", default=None, help="comma-separated mgpu config names (default: all)")
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    configs = mgpu_configs()
+    args.configs = {c: configs[c] for c in args.configs.split(",")} if args.configs else configs
+    results = []
+    for name in args.shapes:
+        k, n, layers = (128, 256, 2) if args.tiny else SHAPES[name]
+        for rows in args.rows:
+            # The mgpu way pads the rows to 64: its time does not depend on them, so it runs once.
+            results += measure(name, k, n, args.layers or layers, rows, args, with_mgpu=rows == max(args.rows))
+    print(f"{'shape':>12} {'rows':>4} {'way':>22} {'us':>8} {'GB/s':>7} {'of copy BW':>10} {'max err':>8}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['shape']:>12} {r['rows']:>4} {r['way']:>22}  {r['error']}")
+            continue
+        err = f"{r['max_abs_error']:.3g}" if "max_abs_error" in r else ""
+        print(f"{r['shape']:>12} {r['rows']:>4} {r['way']:>22} {r['us']:8.1f} {r['gb_per_s']:7.0f} "
+              f"{r['copy_bw_share']:10.1%} {err:>8}")
+    if args.output_json:
+        from mrv2_jax.bench.environment import describe_environment
+
+        with open(args.output_json, "w") as f:
+            json.dump({**describe_environment(), "settings": {k: v for k, v in vars(args).items() if k != "configs"},
+                       "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
