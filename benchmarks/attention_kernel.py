@@ -12,7 +12,8 @@ random non-zero data and random (shuffled) block tables. Cases:
   decode   batch {1, 32, 256} x context {512, 4096, 32768} (one query token per row; cases
            whose KV exceeds --max-kv-gib are skipped);
   prefill  1 x 4096 and 8 x 1024 (whole prompts, causal);
-  kv_write 256 and 8192 tokens into the cache.
+  kv_write 256 and 8192 tokens into the cache: kv_write_t* the Triton kernel (kv_write.write_kv),
+           kv_write_mgpu_t* the Mosaic GPU one (kv_write_mgpu.write_kv_mgpu), same shapes and timing.
 
 Timing: each jitted call chains ``inner`` dependent calls (the output is the next call's
 query, so nothing can be hoisted or CSE'd), unrolled so that XLA's command buffers launch
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment
 from pallas_kernels.kv_write import write_kv, write_kv_reference
+from pallas_kernels.kv_write_mgpu import write_kv_mgpu
 from pallas_kernels.ragged_paged_attention import (
     default_tuning,
     ragged_paged_attention,
@@ -68,8 +70,9 @@ def all_cases():
         cases[f"decode_b{b}_c{c}"] = dict(kind="attn", rows=b, q_len=1, ctx=c)
     cases["prefill_b1_c4096"] = dict(kind="attn", rows=1, q_len=4096, ctx=4096)
     cases["prefill_b8_c1024"] = dict(kind="attn", rows=8, q_len=1024, ctx=1024)
-    cases["kv_write_t256"] = dict(kind="write", tokens=256, ctx=4096)
-    cases["kv_write_t8192"] = dict(kind="write", tokens=8192, ctx=4096)
+    for t in (256, 8192):  # the Triton kernel, then the Mosaic GPU one at the same shape
+        cases[f"kv_write_t{t}"] = dict(kind="write", tokens=t, ctx=4096, impl="triton")
+        cases[f"kv_write_mgpu_t{t}"] = dict(kind="write", tokens=t, ctx=4096, impl="mosaic_gpu")
     return cases
 
 
@@ -199,7 +202,13 @@ def bench_write(case, opts):
     nbytes = 2 * 2 * T * HKV * D * 2  # read k_new/v_new, write the slots
     inner = pick_inner(opts.inner, nbytes)
     out = dict(config={}, inner=inner, bytes=nbytes, flops=0)
-    kernel = functools.partial(write_kv, interpret=opts.interpret)
+    impl = write_kv_mgpu if case.get("impl") == "mosaic_gpu" else write_kv
+    kernel = functools.partial(impl, interpret=opts.interpret)
+    # One write each, without donation (the timing below donates the caches), compared exactly.
+    got = jax.jit(kernel)(k, v, k_new, -k_new, slots, layer)
+    want = jax.jit(write_kv_reference)(k, v, k_new, -k_new, slots, layer)
+    out["matches_reference"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want))
+    del got, want
     for name, fn in (("kernel", kernel), ("reference", write_kv_reference)):
 
         def run(k, v, k_new, slots, fn=fn):
@@ -366,6 +375,8 @@ def main(argv=None):
                     print(fmt_row(name, impl, r["config"] if impl == "kernel" else {}, r[impl]), flush=True)
             if "max_rel_err" in r:
                 print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}", flush=True)
+            if "matches_reference" in r:
+                print(f"{'':22s} kernel's cache == reference's: {r['matches_reference']}", flush=True)
             jax.clear_caches()  # keep compiled executables (and their buffers) from piling up
 
     if opts.output_json:

@@ -1,9 +1,12 @@
-"""Pallas (Triton backend) GPU kernels, each next to a pure-jnp reference of the same signature.
+"""Pallas GPU kernels (Triton backend; Mosaic GPU where noted), each next to a pure-jnp reference of
+the same signature.
 
 The bottom layer: these modules import only jax, numpy, the standard library and each other, and
 their kernels take arrays and return arrays; mrv2_jax adapts its own types to them.
 
 - ``kv_write``: ``write_kv`` / ``write_kv_reference`` (slot-mapped cache update).
+- ``kv_write_mgpu``: ``write_kv_mgpu``, the same update on the Mosaic GPU backend (issue 27; not yet
+  used by the engine).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``grouped_gemm``: ``grouped_gemm`` / ``grouped_gemm_reference`` (the MoE experts' GEMMs).

@@ -15,7 +15,8 @@
 # sampler's logit pass by tile size (logit-stats), the whole-row passes as kernels (ab-s1-kernels), the
 # slow path's search kernel (threshold-search), the batch-1 kernel split (timeline-b1) and tensor
 # parallelism on 2+ GPUs (tp: parity with one GPU, Qwen3-8B S1 at N = 1 and 2) and expert parallelism
-# (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2).
+# (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2), the KV write on Mosaic GPU
+# against Triton (kv-write: its GPU tests and the benchmark's kv_write cases).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -160,6 +161,12 @@ for s in $sections; do case $s in
       top_p_peaked top_p_threshold top64_blocks_128_16 top64_blocks_256_32_4 top64_blocks_128 \
       top20_blocks_128_16 top20_blocks_256_32_4 --timeline all_unused all_used_threshold
     tar czf "$OUT/sampler_hlo.tgz" -C /tmp hlo ;;
+  # Issue 27: the KV-cache write as a Mosaic GPU kernel beside the Triton one: the kernel file's GPU
+  # tests (compiled, in place at 28 layers x 2048 blocks), then both kernels' kv_write benchmark cases.
+  kv-write)
+    run_section kv-write-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_kv_write.py
+    run_section kv-write-bench python3 -m benchmarks.attention_kernel --cases kv_write \
+        --output-json "$OUT/kv_write.json" ;;
   attn-sweep) run_section attn-sweep python3 -m benchmarks.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
   wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl ;;
