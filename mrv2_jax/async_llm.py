@@ -492,6 +492,8 @@ class AsyncLLM:
                     raise EngineDeadError(f"the engine stopped after an internal error: {msg.error}")
                 if isinstance(msg, M.StepOutputs):
                     self._apply_step(msg)
+                elif isinstance(msg, M.StreamedTokens):
+                    self._apply_streamed(msg)
         except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
             logger.error("the engine is stopping: %s", exc)
             with self._lock:
@@ -516,6 +518,14 @@ class AsyncLLM:
             self._client.send(M.FinishRequests(stopped))
         self._deliver(outputs)
         self._publish_core_stats(msg.stats)
+
+    def _apply_streamed(self, msg: M.StreamedTokens) -> None:
+        """Tokens streamed from inside a fused call: to their streams now (the call's step
+        outputs bring them again; the output processor applies each token once)."""
+        outputs, stopped = self._processor.streamed(msg.entries)
+        if stopped:
+            self._client.send(M.FinishRequests(stopped))
+        self._deliver(outputs)
 
     def _publish_core_stats(self, s: M.CoreStats) -> None:
         self._stats = EngineStats(

@@ -194,7 +194,13 @@ class CoreClient(_EngineLink):
         socket while its process still exits, and a PUSH with no peer blocks."""
         if not self._shutdown_sent and self.process.is_alive():
             self._shutdown_sent = True
-            self.send(M.Shutdown())
+            data = self._encoder.encode(M.Shutdown())
+            with self._send_lock:
+                if not self._closed:
+                    try:  # an engine that is exiting (after a failed step) has closed its end already
+                        self._input.send(data, zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        pass
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the engine to stop, wait up to `timeout` s, then terminate (and kill) it."""

@@ -65,7 +65,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
         return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps, tensor_parallel=tensor_parallel,
-                             fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows, **kwargs)
+                             fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows,
+                             stream_in_call=config.stream_in_call and config.max_fused_steps > 1, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, **kwargs)

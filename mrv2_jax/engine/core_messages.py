@@ -5,7 +5,10 @@ validated), `AbortRequests`, `FinishRequests` (stop strings, found by the API pr
 detokenizer) and `Shutdown`.
 Out of the engine (one socket per API server process): `Ready` or `StartupFailed` once, then one
 `StepOutputs` per engine step (the new tokens of that process's requests, its adds that failed, and
-the engine's counters), and `EngineFailed` if a step raises. `EngineDied` comes from the API
+the engine's counters), and `EngineFailed` if a step raises. With `stream_in_call`, a second socket
+per API server process carries `StreamedTokens` from inside fused calls, one per decode step: the
+same tokens arrive again in the call's `StepOutputs`, and the API process keeps whichever comes
+first. `EngineDied` comes from the API
 process that owns the engine, to the other API processes, when the engine process has exited.
 Logprob rows travel as `[token_ids, logprobs, ranks]` lists.
 """
@@ -83,6 +86,10 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     stats: CoreStats
 
 
+class StreamedTokens(msgspec.Struct, tag="tokens", array_like=True):
+    entries: list[tuple[str, int, int]]  # (request_id, index among its outputs, token id)
+
+
 class EngineFailed(msgspec.Struct, tag="engine_failed", array_like=True):
     error: str
     traceback: str
@@ -93,7 +100,7 @@ class EngineDied(msgspec.Struct, tag="engine_died", array_like=True):
 
 
 ToEngine = AddRequest | AbortRequests | FinishRequests | Shutdown
-FromEngine = Ready | StartupFailed | StepOutputs | EngineFailed | EngineDied
+FromEngine = Ready | StartupFailed | StepOutputs | StreamedTokens | EngineFailed | EngineDied
 
 
 def _enc_hook(obj):

@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import zmq
@@ -68,7 +69,16 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
         send_all(M.StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         code = 1
     else:
-        proc = EngineCoreProc(engine, model_state, inp, outs)
+        # Tokens streamed from inside fused calls go out on sockets of their own: they are sent
+        # from XLA's callback thread, and a ZMQ socket belongs to one thread.
+        stream_outs = []
+        if getattr(engine.runner, "stream_in_call", False):
+            for addr in output_addrs:
+                sock = ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(addr)
+                stream_outs.append(sock)
+        proc = EngineCoreProc(engine, model_state, inp, outs, stream_outs)
         send_all(M.Ready(
             pid=os.getpid(), tokenizer_path=getattr(tokenizer, "name_or_path", None),
             max_model_len=engine.scheduler.max_model_len, vocab_size=model_state.vocab_size,
@@ -77,6 +87,7 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
             eos_token_ids=list(model_state.eos_token_ids or ()),
             automaton_capacity=tuple(engine.runner.automaton_capacity), startup=engine.startup.as_dict()))
         code = proc.run()
+        proc.close_streams()
     inp.close()
     for out in outs:
         out.close()
@@ -87,7 +98,8 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
 class EngineCoreProc:
     """The command / step loop around one `EngineCore` (see the module docstring)."""
 
-    def __init__(self, engine: EngineCore, model_state, inp: zmq.Socket, outs: list[zmq.Socket]):
+    def __init__(self, engine: EngineCore, model_state, inp: zmq.Socket, outs: list[zmq.Socket],
+                 stream_outs: list[zmq.Socket] = ()):
         self.engine = engine
         self.vocab_size = model_state.vocab_size
         self.num_eos = len(model_state.eos_token_ids or ())
@@ -100,6 +112,11 @@ class EngineCoreProc:
         self.num_dropped_messages = 0  # step messages to another API process whose queue was full
         self._errors: list[tuple[str, str]] = []
         self._compiles = BackgroundCompiles(engine.compiler)
+        self._stream_outs = list(stream_outs)
+        self._stream_lock = threading.Lock()  # XLA may call back from more than one thread
+        self._stream_encoder = M.encoder()
+        if self._stream_outs:
+            engine.attach_token_sink(self._send_streamed)
 
     def run(self) -> int:
         """Serve until told to stop (0), the parent died (0) or a step or command failed (1,
@@ -207,6 +224,39 @@ class EngineCoreProc:
                 sock.send(data, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 self.num_dropped_messages += 1
+
+    def _send_streamed(self, entries) -> None:
+        """A fused step's tokens to the API processes of their requests (XLA's callback thread).
+        Never blocks: a token that does not go out now still comes in the call's StepOutputs."""
+        with self._stream_lock:
+            if len(self._stream_outs) == 1:
+                per_client = [entries]
+            else:
+                per_client = [[] for _ in self._stream_outs]
+                for entry in entries:
+                    owner = self._owner.get(entry[0])
+                    if owner is not None:
+                        per_client[owner].append(entry)
+            for sock, client_entries in zip(self._stream_outs, per_client):
+                if client_entries:
+                    try:
+                        sock.send(self._stream_encoder.encode(M.StreamedTokens(client_entries)), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+
+    def close_streams(self) -> None:
+        """Stop streaming from fused calls. A call still in flight finishes first: its callbacks
+        need this interpreter, which must not be finalizing under them."""
+        if not self._stream_outs:
+            return
+        self.engine.attach_token_sink(None)
+        import jax
+
+        jax.effects_barrier()
+        with self._stream_lock:
+            for sock in self._stream_outs:
+                sock.close()
+            self._stream_outs = []
 
     def stats(self) -> M.CoreStats:
         scheduler = self.engine.scheduler

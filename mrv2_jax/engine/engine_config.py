@@ -60,6 +60,11 @@ class EngineConfig:
     # While a streaming request runs, fused decode runs at most this many steps per call, which
     # bounds the wait between a stream's chunks (in decode steps); non-streaming requests keep K.
     stream_interval: int = DEFAULT_STREAM_INTERVAL
+    # V2, the server's engine process: fused decode hands each step's tokens to the streams from
+    # inside the call (runner/fused.py), so streaming requests keep max_fused_steps and still get
+    # a chunk per token; requests with logprobs, or more stop ids than the device checks, keep
+    # the stream interval. Offline and in-process engines ignore it.
+    stream_in_call: bool = False
     # Sampler variants compiled per bucket, cheapest first, e.g. "greedy,plain,all"; each step
     # runs the first that covers its batch (sample/features.py). Default: greedy,plain,full,all on
     # GPUs, all elsewhere. Fewer variants: faster start, slower steps for some batches.
@@ -117,6 +122,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.runner == "v1" and self.max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) needs the v2 runner")
+        if not isinstance(self.stream_in_call, bool):
+            raise ValueError(f"stream_in_call must be a bool, got {self.stream_in_call!r}")
+        if self.stream_in_call and self.tensor_parallel_size > 1:
+            raise ValueError("stream_in_call cannot run with tensor parallelism yet (tensor_parallel_size > 1)")
         self._check_tensor_parallel()
         if self.speculative_config is not None and self.max_fused_steps > 1:
             raise ValueError(

@@ -16,6 +16,7 @@ from mrv2_jax.engine.request_checks import check_automaton_fits, check_request
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput
 from mrv2_jax.runner.compile_guard import CompileGuard, num_compiles
+from mrv2_jax.runner.fused import stops_on_device
 from mrv2_jax.runner.interface import Runner, StepOutcome
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.structured.compiler import ConstraintCompiler
@@ -56,9 +57,34 @@ class EngineCore:
             check_automaton_fits(request.automaton, self.runner.automaton_capacity)
             if not request.automaton.shared:  # a grammar: the request's own matcher
                 request.grammar = request.automaton
+        # Streamed from inside fused calls: tokens only (no logprobs), and ended on the device.
+        request.streams_in_call = (request.streaming and params.logprobs is None
+                                   and stops_on_device(params, self.runner.eos_token_ids or ()))
         self.scheduler.add_request(request)
         if request.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = []
+
+    def attach_token_sink(self, sink) -> bool:
+        """Stream fused steps' tokens from inside the call: `sink(entries)` gets (req_id, output
+        index, token) for each step, on an XLA thread, for requests that `streams_in_call`; False
+        (nothing attached) when the runner was not built for it (EngineConfig.stream_in_call).
+        None detaches the sink."""
+        if not getattr(self.runner, "stream_in_call", False):
+            return False
+        if sink is None:
+            self.runner.token_sink = None
+            self.scheduler.streams_in_call = False
+            return True
+        requests = self.scheduler.requests
+
+        def to_streams(entries):
+            entries = [e for e in entries if getattr(requests.get(e[0]), "streams_in_call", False)]
+            if entries:
+                sink(entries)
+
+        self.runner.token_sink = to_streams
+        self.scheduler.streams_in_call = True
+        return True
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

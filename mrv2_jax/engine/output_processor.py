@@ -7,6 +7,13 @@ per-token entries are appended as they are, and the `{token_id: Logprob}` dicts,
 token's text (cached per id: the same top tokens come back again and again), are built only when
 the user reads them. Prompt logprobs, which come once per request, are built when they arrive.
 
+Tokens streamed from inside a fused call (`streamed`, the engine process's `stream_in_call`) are
+delivered as they arrive, one per decode step; the same tokens come again in the call's step
+outputs, and only the ones not delivered yet are applied then. A streamed token that arrives after
+its step output is dropped; one that arrives ahead of an earlier token (the step output of the
+step before the call comes later: async scheduling sends it after the next call is dispatched)
+waits for it.
+
 A request added with `final_only` (offline `LLM.generate`, vLLM's FINAL_ONLY output kind) gets
 no output until it finishes, and, unless it has stop strings to watch for, is detokenized once
 at the end instead of every step: at 256 running requests, per-step snapshots and window
@@ -36,6 +43,8 @@ class _Tracked:
     prompt_logprobs: list | None = None  # [None, {token_id: Logprob}, ...] once known
     final_only: bool = False  # report the request only when it finishes
     defer_detokenize: bool = False  # final_only and no stop strings: decode once, at the end
+    num_reported: int = 0  # tokens the engine's step outputs brought (token_ids may run ahead: streamed)
+    early: dict[int, int] = field(default_factory=dict)  # streamed tokens ahead of their turn: index -> id
 
 
 class OutputProcessor:
@@ -70,6 +79,14 @@ class OutputProcessor:
             if t is None:
                 continue
             tokens = out.new_token_ids
+            ahead = len(t.token_ids) - t.num_reported  # delivered already, streamed from the call
+            t.num_reported += len(tokens)
+            if ahead > 0:
+                tokens = tokens[ahead:]
+                if out.new_logprobs:
+                    out.new_logprobs = out.new_logprobs[ahead:]
+                if not tokens and out.finish_reason is None:
+                    continue  # every token of it was streamed already
             if out.prompt_logprobs is not None:  # vLLM's layout: no logprob for the first token
                 t.prompt_logprobs = [None] + [self._logprob_dict(entry) for entry in out.prompt_logprobs]
             if t.defer_detokenize and out.finish_reason is None:
@@ -97,7 +114,37 @@ class OutputProcessor:
                     if snapshot.finished:
                         del self.tracked[out.req_id]
                         break
+            if t.early and out.req_id in self.tracked:
+                self._apply_early(t, now, changed, stopped)
         return changed, stopped
+
+    def streamed(self, entries) -> tuple[list[RequestOutput], list[str]]:
+        """Tokens streamed from inside a fused call: (req_id, index among its outputs, token) ->
+        (outputs of the requests that changed, ids that just matched a stop string)."""
+        now = time.monotonic()
+        changed, stopped = [], []
+        for req_id, index, token in entries:
+            t = self.tracked.get(req_id)
+            if t is None or t.final_only or index < len(t.token_ids):
+                continue  # finished, not a stream, or delivered already
+            t.early[index] = token
+            self._apply_early(t, now, changed, stopped)
+        return changed, stopped
+
+    def _apply_early(self, t: _Tracked, now, changed: list, stopped: list) -> None:
+        """Deliver the streamed tokens whose turn has come; forget the ones delivered otherwise."""
+        for index in [i for i in t.early if i < len(t.token_ids)]:
+            del t.early[index]
+        while len(t.token_ids) in t.early:
+            token = t.early.pop(len(t.token_ids))
+            snapshot, stop_string = self._advance(t, [token], None, None, None, now)
+            if stop_string:
+                stopped.append(t.request.request_id)
+            if snapshot is not None:
+                changed.append(snapshot)
+                if snapshot.finished:
+                    del self.tracked[t.request.request_id]
+                    return
 
     def _advance(self, t: _Tracked, token_ids: list[int], logprobs, finish_reason, stop_reason, now,
                  ) -> tuple[RequestOutput | None, bool]:

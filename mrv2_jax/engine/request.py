@@ -91,8 +91,10 @@ class Request:
         self.max_output_tokens: int | None = sampling_params.max_tokens
         # The token id or stop string that ended the request, when it stopped on one.
         self.stop_reason: int | str | None = None
-        # A client reads its tokens as they come: fused decode is capped by the stream interval.
+        # A client reads its tokens as they come: fused decode is capped by the stream interval,
+        # unless the request streams from inside fused calls (set by EngineCore.add_request).
         self.streaming = streaming
+        self.streams_in_call = False
         # Structured outputs: the compiled automaton (structured/automaton.py), set when added; for
         # a grammar, the request's own matcher (structured/grammar.py), also held in `grammar`.
         self.automaton = None

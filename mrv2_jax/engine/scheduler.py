@@ -124,6 +124,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._finished_since_last_schedule: set[str] = set()
         self._grammar_running: set[str] = set()  # running requests whose grammar the host masks
+        # The engine process streams each fused step's tokens from inside the call
+        # (EngineCore.attach_token_sink): requests that stream in the call keep K.
+        self.streams_in_call = False
         self.num_preemptions = 0
         k = scheduler_config.num_speculative_tokens
         self.spec_stats = SpecDecodeStats(k) if k else None
@@ -278,10 +281,10 @@ class Scheduler:
             if (request.num_computed_tokens < request.num_prefill_tokens
                     or request.num_tokens_with_placeholders - request.num_computed_tokens != 1):
                 return 1  # a prefill (chunk) to schedule
-            streaming = streaming or request.streaming
+            streaming = streaming or (request.streaming and not (self.streams_in_call and request.streams_in_call))
             steps_left.append(min(config.max_fused_steps, self._num_outputs_left(request)))
         num_steps = min(steps_left) if self.waiting else max(steps_left)
-        if streaming:  # a stream's client waits for the whole call: bound the gap between its chunks
+        if streaming:  # a stream's client would wait for the whole call: bound the gap between its chunks
             num_steps = min(num_steps, config.stream_interval)
         if num_steps <= 1:
             return 1

@@ -42,6 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most decode steps a streaming request waits between chunks: while one streams, fused "
                         f"decode runs at most this many steps per call (default {EngineConfig.stream_interval}: "
                         "a chunk per step; non-streaming requests keep --max-fused-steps)")
+    g.add_argument("--stream-in-call", action="store_true",
+                   help="serve: fused decode hands each step's tokens to the streams from inside the call, so "
+                        "streaming requests keep --max-fused-steps and still get a chunk per token")
     g.add_argument("--sampler-variants", default=None,
                    help="sampler variants compiled per bucket, cheapest first, ending with 'all' "
                         "(names: greedy, plain, structured, full, all; default greedy,plain,full,all on GPUs, "

@@ -17,6 +17,12 @@ The call returns the tokens as `[K, R]`, -1 where a row sampled nothing; a row's
 always a prefix of its column. Structured outputs need no host either: each step masks the
 constrained rows by their automaton state and advances it with the sampled token.
 
+With `on_step` (the server's engine process streams in the call), every step also hands its
+tokens to the host through `io_callback` as soon as they are sampled: `on_step(call_tag, tokens,
+output_index)`, tokens [R] (-1 where a row sampled nothing) and each row's index among its
+request's outputs. A stream then gets every token as it is made instead of K at a time, and the
+call's results still come back whole at its end (the engine's bookkeeping is unchanged).
+
 The trip count is a run-time value (`num_steps`), so one variant per (bucket, sampler
 variant) serves every K up to the compiled maximum. `unroll` > 1 runs that many steps per loop
 iteration (each still masked by the row budgets), trading compile time for fewer loop
@@ -26,6 +32,7 @@ iterations, for the measurement of XLA's while loop against command buffers (`+W
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
@@ -49,12 +56,19 @@ def device_stop_ids(params: SamplingParams, eos_token_ids) -> np.ndarray:
     return out
 
 
+def stops_on_device(params: SamplingParams, eos_token_ids) -> bool:
+    """Whether the device checks every id that ends this request (then a fused call's tokens
+    are exactly the ones the host will keep)."""
+    ids = {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+    return len(ids) <= MAX_DEVICE_STOP_IDS
+
+
 def fused_layout(bucket: Bucket, block_size: int, max_steps: int) -> PackedLayout:
     """The packed host buffer of a fused call: the batch, each row's step budget, the trip
     count, and the block-table appends for up to `max_steps` tokens per row."""
     r = bucket.num_reqs
     max_appends = r * (max_steps // block_size + 2)
-    return PackedLayout({"idx_mapping": (r,), "num_reqs": (), "num_steps": (), "max_steps": (r,),
+    return PackedLayout({"idx_mapping": (r,), "num_reqs": (), "num_steps": (), "call_tag": (), "max_steps": (r,),
                          "append_slot": (max_appends,), "append_index": (max_appends,),
                          "append_block": (max_appends,)})
 
@@ -72,10 +86,11 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
 
 def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, num_tokens: int,
                       block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0,
-                      mesh=None):
+                      mesh=None, on_step=None):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields).
-    `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None."""
+    `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None.
+    `on_step`: a host function that gets each step's tokens during the call (see above), or None."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
         x = layout.unpack(packed)
@@ -111,6 +126,10 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             state = prepare.post_update(state, idx, num_reqs, inputs, out.tokens)
             produced = produced + sampled.astype(jnp.int32)
             outs = _record(outs, step, out, sampled)
+            if on_step is not None:
+                output_index = state.num_tokens[idx] - state.num_prompt[idx] - 1
+                io_callback(on_step, None, x["call_tag"], jnp.where(sampled, out.tokens, -1), output_index,
+                            ordered=False)
             active = sampled & (produced < budget) & ~rows_ended(state, idx)
             return kv_cache, state, sampler_state, active, produced, outs
 

@@ -45,6 +45,10 @@ from mrv2_jax.sample.tensors import FLOAT_SCALAR_FIELDS, is_plain_greedy, row_ne
 OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buffer is too small
 
 
+_CALL_TAGS = 1 << 30  # a fused call's tag (int32 in the packed input) wraps around
+_CALLS_REMEMBERED = 8  # calls whose rows stay known: more than can be in flight at once
+
+
 class PendingStep:
     """The sampled tokens (and logprobs) of a dispatched step; `result()` blocks until they are
     on the host. Tokens are `[R]` (one step), `[K, R]` (a fused call: -1 where a row sampled
@@ -119,17 +123,22 @@ class ModelRunnerV2(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
-                 fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None):
+                 fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
+                 stream_in_call: bool = False):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
         to `max_fused_rows` rows; it cannot be combined with a spec decoder.
+        `stream_in_call`: fused decode hands each step's tokens to `token_sink` (set by the
+        server's engine process) during the call; not with tensor parallelism.
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
+        if stream_in_call and tensor_parallel is not None:
+            raise ValueError("stream_in_call cannot run with tensor parallelism yet")
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -165,6 +174,11 @@ class ModelRunnerV2(RunnerBase):
         self.fused_buckets = tuple(by_rows.values())
         self.max_fused_rows = max(by_rows, default=0)
         self.num_fused_calls = 0
+        # Streaming in the call: `token_sink(entries)` gets (req_id, output index, token) for
+        # each row of each fused step; the rows' request ids per call, by the call's tag.
+        self.stream_in_call = stream_in_call
+        self.token_sink = None
+        self._fused_rows: dict[int, list[str]] = {}
         self.hooks = None  # benchmarks' instrumentation (runner/step_hooks.py); None: nothing is called
         self._compile_all(show_progress)
 
@@ -231,7 +245,8 @@ class ModelRunnerV2(RunnerBase):
         fused = make_fused_decode(layout, features, params=self.params, num_tokens=bucket.num_tokens,
                                   block_size=self.block_size, use_kernels=self.use_kernels,
                                   max_steps=self.max_fused_steps, unroll=self.fused_unroll,
-                                  eos_for_masks=self.eos_for_masks, mesh=None if self.tp is None else self.tp.mesh)
+                                  eos_for_masks=self.eos_for_masks, mesh=None if self.tp is None else self.tp.mesh,
+                                  on_step=self._on_fused_step if self.stream_in_call else None)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
@@ -337,7 +352,22 @@ class ModelRunnerV2(RunnerBase):
         self._flush_block_appends(appends[capacity:])
         self._write_appends(view, appends[:capacity])
         self.num_fused_calls += 1
+        if self.stream_in_call:
+            tag = self.num_fused_calls % _CALL_TAGS
+            view("call_tag")[...] = tag
+            self._fused_rows[tag] = list(req_ids)
+            self._fused_rows.pop((tag - _CALLS_REMEMBERED) % _CALL_TAGS, None)
         return self._dispatch(variants, packed, req_ids, out)
+
+    def _on_fused_step(self, tag, tokens, output_index) -> None:
+        """io_callback of a fused step (an XLA thread): its sampled tokens to the token sink."""
+        sink, req_ids = self.token_sink, self._fused_rows.get(int(np.asarray(tag)))
+        if sink is None or req_ids is None:
+            return
+        tokens, output_index = np.asarray(tokens).tolist(), np.asarray(output_index).tolist()  # jax: arrays
+        entries = [(req_id, i, t) for req_id, t, i in zip(req_ids, tokens, output_index) if t >= 0]
+        if entries:
+            sink(entries)
 
     def _dispatch(self, variants, packed, req_ids: list[str], out: SchedulerOutput,
                   prompt_spans: dict | None = None) -> PendingStep:

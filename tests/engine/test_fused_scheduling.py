@@ -272,3 +272,44 @@ def test_output_processor_streams_a_multi_token_output_per_token():
         else:
             assert not stopped and len(outputs) == len(ids) + 1 and not outputs[-1].finished
             assert outputs[-1].outputs[0].text.startswith("".join(o.delta_text for o in outputs))
+
+
+def test_a_request_streaming_in_the_call_keeps_k_and_one_that_does_not_caps_it():
+    """With the engine process streaming from inside fused calls, a streaming request that streams
+    in the call keeps max_fused_steps; one that cannot (logprobs, say) still caps K."""
+    for streams_in_call, expected in ((True, 8), (False, 3)):
+        scheduler = fused_scheduler(max_fused_steps=8, max_fused_rows=2, stream_interval=3)
+        scheduler.streams_in_call = True
+        request = Request("s", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True), streaming=True)
+        request.streams_in_call = streams_in_call
+        scheduler.add_request(request)
+        first = scheduler.schedule()
+        scheduler.update_from_output(first, {"s": [7]})
+        assert scheduler.schedule().num_fused_steps == expected
+
+
+def test_streamed_tokens_reach_the_stream_once_whichever_arrives_first():
+    """Tokens streamed from inside a call are delivered as they come; the call's step output then
+    brings only what was not streamed; a streamed token ahead of its turn waits for the tokens
+    before it, a late one is dropped, and a stop string found in streamed tokens ends the request."""
+    tokenizer = load_tokenizer(DEMO)
+    ids = tokenizer.encode(" the man said yes and the old men wept")
+    processor = OutputProcessor(tokenizer)
+    processor.add(Request("r", [5, 6], SamplingParams(max_tokens=50)))
+    outputs, _ = processor.streamed([("r", 1, ids[1]), ("r", 2, ids[2]), ("r", 4, ids[4])])  # ahead of token 0
+    assert outputs == []
+    outputs, _ = processor.process([EngineCoreOutput("r", ids[:1])])  # the step before the call: 0, then 1, 2
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [ids[:1], ids[:2], ids[:3]]
+    outputs, _ = processor.process([EngineCoreOutput("r", ids[1:4])])  # the call's step output: 3, then 4
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [ids[:4], ids[:5]]
+    assert processor.streamed([("r", 2, ids[2])]) == ([], [])  # late: delivered already
+    outputs, _ = processor.streamed([("r", 5, ids[5])])  # the next call streams ahead
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [ids[:6]]
+    outputs, _ = processor.process([EngineCoreOutput("r", ids[4:6], finish_reason="length")])
+    assert len(outputs) == 1 and outputs[0].finished and list(outputs[0].outputs[0].token_ids) == ids[:6]
+    assert outputs[0].outputs[0].text == tokenizer.decode(ids[:6])
+
+    processor.add(Request("s", [5, 6], SamplingParams(max_tokens=50, stop=["man"])))
+    outputs, stopped = processor.streamed([("s", i, t) for i, t in enumerate(ids)])
+    assert stopped == ["s"] and outputs[-1].finished and outputs[-1].outputs[0].stop_reason == "man"
+    assert "s" not in processor.tracked and processor.process([EngineCoreOutput("s", ids)]) == ([], [])

@@ -104,6 +104,7 @@ def test_interleaved_layout_gives_each_device_whole_parts(n):
     (dict(tensor_parallel_size=2, runner="v1"), "tensor_parallel_size=2 needs the v2 runner"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "tensor_parallel_size=2 with speculative_config"),
+    (dict(tensor_parallel_size=2, stream_in_call=True), "stream_in_call cannot run with tensor parallelism"),
 ])
 def test_engine_config_refuses(kwargs, message):
     with pytest.raises(ValueError, match=message):
