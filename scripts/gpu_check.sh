@@ -175,6 +175,18 @@ for s in $sections; do case $s in
       --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
       --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1000 --max-concurrency 256 --ignore-eos \
       --num-warmups 16 --server-log "$OUT/serve_256_server.log" --disable-tqdm --output-json "$OUT/serve_256.json" ;;
+  # Issue 24: streams from inside fused calls (--stream-in-call) against one step per call, at 1 and 32
+  # streams, our own client (bench serve), all launches sharing one compilation cache.
+  serve-stream)
+    for c in 1 32; do for arm in plain in-call; do
+      extra=(); [ $arm = in-call ] && extra=(--stream-in-call)
+      n=$(( c == 1 ? 8 : 192 ))
+      run_section serve-stream-c$c-$arm env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve \
+          --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 \
+          --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts $n \
+          --max-concurrency $c --ignore-eos --num-warmups 4 "${extra[@]}" --disable-tqdm \
+          --server-log "$OUT/serve_stream_c${c}_${arm}_server.log" --output-json "$OUT/serve_stream_c${c}_${arm}.json"
+    done; done ;;
   # Issue 24: mrv2-jax serve vs vllm serve, the same vLLM client, concurrency 1..256 (needs the vLLM payload).
   # SERVE_COMPARE_ARGS adds flags (e.g. --servers vllm); TAG suffixes the file names.
   serve-compare) run_section serve-compare${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
