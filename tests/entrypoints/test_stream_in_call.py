@@ -99,3 +99,28 @@ def test_a_bad_stream_in_call_is_refused_by_name():
 
     with pytest.raises(ValueError, match="stream_in_call must be a bool"):
         EngineConfig(model=MODEL_NAME, stream_in_call="yes")
+
+
+def test_the_sink_gets_every_token_once_in_order_the_first_before_the_first_fused_call():
+    """In process: a streaming request's tokens reach the token sink exactly once each, in order:
+    the prefill's token when the first fused call is about to start (that call holds the host
+    until it ends), every later one from inside the calls; they are the offline tokens."""
+    from mrv2_jax.engine.request import Request
+
+    llm = make_llm(stream_in_call=True)
+    expected = llm.generate([LONG_PROMPT], SamplingParams(**FUSED), use_tqdm=False)[0].outputs[0].token_ids
+    got, calls_at_arrival = [], []
+
+    def sink(entries):
+        got.extend(entries)
+        calls_at_arrival.extend([llm.engine.runner.num_fused_calls] * len(entries))
+
+    assert llm.engine.attach_token_sink(sink)
+    calls = llm.engine.runner.num_fused_calls
+    llm.engine.add_request(Request("s", llm.tokenizer.encode(LONG_PROMPT), SamplingParams(**FUSED), streaming=True))
+    while llm.engine.has_work():
+        llm.engine.step()
+    assert [(r, i) for r, i, _ in got] == [("s", i) for i in range(FUSED["max_tokens"])]
+    assert [t for _, _, t in got] == list(expected)
+    assert calls_at_arrival[0] == calls  # token 0: before the first fused call
+    assert llm.engine.runner.num_fused_calls - calls < FUSED["max_tokens"] / 4
