@@ -25,7 +25,7 @@ from mrv2_jax.sampling_params import SamplingParams
 from tests.parity import FIXTURES
 
 # 26 blocks of 4 tokens for these prompts force a preemption; 8 tokens a step split the long prompt.
-ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=96, num_gpu_blocks=26,
+ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=8, max_model_len=96, num_gpu_blocks=26,
               block_size=4, show_progress=False, sampler_variants="greedy,all", compile_mode="lazy")
 PROMPTS = [[3, 5, 7, 9, 11], list(range(10, 40)), [4, 8], list(range(50, 70)), [60, 61, 62, 1, 2, 3, 4]]
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)

@@ -19,7 +19,7 @@ K_VALUES = (1, 4, 16)
 
 
 def make_llm(max_fused_steps: int) -> LLM:
-    return LLM(str(DEMO), dtype="float32", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
+    return LLM(str(DEMO), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128,
                num_gpu_blocks=256, block_size=4, show_progress=False, max_fused_steps=max_fused_steps)
 
 
