@@ -29,15 +29,31 @@ COPY_BANDWIDTH = 4.3e12  # bytes/s, the H200's measured copy bandwidth (docs/ben
 SHAPES = {"qkv_proj": (1024, 4096, 28), "o_proj": (2048, 1024, 28), "gate_up_proj": (1024, 6144, 28),
           "down_proj": (3072, 1024, 28), "lm_head": (1024, 151936, 1)}
 MGPU_ROWS = 64  # the shipped kernel's smallest tile on the rows' side (its B tile is 64 wide)
+H200_SMS = 132
 
 
 def mgpu_configs():
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-    n = hm.MatmulDimension.N
-    return {f"tm{tm}_tk{tk}_s{steps}": hm.TuningConfig(tile_m=tm, tile_n=32, tile_k=tk, max_concurrent_steps=steps,
-                                                       epi_tile_n=32, epi_tile_m=64, wg_dimension=n)
-            for tm in (64, 128) for tk in (64,) for steps in (4, 6)}
+    # Both warpgroups split the weight's rows (M); the rows' side is one 64-wide tile, which the
+    # real lowering needs (a 32-wide tile per warpgroup lowers in the interpreter but not for CUDA).
+    m = hm.MatmulDimension.M
+    return {f"tm{tm}_tk{tk}_s{steps}": hm.TuningConfig(tile_m=tm, tile_n=MGPU_ROWS, tile_k=tk,
+                                                       max_concurrent_steps=steps, epi_tile_n=64, epi_tile_m=64,
+                                                       wg_dimension=m)
+            for tm, tk, steps in ((64, 64, 4), (64, 64, 8), (128, 64, 3), (128, 64, 4))}
+
+
+def lowers_for_cuda(config, k: int, n: int) -> None:
+    """Raise what the Mosaic GPU lowering for CUDA refuses (run on any backend: the interpreter
+    accepts tilings the real lowering does not)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    hm.get_num_sms = lambda: H200_SMS  # no GPU to ask; the grid the H200 would get
+    w_t, x_t = jax.ShapeDtypeStruct((n, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, MGPU_ROWS), jnp.bfloat16)
+    jax.jit(lambda w, x: hm.matmul(w, x, None, config)).trace(w_t, x_t).lower(lowering_platforms=("cuda",))
 
 
 def projections(way: str, config=None):
@@ -100,6 +116,13 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
         def check(outs):
             return max(float(np.max(np.abs(np.asarray(o, np.float32)[:, :rows].T - r)))
                        for o, r in zip(outs, reference))
+        if jax.default_backend() != "gpu":
+            try:
+                lowers_for_cuda(config, k, n)
+            except Exception as exc:  # noqa: BLE001 - reported like a refusal on the GPU
+                results.append({"shape": name, "k": k, "n": n, "rows": rows, "way": f"mgpu {config_name}",
+                                "error": f"CUDA lowering: {type(exc).__name__}: {str(exc)[:200]}"})
+                continue
         row(f"mgpu {config_name}", projections("mgpu", config), (x_t, weights_t), check)
     return results
 
