@@ -60,13 +60,14 @@ def bits(x):
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_fn(**kw):
-    return jax.jit(functools.partial(write_kv, interpret=not on_gpu, **kw))
+def kernel_fn(kernel=write_kv, **kw):
+    return jax.jit(functools.partial(kernel, interpret=not on_gpu, **kw))
 
 
-def check(case, layer, **kw):
+def check(case, layer, kernel=write_kv, **kw):
+    """`kernel`'s result == the reference's, bit for bit, and the reference == a numpy loop."""
     k, v, k_new, v_new, slots = case
-    k_out, v_out = kernel_fn(**kw)(k, v, k_new, v_new, slots, jnp.int32(layer))
+    k_out, v_out = kernel_fn(kernel, **kw)(k, v, k_new, v_new, slots, jnp.int32(layer))
     k_ref, v_ref = jax.jit(write_kv_reference)(k, v, k_new, v_new, slots, jnp.int32(layer))
     # Kernel == reference bit for bit (NaN poison included) ...
     np.testing.assert_array_equal(bits(k_out), bits(k_ref))
@@ -173,18 +174,8 @@ def test_gpu_qwen3_shapes_in_place():
 # ----------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def mgpu_fn(**kw):
-    return jax.jit(functools.partial(write_kv_mgpu, interpret=not on_gpu, **kw))
-
-
 def check_mgpu(case, layer, **kw):
-    k, v, k_new, v_new, slots = case
-    k_out, v_out = mgpu_fn(**kw)(k, v, k_new, v_new, slots, jnp.int32(layer))
-    k_ref, v_ref = jax.jit(write_kv_reference)(k, v, k_new, v_new, slots, jnp.int32(layer))
-    np.testing.assert_array_equal(bits(k_out), bits(k_ref))  # NaN poison included
-    np.testing.assert_array_equal(bits(v_out), bits(v_ref))
-    return k_out, v_out
+    return check(case, layer, kernel=write_kv_mgpu, **kw)
 
 
 @pytest.mark.parametrize("T, layer", [(1, 0), (4, 2), (9, 1)])  # below, at and past a multiple of block_t
