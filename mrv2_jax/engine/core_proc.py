@@ -252,11 +252,13 @@ class EngineCoreProc:
         self.engine.attach_token_sink(None)
         import jax
 
-        jax.effects_barrier()
-        with self._stream_lock:
-            for sock in self._stream_outs:
-                sock.close()
-            self._stream_outs = []
+        try:
+            jax.effects_barrier()
+        finally:
+            with self._stream_lock:
+                for sock in self._stream_outs:
+                    sock.close()
+                self._stream_outs = []
 
     def stats(self) -> M.CoreStats:
         scheduler = self.engine.scheduler
