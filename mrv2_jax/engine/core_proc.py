@@ -72,7 +72,7 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
         # Tokens streamed from inside fused calls go out on sockets of their own: they are sent
         # from XLA's callback thread, and a ZMQ socket belongs to one thread.
         stream_outs = []
-        if getattr(engine.runner, "stream_in_call", False):
+        if engine.runner.stream_in_call:
             for addr in output_addrs:
                 sock = ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)

@@ -59,7 +59,7 @@ class EngineCore:
                 request.grammar = request.automaton
         # Streamed from inside fused calls: tokens only (no logprobs), and ended on the device.
         request.streams_in_call = (request.streaming and params.logprobs is None
-                                   and stops_on_device(params, self.runner.eos_token_ids or ()))
+                                   and stops_on_device(params, self.runner.eos_token_ids))
         self.scheduler.add_request(request)
         if request.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = []
@@ -69,7 +69,7 @@ class EngineCore:
         index, token) for each step, on an XLA thread, for requests that `streams_in_call`; False
         (nothing attached) when the runner was not built for it (EngineConfig.stream_in_call).
         None detaches the sink."""
-        if not getattr(self.runner, "stream_in_call", False):
+        if not self.runner.stream_in_call:
             return False
         if sink is None:
             self.runner.token_sink = None

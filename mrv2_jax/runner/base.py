@@ -30,6 +30,8 @@ class RunnerBase:
 
     max_fused_rows = 0  # V2 sets its own when it compiles fused decode
     num_fused_calls = 0
+    stream_in_call = False  # V2 may stream fused steps' tokens (runner/fused.py)
+    token_sink = None
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
     automaton_pool = None
 

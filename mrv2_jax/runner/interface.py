@@ -6,6 +6,7 @@ returns only through `StepOutcome`. Both are `runtime_checkable`, so a test can 
 runner (or a stand-in one) provides every member; anything else a runner holds is its own.
 """
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from mrv2_jax.runner.automaton_pool import AutomatonPool
@@ -52,6 +53,12 @@ class Runner(Protocol):
     # The pool's host bookkeeping (runner/automaton_pool.py), which the scheduler reserves places
     # in when it admits a constrained request; None when the runner cannot run constraints.
     automaton_pool: AutomatonPool | None
+    # The model's EOS ids (a request stops on them unless it ignores EOS).
+    eos_token_ids: tuple[int, ...]
+    # Fused decode hands each step's tokens to `token_sink` from inside the call (EngineCore.
+    # attach_token_sink sets it); False: it never does, and `token_sink` stays None.
+    stream_in_call: bool
+    token_sink: Callable[[list[tuple[str, int, int]]], None] | None
 
     def execute(self, out: SchedulerOutput) -> StepOutcome:
         """Apply the scheduler's changes (finished, new and continuing requests) and run the step it
