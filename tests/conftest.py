@@ -63,7 +63,7 @@ LONGEST_FIRST = ("test_engine.py", "group:server", "test_notebooks.py", "test_mo
                  "test_multihost.py", "test_expert_parallel.py", "test_data_parallel.py", "test_bench.py",
                  "test_sampler.py", "test_sampling_engine.py", "test_prompt_logprobs.py", "test_runner_v2.py",
                  "test_fp8.py", "test_bench_serve.py", "test_ragged_paged_attention.py", "test_benchmarks.py",
-                 "test_fused_decode.py", "test_cli.py")
+                 "test_fused_decode.py", "test_stream_in_call.py", "test_cli.py")
 
 
 def _unit_name(scope: str) -> str:
