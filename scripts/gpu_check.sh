@@ -26,6 +26,10 @@
 # or the vLLM payload (../shared/peers/vllm/README.md, split in four parts: carry .vx1 ... .vx4 in four
 # calls, the last one running `vllm-payload`; docs/benchmarks.md says how) installs them into /tmp/site.
 set -uo pipefail
+if [[ -n "${MRV2_GIT_SHA:-}" && ! "$MRV2_GIT_SHA" =~ ^[0-9a-f]{7,40}$ ]]; then
+  echo "gpu_check: MRV2_GIT_SHA must be the literal commit sha (7-40 hex digits), got '$MRV2_GIT_SHA'" >&2
+  exit 2
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
 sections=${*:-"env tests oracle load attention throughput"}
