@@ -90,12 +90,13 @@ class _EngineLink:
         return msg
 
     # --- talking to the engine ------------------------------------------------------------
-    def send(self, msg: M.ToEngine) -> None:
-        """Send a command (any thread; never blocks)."""
+    def send(self, msg: M.ToEngine, flags: int = 0) -> None:
+        """Send a command (any thread; never blocks while the engine reads; `zmq.NOBLOCK`
+        raises zmq.Again instead of waiting for an engine that no longer reads)."""
         data = self._encoder.encode(msg)
         with self._send_lock:
             if not self._closed:
-                self._input.send(data, copy=False)
+                self._input.send(data, flags, copy=False)
 
     def _read(self):
         return self._decoder.decode(self._output.recv(copy=False).buffer)
@@ -194,13 +195,10 @@ class CoreClient(_EngineLink):
         socket while its process still exits, and a PUSH with no peer blocks."""
         if not self._shutdown_sent and self.process.is_alive():
             self._shutdown_sent = True
-            data = self._encoder.encode(M.Shutdown())
-            with self._send_lock:
-                if not self._closed:
-                    try:  # an engine that is exiting (after a failed step) has closed its end already
-                        self._input.send(data, zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        pass
+            try:  # an engine that is exiting (after a failed step) has closed its end already
+                self.send(M.Shutdown(), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask the engine to stop, wait up to `timeout` s, then terminate (and kill) it."""

@@ -63,7 +63,8 @@ class EngineConfig:
     # V2, the server's engine process: fused decode hands each step's tokens to the streams from
     # inside the call (runner/fused.py), so streaming requests keep max_fused_steps and still get
     # a chunk per token; requests with logprobs, or more stop ids than the device checks, keep
-    # the stream interval. Offline and in-process engines ignore it.
+    # the stream interval. Only the server's engine process attaches a sink: elsewhere the fused
+    # calls still make their callbacks, which hand the tokens to nobody.
     stream_in_call: bool = False
     # Sampler variants compiled per bucket, cheapest first, e.g. "greedy,plain,all"; each step
     # runs the first that covers its batch (sample/features.py). Default: greedy,plain,full,all on

@@ -78,7 +78,7 @@ class EngineCore:
         requests = self.scheduler.requests
 
         def to_streams(entries):
-            entries = [e for e in entries if getattr(requests.get(e[0]), "streams_in_call", False)]
+            entries = [e for e in entries if (r := requests.get(e[0])) is not None and r.streams_in_call]
             if entries:
                 sink(entries)
 
@@ -123,8 +123,9 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if self.hooks is not None:
             self.hooks.step_scheduled(scheduled)
+        read_early = []
         if self.scheduler.streams_in_call and scheduled.num_fused_steps > 1 and self._in_flight is not None:
-            return self._stream_then_fuse(scheduled)
+            read_early = self._read_and_stream_in_flight()
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
         result = self.runner.execute(scheduled)
@@ -133,25 +134,25 @@ class EngineCore:
         previous = self._in_flight
         self._in_flight = (scheduled, result) if scheduled.total_num_scheduled_tokens else None
         if previous is None:
-            return []
+            return read_early
         return self._update(*previous)
 
-    def _stream_then_fuse(self, scheduled: SchedulerOutput) -> list[EngineCoreOutput]:
-        """A fused call that streams from inside holds the host until it ends (each step's
-        callback waits for the device), so the step in flight is read first and its tokens go to
-        the streams before the call starts: a request's first token does not wait for K steps."""
+    def _read_and_stream_in_flight(self) -> list[EngineCoreOutput]:
+        """Before a fused call that streams from inside: such a call holds the host until it ends
+        (each step's callback waits for the device), so the step in flight is read now and its
+        tokens go to the streams first: a request's first token does not wait for K steps."""
         previous, self._in_flight = self._in_flight, None
         outputs = self._update(*previous)
+        if previous[0].num_fused_steps > 1:
+            return outputs  # a fused call streamed its own tokens
         entries = []
-        for out in outputs if previous[0].num_fused_steps <= 1 else ():  # (a fused call streamed its own)
+        for out in outputs:
             request = self.scheduler.requests.get(out.req_id)
             if request is not None and out.new_token_ids:
                 first = request.num_output_tokens - len(out.new_token_ids)
                 entries += [(out.req_id, first + i, t) for i, t in enumerate(out.new_token_ids)]
         if entries and self.runner.token_sink is not None:
             self.runner.token_sink(entries)
-        result = self.runner.execute(scheduled)
-        self._in_flight = (scheduled, result) if scheduled.total_num_scheduled_tokens else None
         return outputs
 
     def _update(self, scheduled: SchedulerOutput, result: StepOutcome) -> list[EngineCoreOutput]:

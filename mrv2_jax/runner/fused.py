@@ -46,12 +46,16 @@ from mrv2_jax.sample.sampler import SamplerOutput
 from mrv2_jax.sampling_params import SamplingParams
 
 
+def _stop_ids(params: SamplingParams, eos_token_ids) -> list[int]:
+    """The ids that end this request, each once, stop_token_ids first."""
+    return list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]))
+
+
 def device_stop_ids(params: SamplingParams, eos_token_ids) -> np.ndarray:
     """int32[MAX_DEVICE_STOP_IDS]: the ids that end this request, -1 padded. Only the first
     ones are kept (the host still checks every token: see MAX_DEVICE_STOP_IDS)."""
-    ids = list(dict.fromkeys([*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]))
+    ids = _stop_ids(params, eos_token_ids)[:MAX_DEVICE_STOP_IDS]
     out = np.full(MAX_DEVICE_STOP_IDS, -1, np.int32)
-    ids = ids[:MAX_DEVICE_STOP_IDS]
     out[: len(ids)] = ids
     return out
 
@@ -59,8 +63,7 @@ def device_stop_ids(params: SamplingParams, eos_token_ids) -> np.ndarray:
 def stops_on_device(params: SamplingParams, eos_token_ids) -> bool:
     """Whether the device checks every id that ends this request (then a fused call's tokens
     are exactly the ones the host will keep)."""
-    ids = {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
-    return len(ids) <= MAX_DEVICE_STOP_IDS
+    return len(_stop_ids(params, eos_token_ids)) <= MAX_DEVICE_STOP_IDS
 
 
 def fused_layout(bucket: Bucket, block_size: int, max_steps: int) -> PackedLayout:
