@@ -28,8 +28,19 @@ import zmq
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.engine_config import EngineConfig
-from mrv2_jax.engine.tokenizer import load_tokenizer
+from mrv2_jax.engine.tokenizer import TokenizerPreload, load_tokenizer
+from mrv2_jax.models.paths import resolve_model_path
 from mrv2_jax.without_torch import keep_torch_out
+
+
+def _tokenizer_path(engine_args: dict) -> Path | None:
+    """Where the engine process will load its tokenizer from (it says so when ready)."""
+    if engine_args.get("tokenizer"):
+        return Path(engine_args["tokenizer"])
+    try:
+        return resolve_model_path(engine_args.get("model"))
+    except FileNotFoundError:  # the engine process reports it
+        return None
 
 
 class EngineStartupError(RuntimeError):
@@ -72,7 +83,7 @@ class _EngineLink:
         engine, or for an attached client the serving process), for a poller over several links."""
         return self._output, self._watched_sentinel
 
-    def _wait_ready(self, timeout: float, exitcode) -> M.Ready:
+    def _wait_ready(self, timeout: float, exitcode, preload: TokenizerPreload | None = None) -> M.Ready:
         try:
             msg = self.recv(timeout)
         except EngineProcessDied as died:
@@ -86,7 +97,10 @@ class _EngineLink:
         if not isinstance(msg, M.Ready):
             raise EngineStartupError(f"the engine process sent {type(msg).__name__} before it was ready")
         self.ready = msg
-        self.tokenizer = load_tokenizer(Path(msg.tokenizer_path)) if msg.tokenizer_path else None
+        if preload is not None:
+            self.tokenizer = preload.get(msg.tokenizer_path)
+        else:
+            self.tokenizer = load_tokenizer(Path(msg.tokenizer_path)) if msg.tokenizer_path else None
         return msg
 
     # --- talking to the engine ------------------------------------------------------------
@@ -163,11 +177,12 @@ class CoreClient(_EngineLink):
         self.process = multiprocessing.get_context("spawn").Process(
             target=_engine_process, args=(dict(engine_args), inputs, outputs), name="mrv2-engine-core", daemon=True)
         self.process.start()
+        preload = TokenizerPreload(_tokenizer_path(engine_args))  # loads while the engine starts
         self._watched_sentinel = self.process.sentinel
         self._poller.register(self.process.sentinel, zmq.POLLIN)
         try:
             deadline = time.monotonic() + startup_timeout
-            self._wait_ready(startup_timeout, lambda: self._exitcode_by(deadline))
+            self._wait_ready(startup_timeout, lambda: self._exitcode_by(deadline), preload)
         except BaseException:
             self.close(timeout=5.0)
             raise

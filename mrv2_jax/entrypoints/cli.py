@@ -122,10 +122,9 @@ def cmd_convert(args) -> int:
 
 
 def _import_for_serving() -> None:
-    """What the API process needs once the engine is ready (FastAPI and the server, transformers'
-    tokenizer), imported on a thread while the engine process starts instead of before or after."""
-    from transformers import AutoTokenizer  # noqa: F401
-
+    """What the API process needs once the engine is ready (FastAPI and the server), imported on a
+    thread while the engine process starts instead of before or after (the tokenizer loads on a
+    thread of its own: core_client.py)."""
     from mrv2_jax.entrypoints.openai_server import import_lazy_modules
 
     import_lazy_modules()

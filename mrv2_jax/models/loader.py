@@ -8,7 +8,6 @@ checkpoint (config.json + *.safetensors, sharded or not) or one written by `mrv2
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -19,36 +18,21 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mrv2_jax import envs
 from mrv2_jax.models.decoder import CausalLM, init_kind, init_of_kind
 from mrv2_jax.models.model_state import ModelState, WeightSource, model_state_for
+from mrv2_jax.models.paths import CHECKPOINTS_DIR, DEFAULT_MODEL, resolve_model_path  # noqa: F401 (re-exported)
+from mrv2_jax.transformers_lock import TRANSFORMERS_LOCK
 
-CHECKPOINTS_DIR = Path(envs.read("MRV2_CHECKPOINTS") or Path(__file__).resolve().parents[2] / "checkpoints")
-DEFAULT_MODEL = "demo"
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
 DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32,
           "f32": jnp.float32, "float16": jnp.float16}
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A preset name, `demo`, or a directory -> the directory holding config.json."""
-    model = str(model or DEFAULT_MODEL)
-    candidates = [Path(model).expanduser()]
-    if model == DEFAULT_MODEL:
-        candidates.insert(0, CHECKPOINTS_DIR / "demo-qwen3")
-    candidates.append(CHECKPOINTS_DIR / "presets" / model.lower())
-    for path in candidates:
-        if (path / "config.json").is_file():
-            return path
-    presets = sorted(p.name for p in (CHECKPOINTS_DIR / "presets").glob("*") if p.is_dir())
-    raise FileNotFoundError(
-        f"model {model!r} is neither a directory with a config.json nor a preset ({', '.join(presets)})")
-
-
 def load_hf_config(path: Path):
-    from transformers import AutoConfig
+    with TRANSFORMERS_LOCK:
+        from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path))
+        return AutoConfig.from_pretrained(str(path))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
