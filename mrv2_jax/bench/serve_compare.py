@@ -11,7 +11,8 @@ The client is vLLM's own `bench serve` (`--client vllm`, the default where vLLM 
 client processes side by side, each with its share of the streams and prompts, so that one
 client process is not the bottleneck; their per-request records are pooled into one set of
 metrics (output tok/s over the slowest process's duration, mean TTFT / TPOT / ITL, P99 ITL).
-Each client process's CPU time over its wall time is recorded: near 1.0 means that client was
+Each client process's CPU time per wall second during its run (its last `duration` seconds,
+sampled from /proc: without its imports and set-up) is recorded: near 1.0 means that client was
 busy all the time and may have held the server back (the table says so).
 
 vLLM is found as `bench compare` finds it (`--vllm-python`, `--vllm-site`; ../shared/peers/vllm).
@@ -34,6 +35,7 @@ import numpy as np
 
 from mrv2_jax.bench.compare import vllm_available, vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
+from mrv2_jax.bench.process_cpu import CpuSampler
 from mrv2_jax.bench.serve import LaunchedServer, free_port
 from mrv2_jax.entrypoints.cli import add_engine_args
 
@@ -116,11 +118,12 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) ->
         env = vllm_env(args, "1") if client == "vllm" else None
         proc = subprocess.Popen(client_command(args, client, url, streams, n, args.dataset_seed + i, out), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        running.append((proc, out, time.perf_counter()))
-    rows, durations, busy, errors = [], [], [], []
-    for proc, out, start in running:
+        running.append((proc, out, time.perf_counter(), CpuSampler(proc.pid)))
+    rows, durations, busy, busy_run, errors = [], [], [], [], []
+    for proc, out, start, sampler in running:
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
+        sampler.stop()
         proc.returncode = os.waitstatus_to_exitcode(status)
         stderr = proc.stderr.read()
         if proc.returncode != 0:
@@ -130,11 +133,16 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) ->
         rows += got
         durations.append(duration)
         busy.append((usage.ru_utime + usage.ru_stime) / wall)
+        busy_run.append(sampler.busy_over_last(duration))
     if errors:
         raise RuntimeError(f"{len(errors)} client process(es) failed at concurrency {concurrency}: {errors[0]}")
     metrics = pooled_metrics(rows, max(durations))
+    # The run's own load (its last `duration` seconds) where it could be sampled, else the whole life's.
+    run = [b for b in busy_run if b is not None]
+    busy_max = max(run) if len(run) == len(busy_run) else max(busy)
     metrics |= {"concurrency": concurrency, "client_processes": processes, "prompts": prompts,
-                "client_cpu_busy_max": max(busy), "client_may_be_bound": max(busy) > CLIENT_BUSY}
+                "client_cpu_busy_max": busy_max, "client_cpu_busy_whole_max": max(busy),
+                "client_cpu_busy_is_run": len(run) == len(busy_run), "client_may_be_bound": busy_max > CLIENT_BUSY}
     return metrics
 
 
@@ -185,7 +193,8 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--client", choices=("vllm", "mrv2", "auto"), default="auto",
                    help="the streaming client (auto: vLLM's where it imports, else mrv2-jax's)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    p.add_argument("--streams-per-client", type=int, default=64, help="streams per client process")
+    p.add_argument("--streams-per-client", type=int, default=8,
+                   help="streams per client process (one Python client process keeps up with a few streams only)")
     p.add_argument("--prompts-per-stream", type=int, default=3)
     p.add_argument("--min-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
