@@ -198,17 +198,22 @@ def test_bench_fused_decode(tmp_path):
     out = tmp_path / "fused.json"
     engine = [a for a in ENGINE if a not in ("--max-num-seqs", "8")]
     engine[engine.index("--max-num-batched-tokens") + 1] = "8"  # one bucket: a quick start-up
-    assert cli.main(["bench", "fused", "--batches", "1", "2", "--fused-steps", "1", "4", "--input-len", "8",
-                     "--output-len", "12", "--output-json", str(out), *engine]) == 0
+    assert cli.main(["bench", "fused", "--batches", "1", "2", "--fused-steps", "1", "4", "--in-call", "--input-len",
+                     "8", "--output-len", "12", "--output-json", str(out), *engine]) == 0
     report = json.loads(out.read_text())
     assert ENVIRONMENT_KEYS <= report.keys() and report["settings"]["max_num_seqs"] == 2
-    rows = {(r["max_fused_steps"], r["batch"]): r for r in report["results"]}
-    assert set(rows) == {(1, 1), (1, 2), (4, 1), (4, 2)}
-    for (k, _), r in rows.items():
+    rows = {(r["max_fused_steps"], r["stream_in_call"], r["batch"]): r for r in report["results"]}
+    assert set(rows) == {(1, False, 1), (1, False, 2), (4, False, 1), (4, False, 2), (4, True, 1), (4, True, 2)}
+    for (k, _, _), r in rows.items():
         assert r["output_tokens_per_s"] > 0 and r["ms_per_token"] > 0 and r["device_ms_per_token"] > 0
         assert (r["fused_calls"] > 0) == (k > 1)
-    # Fused decode needs fewer dispatches per token.
-    assert rows[4, 1]["dispatches_per_token"] < rows[1, 1]["dispatches_per_token"]
+    # Fused decode needs fewer dispatches per token; streamed from inside the calls, its tokens
+    # still arrive one at a time, where plain fused calls hand over several at once.
+    assert rows[4, False, 1]["dispatches_per_token"] < rows[1, False, 1]["dispatches_per_token"]
+    assert rows[4, True, 1]["dispatches_per_token"] == rows[4, False, 1]["dispatches_per_token"]
+    for b in (1, 2):
+        assert rows[1, False, b]["deliveries_per_token"] == rows[4, True, b]["deliveries_per_token"] == 1.0
+        assert rows[4, False, b]["deliveries_per_token"] < 0.6
 
 
 def test_decode_step_capture_keeps_the_chosen_full_decode_dispatch():
