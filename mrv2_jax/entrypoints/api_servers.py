@@ -30,6 +30,19 @@ from mrv2_jax.without_torch import keep_torch_out
 logger = logging.getLogger(__name__)
 
 
+# CPU cores per API server process in `serve`'s default, and the most it starts by default.
+CORES_PER_API_SERVER = 4
+MAX_DEFAULT_API_SERVERS = 4
+
+
+def default_api_server_count(cpu_count: int | None = None) -> int:
+    """`serve`'s API server processes when not given: one per CORES_PER_API_SERVER cores (the engine
+    process and the clients need cores too), at least 1, at most MAX_DEFAULT_API_SERVERS."""
+    if cpu_count is None:
+        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_API_SERVERS, cpu_count // CORES_PER_API_SERVER))
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on host:port that other processes may bind too (SO_REUSEPORT)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

@@ -140,9 +140,12 @@ def cmd_serve(args) -> int:
 
     from mrv2_jax.async_llm import AsyncLLM
     from mrv2_jax.engine.distributed import refuse_serving
+    from mrv2_jax.entrypoints.api_servers import default_api_server_count
     from mrv2_jax.process_clock import process_age_s
 
     refuse_serving(args.num_processes)  # before any process or thread starts
+    if args.api_server_count is None:
+        args.api_server_count = 1 if args.engine_in_process else default_api_server_count()
     # Where this process's start-up goes (seconds since it started), logged once it serves.
     startup = {"serve_entered_s": process_age_s()}
 
@@ -257,10 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--engine-in-process", action="store_true",
                       help="run the engine on a thread of the server process instead of its own process "
                            "(debugging; the server then shares one GIL with the engine)")
-    http.add_argument("--api-server-count", type=int, default=1, metavar="N",
+    http.add_argument("--api-server-count", type=int, default=None, metavar="N",
                       help="API server processes sharing the port and the engine: each does HTTP, tokenization, "
-                           "detokenization and streaming for its own connections (default 1; more keep up with "
-                           "hundreds of streams)")
+                           "detokenization and streaming for its own connections, so that hundreds of streams "
+                           "keep up (default: one per 4 CPU cores, at most 4; 1 with --engine-in-process)")
     http.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                       help="engine replicas, one process and one device each (the i-th of CUDA_VISIBLE_DEVICES); "
                            "each request goes to the replica with the fewest open requests (default 1)")

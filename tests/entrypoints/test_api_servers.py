@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.async_llm import AsyncLLM
-from mrv2_jax.entrypoints.api_servers import ApiServerProcesses, listening_socket
+from mrv2_jax.entrypoints.api_servers import ApiServerProcesses, default_api_server_count, listening_socket
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.sampling_params import SamplingParams
 from tests.entrypoints.test_serve_cli import ENGINE_FLAGS, _children, _free_port, _gone
@@ -195,3 +195,12 @@ def test_the_api_server_processes_load_no_jax():
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_serve_starts_one_api_process_per_four_cores_by_default():
+    from mrv2_jax.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).api_server_count is None  # resolved by `serve`
+    cores_to_count = {1: 1, 2: 1, 7: 1, 8: 2, 12: 3, 16: 4, 128: 4}
+    assert {c: default_api_server_count(c) for c in cores_to_count} == cores_to_count
+    assert 1 <= default_api_server_count() <= 4
