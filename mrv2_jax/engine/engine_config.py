@@ -45,6 +45,10 @@ class EngineConfig:
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
+    # V2: ordinary step programs of buckets with at most this many tokens unroll every layer (one
+    # command buffer per call, a cheaper call for the host at small batches); larger buckets and
+    # fused decode keep `layer_unroll`. 0: none.
+    unrolled_layers_max_tokens: int = 0
     # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
     # short stall then) or "background" (on threads while the engine serves; a step whose program
     # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
@@ -112,6 +116,10 @@ class EngineConfig:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
+        if not isinstance(self.unrolled_layers_max_tokens, int) or self.unrolled_layers_max_tokens < 0:
+            raise ValueError(f"unrolled_layers_max_tokens must be an int >= 0, got {self.unrolled_layers_max_tokens!r}")
+        if self.runner == "v1" and self.unrolled_layers_max_tokens:
+            raise ValueError("unrolled_layers_max_tokens needs the v2 runner")
         if self.max_fused_steps is None:
             # Fused decode runs K plain decode steps per call with no draft verification, so
             # speculative decoding turns it off (docs/architecture.md, "Speculative decoding").

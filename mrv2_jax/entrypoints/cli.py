@@ -55,6 +55,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
+    g.add_argument("--unrolled-layers-max-tokens", type=int, default=0, metavar="TOKENS",
+                   help="v2: step programs of buckets with at most this many tokens unroll every layer (a "
+                        "cheaper call for the host at small batches; fused decode and larger buckets keep "
+                        "--layer-unroll); 0: none")
     g.add_argument("--compile-mode", default=None, choices=["eager", "lazy", "background"],
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
                         "on threads beside the serving engine (background: it serves at once, a step whose "

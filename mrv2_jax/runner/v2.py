@@ -16,6 +16,7 @@ tail of the step: decode rows carry drafts read from the token table, the step v
 writes the next drafts there; the host reads 1..1+k tokens per row, one step later as usual.
 """
 
+import functools
 import time
 
 import jax
@@ -124,13 +125,15 @@ class ModelRunnerV2(RunnerBase):
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
-                 stream_in_call: bool = False):
+                 stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
         to `max_fused_rows` rows; it cannot be combined with a spec decoder.
         `stream_in_call`: fused decode hands each step's tokens to `token_sink` (set by the
         server's engine process) during the call; not with tensor parallelism.
+        `unrolled_layers_max_tokens`: the step programs of buckets with at most this many tokens
+        unroll every decoder layer (fused decode and larger buckets keep the model's loop).
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder."""
         if spec_decoder is not None and tensor_parallel is not None:
@@ -167,6 +170,7 @@ class ModelRunnerV2(RunnerBase):
         # smallest bucket with that many rows.
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
+        self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         by_rows = {}
         for b in self.buckets:
             if max_fused_steps > 1 and b.num_reqs <= max_fused_rows:
@@ -201,9 +205,15 @@ class ModelRunnerV2(RunnerBase):
              **({"next_prompt": (r,)} if self.spec else {})},
             float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
-    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures):
+    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False):
         block_size, use_kernels = self.block_size, self.use_kernels
         mesh = None if self.tp is None else self.tp.mesh
+
+        def model(param_leaves):
+            lm = self.params.merge(param_leaves)
+            if unroll_layers:
+                lm.layer_unroll = True  # a fresh module per trace: the other programs keep the loop
+            return lm
 
         def step(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
             x = layout.unpack(packed)
@@ -220,13 +230,13 @@ class ModelRunnerV2(RunnerBase):
                                        inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels, mesh=mesh)
             if self.spec is not None:
                 kv_cache, state, sampler_state, spec_state, out = self.spec.v2_step(
-                    self.params.merge(param_leaves), spec_params, spec_state, kv_cache, state, sampler_state,
+                    model(param_leaves), spec_params, spec_state, kv_cache, state, sampler_state,
                     idx_mapping=x["idx_mapping"], num_reqs=x["num_reqs"], inputs=inputs, attention=attention,
                     sampling=sampling, sampler_rows=sampler_rows, penalties=penalties, features=features,
                     next_prompt_token=x["next_prompt"] - 1)
                 return kv_cache, state, sampler_state, out, spec_state
             kv_cache, out = forward_and_sample(
-                self.params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids,
+                model(param_leaves), kv_cache, input_ids=inputs.input_ids,
                 positions=inputs.positions, attention=attention, logits_indices=inputs.logits_indices,
                 sampling=sampling, features=features, penalties=penalties, prompt_targets=x["prompt_targets"],
                 automata=(sampler_state.automata, self.eos_for_masks))
@@ -259,7 +269,8 @@ class ModelRunnerV2(RunnerBase):
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
         K decode steps (the buckets in `fused_buckets`)."""
-        steps = {("step", b): (self._layout(b), self._step_fn) for b in self.buckets}
+        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=(
+            b.num_tokens <= self.unrolled_layers_max_tokens))) for b in self.buckets}
         steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
                                  lambda layout, features, b=b: self._fused_fn(b, layout, features))
                   for b in self.fused_buckets}

@@ -187,3 +187,20 @@ def test_unrolled_layer_loop_gives_the_same_tokens():
     assert got == want
     with pytest.raises(ValueError, match="layer_unroll"):
         make_llm(layer_unroll=-1)
+
+
+def test_small_buckets_with_unrolled_layers_give_the_same_tokens():
+    """unrolled_layers_max_tokens: the 8-token bucket's step program unrolls the layers (no loop in
+    its HLO), the 16-token bucket's keeps the scan, and greedy tokens equal the looped engine's."""
+    prompts = random_prompts(6, seed=5)
+    want = [o.outputs[0].token_ids for o in make_llm(runner="v2", max_num_batched_tokens=8).generate(
+        prompts, GREEDY, use_tqdm=False)]
+    llm = make_llm(runner="v2", max_num_batched_tokens=16, unrolled_layers_max_tokens=8, max_fused_steps=1,
+                   sampler_variants="greedy,all")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    runner = llm.engine.runner
+    loops = {(b.num_tokens, "while" in programs[0].as_text()) for b, (_, programs) in runner.compiled.items()}
+    assert loops == {(8, False), (16, True)}
+    with pytest.raises(ValueError, match="unrolled_layers_max_tokens needs the v2 runner"):
+        make_llm(runner="v1", unrolled_layers_max_tokens=8)
