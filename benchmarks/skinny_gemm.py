@@ -8,10 +8,11 @@ Mosaic GPU (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`), at Qwen3-0.6B
 
 Each call runs the projection once for each of `--layers` distinct weights (as a decode step does
 over its layers), so the weights stream from HBM and not from L2. Reported per shape, rows and way:
-microseconds per projection (median over calls, divided by the layers), GB/s of weight read and the
-share of the 4.3 TB/s copy bandwidth; the mgpu way, whose time does not depend on the rows, at the
-largest `--rows` only. Every mgpu result is checked against the XLA dot first. On a
-CPU the mgpu way runs in Mosaic GPU's interpreter (tests, tiny shapes).
+microseconds per projection (median over calls, divided by the layers; beside it, on a GPU, the
+kernels' own time from a profiler trace), GB/s of weight read and the share of the 4.3 TB/s copy
+bandwidth; the mgpu way, whose time does not depend on the rows, at the largest `--rows` only.
+Every mgpu result is checked against the XLA dot first. On a CPU the mgpu way runs in Mosaic GPU's
+interpreter (tests, tiny shapes).
 
     python -m benchmarks.skinny_gemm --rows 1 8 32 --output-json skinny_gemm.json
 """
@@ -85,6 +86,7 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
     import numpy as np
 
     from benchmarks.timing import time_calls
+    from mrv2_jax.bench.trace import profile_kernels
 
     keys = jax.random.split(jax.random.key(0), layers + 1)
     weights = [jax.random.normal(keys[i], (k, n), jnp.bfloat16) * 0.02 for i in range(layers)]
@@ -102,8 +104,13 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
         except Exception as exc:  # noqa: BLE001 - a config the kernel refuses is a result, reported
             results.append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
             return
+        # The device's own time (a profiler trace; none on a CPU): what the call's wall time holds
+        # besides the kernels shows as the difference.
+        kernels = profile_kernels(fn, call_args, calls=5) if jax.default_backend() == "gpu" else []
+        kernel_us = sum(k["ms_per_step"] for k in kernels) * 1e3 / layers if kernels else None
         results.append(entry | {"us": seconds * 1e6, "gb_per_s": weight_bytes / seconds / 1e9,
-                                "copy_bw_share": weight_bytes / seconds / COPY_BANDWIDTH})
+                                "copy_bw_share": weight_bytes / seconds / COPY_BANDWIDTH, "kernel_us": kernel_us,
+                                "kernels": [k["kernel"] for k in kernels[:3]]})
 
     xla_fn = projections("xla")
     reference = [np.asarray(y, np.float32) for y in xla_fn(x, weights)]
@@ -146,13 +153,15 @@ def main(argv=None):
         for rows in args.rows:
             # The mgpu way pads the rows to 64: its time does not depend on them, so it runs once.
             results += measure(name, k, n, args.layers or layers, rows, args, with_mgpu=rows == max(args.rows))
-    print(f"{'shape':>12} {'rows':>4} {'way':>22} {'us':>8} {'GB/s':>7} {'of copy BW':>10} {'max err':>8}")
+    print(f"{'shape':>12} {'rows':>4} {'way':>22} {'us':>8} {'kernel us':>9} {'GB/s':>7} {'of copy BW':>10} "
+          f"{'max err':>8}")
     for r in results:
         if "error" in r:
             print(f"{r['shape']:>12} {r['rows']:>4} {r['way']:>22}  {r['error']}")
             continue
         err = f"{r['max_abs_error']:.3g}" if "max_abs_error" in r else ""
-        print(f"{r['shape']:>12} {r['rows']:>4} {r['way']:>22} {r['us']:8.1f} {r['gb_per_s']:7.0f} "
+        kernel = "-" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
+        print(f"{r['shape']:>12} {r['rows']:>4} {r['way']:>22} {r['us']:8.1f} {kernel:>9} {r['gb_per_s']:7.0f} "
               f"{r['copy_bw_share']:10.1%} {err:>8}")
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment
