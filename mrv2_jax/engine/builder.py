@@ -10,7 +10,7 @@ from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.startup import StartupReport
 from mrv2_jax.engine.tokenizer import load_tokenizer
-from mrv2_jax.models.loader import load_model, resolve_dtype
+from mrv2_jax.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
 from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.sample.features import SamplerKernels, default_variant_names, variants_by_name
@@ -129,13 +129,18 @@ def build_engine(config: EngineConfig, loaded_model=None):
     went. `loaded_model`: a `load_model` result to reuse (benchmarks that build several engines over
     one set of weights)."""
     report = StartupReport()
-    enable_compilation_cache()
-    with report.phase("backend"):
+    with report.phase("backend"):  # the cache's settings ask for the backend, which starts it
         import jax
 
+        enable_compilation_cache()
         jax.devices()
+    hf_config = None
+    if loaded_model is None:
+        with report.phase("model config"):
+            hf_config = load_hf_config(resolve_model_path(config.model))
     with report.phase("weights"):
-        model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed)
+        model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed,
+                                                           hf_config=hf_config)
     lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
     use_moe_backend(model_state, config.kernels)
     tensor_parallel = make_tensor_parallel(config.tensor_parallel_size, model_state, lm, config.enable_expert_parallel)

@@ -50,13 +50,15 @@ def init_model(hf_config, dtype=jnp.float32, seed: int = 0, layer_unroll: int | 
 
 
 def load_model(model=None, dtype="bfloat16", load_format: str = "auto", seed: int = 0,
-               layer_unroll: int | bool = 1) -> tuple[ModelState, CausalLM, Path]:
-    """Build the model and load its weights. Returns (model_state, model, model_dir)."""
+               layer_unroll: int | bool = 1, hf_config=None) -> tuple[ModelState, CausalLM, Path]:
+    """Build the model and load its weights. Returns (model_state, model, model_dir).
+    `hf_config`: the model's config when the caller has read it already."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = resolve_model_path(model)
     dtype = resolve_dtype(dtype)
-    hf_config = load_hf_config(path)
+    if hf_config is None:
+        hf_config = load_hf_config(path)
     if load_format == "auto":
         load_format = "orbax" if (path / "params").is_dir() else "safetensors"
     if load_format == "dummy":
