@@ -1,25 +1,35 @@
 """How close a decode step's projections come to streaming their weights at the memory floor, for
 M <= 32 rows (issue 26): XLA's dot (cuBLAS on GPUs) against jax's shipped Hopper matmul on Pallas
-Mosaic GPU (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`), at Qwen3-0.6B's shapes.
+Mosaic GPU (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`) and our split-K weight-streaming
+kernel (`pallas_kernels.skinny_gemm_mgpu`), at Qwen3-0.6B's shapes.
 
   xla     y[M, N] = x[M, K] @ W[K, N], one dot per layer's weight
   mgpu    y^T[N, 64] = W^T[N, K] @ x^T[K, 64]: the weight is the kernel's big operand and the rows
           its small one, padded to 64 (the shipped kernel's smallest tile on that side)
+  splitk  skinny_matmul(x, W): the rows padded to 8/16/32, K split so that even a 1024-wide
+          output makes a few hundred CTAs, f32 partials summed by a second (XLA) op; both times
+          (wall and kernels') include the padding and the sum. Configs: `auto` (the kernel's default rule: at least 2
+          CTAs per SM), `ctas1` and `ctas4` (the rule aiming at 1 or 4 CTAs per SM: fewer, longer
+          CTAs and fewer partials, or more and shorter), `tk128` (128-deep K tiles), `tn128`
+          (128-wide output tiles: fewer x bytes per weight byte)
 
 Each call runs the projection once for each of `--layers` distinct weights (as a decode step does
 over its layers), so the weights stream from HBM and not from L2. Reported per shape, rows and way:
 microseconds per projection (median over calls, divided by the layers; beside it, on a GPU, the
 kernels' own time from a profiler trace), GB/s of weight read and the share of the 4.3 TB/s copy
-bandwidth; the mgpu way, whose time does not depend on the rows, at the largest `--rows` only.
-Every mgpu result is checked against the XLA dot first. On a CPU the mgpu way runs in Mosaic GPU's
-interpreter (tests, tiny shapes).
+bandwidth; the mgpu way, whose time does not depend on the rows, at the largest `--rows` only (the
+splitk way at every `--rows` value: its work depends on them). Every mgpu and splitk result is
+checked against the XLA dot first. On a CPU both run in Mosaic GPU's interpreter (tests, tiny
+shapes), after their configs are lowered for CUDA (which refuses tilings the interpreter runs).
 
     python -m benchmarks.skinny_gemm --rows 1 8 32 --output-json skinny_gemm.json
+    python -m benchmarks.skinny_gemm --ways splitk --splitk-configs auto,ctas1 --rows 1 8 32
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -31,6 +41,26 @@ SHAPES = {"qkv_proj": (1024, 4096, 28), "o_proj": (2048, 1024, 28), "gate_up_pro
           "down_proj": (3072, 1024, 28), "lm_head": (1024, 151936, 1)}
 MGPU_ROWS = 64  # the shipped kernel's smallest tile on the rows' side (its B tile is 64 wide)
 H200_SMS = 132
+# The split-K kernel's configs: name -> keyword arguments of skinny_gemm_mgpu.default_config.
+SPLITK_RULES = {"auto": {}, "ctas1": {"ctas_per_sm": 1}, "ctas4": {"ctas_per_sm": 4}, "tk128": {"tile_k": 128},
+                "tn128": {"tile_n": 128}}
+
+
+def splitk_config(name: str, rows: int, k: int, n: int):
+    from pallas_kernels import skinny_gemm_mgpu as sk
+
+    return sk.default_config(rows, k, n, **SPLITK_RULES[name])
+
+
+def splitk_lowers_for_cuda(config, rows: int, k: int, n: int) -> None:
+    """Raise what the Mosaic GPU lowering for CUDA refuses of the split-K kernel (on any backend)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import skinny_gemm_mgpu as sk
+
+    x_t, w_t = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    jax.jit(lambda x, w: sk.skinny_matmul(x, w, config=config)).trace(x_t, w_t).lower(lowering_platforms=("cuda",))
 
 
 def mgpu_configs():
@@ -63,6 +93,11 @@ def projections(way: str, config=None):
 
     if way == "xla":
         return jax.jit(lambda x, ws: [x @ w for w in ws])
+    if way == "splitk":
+        from pallas_kernels import skinny_gemm_mgpu as sk
+
+        interpret = jax.default_backend() != "gpu"
+        return jax.jit(lambda x, ws: [sk.skinny_matmul(x, w, config=config, interpret=interpret) for w in ws])
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
@@ -115,6 +150,22 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
     xla_fn = projections("xla")
     reference = [np.asarray(y, np.float32) for y in xla_fn(x, weights)]
     row("xla", xla_fn, (x, weights))
+
+    def check_rows(outs):
+        return max(float(np.max(np.abs(np.asarray(o, np.float32) - r))) for o, r in zip(outs, reference))
+
+    for config_name in args.splitk_configs if "splitk" in args.ways else ():
+        way = f"splitk {config_name}"
+        try:
+            config = splitk_config(config_name, rows, k, n)
+            if jax.default_backend() != "gpu":
+                splitk_lowers_for_cuda(config, rows, k, n)
+        except Exception as exc:  # noqa: BLE001 - reported like a refusal on the GPU
+            results.append({"shape": name, "k": k, "n": n, "rows": rows, "way": way,
+                            "error": f"config or CUDA lowering: {type(exc).__name__}: {str(exc)[:200]}"})
+            continue
+        row(way, projections("splitk", config), (x, weights), check_rows)
+        results[-1]["config"] = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     if not with_mgpu:
         return results
     weights_t = [w.T.copy() for w in weights]
@@ -139,20 +190,32 @@ def main(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--layers", type=int, default=None, help="weights per call (default: the model's count)")
+    p.add_argument("--ways", default="mgpu,splitk",
+                   help="comma-separated Mosaic GPU ways to run beside xla (the reference, always run)")
     p.add_argument("--tiny", action="store_true", help="every shape cut to K=128, N=256 (CPU tests)")
     p.add_argument("--configs", default=None, help="comma-separated mgpu config names (default: all)")
+    p.add_argument("--splitk-configs", default=",".join(SPLITK_RULES),
+                   help=f"comma-separated splitk config names of {', '.join(SPLITK_RULES)} ('' for none)")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     configs = mgpu_configs()
     args.configs = {c: configs[c] for c in args.configs.split(",")} if args.configs else configs
+    args.ways = [w for w in args.ways.split(",") if w]
+    if set(args.ways) - {"mgpu", "splitk"}:
+        p.error(f"--ways takes mgpu and splitk, got {args.ways}")
+    args.splitk_configs = [c for c in args.splitk_configs.split(",") if c]
+    unknown = set(args.splitk_configs) - set(SPLITK_RULES)
+    if unknown:
+        p.error(f"unknown --splitk-configs {sorted(unknown)}: of {', '.join(SPLITK_RULES)}")
     results = []
     for name in args.shapes:
         k, n, layers = (128, 256, 2) if args.tiny else SHAPES[name]
         for rows in args.rows:
             # The mgpu way pads the rows to 64: its time does not depend on them, so it runs once.
-            results += measure(name, k, n, args.layers or layers, rows, args, with_mgpu=rows == max(args.rows))
+            results += measure(name, k, n, args.layers or layers, rows, args,
+                               with_mgpu="mgpu" in args.ways and rows == max(args.rows))
     print(f"{'shape':>12} {'rows':>4} {'way':>22} {'us':>8} {'kernel us':>9} {'GB/s':>7} {'of copy BW':>10} "
           f"{'max err':>8}")
     for r in results:
@@ -161,8 +224,10 @@ def main(argv=None):
             continue
         err = f"{r['max_abs_error']:.3g}" if "max_abs_error" in r else ""
         kernel = "-" if r["kernel_us"] is None else f"{r['kernel_us']:.1f}"
+        c = r.get("config")
+        tiling = f"  tn{c['tile_n']} tk{c['tile_k']} x{c['splits']} s{c['max_concurrent_steps']}" if c else ""
         print(f"{r['shape']:>12} {r['rows']:>4} {r['way']:>22} {r['us']:8.1f} {kernel:>9} {r['gb_per_s']:7.0f} "
-              f"{r['copy_bw_share']:10.1%} {err:>8}")
+              f"{r['copy_bw_share']:10.1%} {err:>8}{tiling}")
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment
 

@@ -1,0 +1,234 @@
+"""Skinny GEMM ``y = x @ w`` for decode's few rows, streaming the weight (Pallas, Mosaic GPU backend).
+
+Contract. ``skinny_matmul(x, w)`` takes ``x [M, K]`` bf16 with ``1 <= M <= 32`` and a projection
+weight ``w [K, N]`` bf16 (the engine's layout: ``y = x @ w``), accumulates in f32 and returns
+``y [M, N]`` bf16; ``skinny_matmul_reference`` is its jnp reference. ``K`` must divide into
+``tile_k``-tiles and those evenly among the splits, ``N`` into ``tile_n``-tiles (the default
+configs need ``K % 64 == 0`` and ``N % 64 == 0``); anything else raises ``ValueError``.
+
+Why. At decode every projection reads its weight once per step with only 1-32 rows to multiply
+it by, so it is bound by HBM bandwidth: the aim is to keep enough bytes in flight on every SM to
+stream the weight at copy bandwidth. A GEMM tiled over the output alone has too few CTAs for
+that: a 1024-wide output in 64-wide tiles makes 16 CTAs for 132 SMs.
+
+Algorithm. The weight is the big operand, so it sits on wgmma's M side and the rows on its
+(small) N side: each CTA computes ``y^T[n-tile, :] = w^T[n-tile, k-range] @ x^T[k-range, :]``.
+
+* Rows: ``x`` is zero-padded to ``mpad`` = 8, 16 or 32 rows (the smallest that holds M; wgmma's
+  N dimension takes multiples of 8), so the tensor cores do at most 4x the needed work, which
+  costs nothing next to the weight's bytes.
+* Grid ``(N / tile_n, splits)``: CTA ``(i, s)`` owns output columns ``[i*tile_n, (i+1)*tile_n)``
+  and the ``s``-th of ``splits`` equal ranges of K, ``steps = K / tile_k / splits`` tiles long.
+  Splitting K is what gives a narrow projection enough CTAs.
+* Pipeline: ``plgpu.emit_pipeline`` over the ``steps`` tiles streams the CTA's weight slab
+  ``w[k-tile, n-tile]`` (``[tile_k, tile_n]``, N contiguous) and the matching ``[mpad, tile_k]``
+  tile of x (tiny, read from L2) through shared memory with TMA, ``max_concurrent_steps`` stages
+  deep. Each step issues one wgmma with A = the weight tile viewed transposed (``[tile_n,
+  tile_k]``, MN-major, which wgmma reads for 16-bit types) and B = the x tile viewed transposed
+  (``[tile_k, mpad]``, K-major), into a ``[tile_n, mpad]`` f32 accumulator in registers. After
+  issuing its wgmma a step waits until at most that one is pending (``wgmma_wait(1)``), and the
+  pipeline refills the previous step's stage only then (``delay_release=1``): a TMA never
+  overwrites a tile that a wgmma still reads, and each wgmma runs while the next step waits for
+  its tile. So ``max_concurrent_steps - 1`` weight tiles are in flight per CTA in steady state
+  (with a single stage: ``wgmma_wait(0)``, no delay).
+* Partials: each CTA stores its accumulator through shared memory (one TMA store) to
+  ``partials[s, n-tile, :]`` of an f32 ``[splits, N, mpad]`` array, i.e. transposed partial
+  outputs. The wrapper then sums over the splits, drops the padding rows, transposes and casts
+  to bf16 with jnp: one small XLA fusion that reads ``splits * N * mpad * 4`` bytes. (The padding
+  of x is a second tiny op, and none at 8, 16 or 32 rows.)
+
+Default config (``default_config``), for ``num_sms`` SMs (the device's count on a GPU, else the
+H200's 132): at least ``ctas_per_sm * num_sms`` CTAs (``ctas_per_sm = 2``), so that every SM
+holds a few CTAs' loads in flight at once (a CTA at the defaults takes 56 KB of shared memory at
+32 rows, 96 KB with 128-wide tiles, so 2-4 fit on an SM):
+
+* ``tile_k = 64`` (one 128-byte swizzled row of x per tile).
+* ``tile_n = 128`` when ``N / 128`` alone gives the target CTA count (the LM head), else 64.
+* ``splits`` = the smallest divisor of ``K / tile_k`` that gives at least the target CTAs
+  (``ceil(target / (N / tile_n))``), unless that leaves less than ``4 * mpad`` of K per split:
+  then the largest divisor that leaves at least that. The partials are ``2 * mpad / (K / splits)``
+  of the weight's bytes (written and read back once, mostly in L2): the cap keeps them within
+  half.
+* ``max_concurrent_steps = min(steps, 4)`` (at most 4 x 8-16 KB of weight per stage set).
+
+Constraints of the Mosaic GPU lowering (the interpreter accepts more): wgmma's M dimension is a
+multiple of 64 ("the accumulator's first dimension must be a multiple of 64"), so ``tile_n`` is a
+multiple of 64; ``tile_k`` is a multiple of 16 (wgmma's K for bf16); both operands must be bf16
+(the 16-bit types are the ones wgmma reads MN-major); the stages, the x tiles and the output tile
+must fit in shared memory (227 KB), which the lowering checks.
+
+On the CPU (tests) the kernel runs in Mosaic GPU's interpreter (``interpret=True``), which checks
+reads against the buffers' bounds (and, asked to, races between TMA copies and accesses) but not
+the real lowering's layouts, and runs wgmma synchronously; lowering for CUDA on any backend
+(``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``) runs Mosaic GPU's layout
+inference and lowering down to wgmma and TMA instructions, which checks the rest short of PTX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["SkinnyConfig", "default_config", "skinny_matmul", "skinny_matmul_reference"]
+
+MAX_ROWS = 32  # the largest M the kernel takes (its accumulator is [tile_n, 32] at most)
+H200_SMS = 132  # the SM count assumed when there is no GPU to ask
+_ROW_PADS = (8, 16, 32)  # wgmma's N dimension takes multiples of 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    """The kernel's tiling: ``grid = (N / tile_n, splits)``, each CTA ``K / tile_k / splits`` steps."""
+
+    tile_n: int = 64
+    tile_k: int = 64
+    splits: int = 1
+    max_concurrent_steps: int = 4
+
+
+def padded_rows(m: int) -> int:
+    """The rows the kernel computes for ``m`` real ones (the wgmma N dimension)."""
+    return next(p for p in _ROW_PADS if p >= m)
+
+
+def _num_sms() -> int:
+    if jax.default_backend() == "gpu":
+        return jax.devices()[0].core_count
+    return H200_SMS
+
+
+def default_config(m: int, k: int, n: int, *, num_sms: int | None = None, ctas_per_sm: int = 2,
+                   tile_k: int = 64, tile_n: int | None = None) -> SkinnyConfig:
+    """The config for an ``[m, k] @ [k, n]`` product (the rule in the module docstring); the keyword
+    arguments change the rule's constants (the benchmark's variants)."""
+    target = (num_sms or _num_sms()) * ctas_per_sm
+    if tile_n is None:
+        tile_n = 128 if n % 128 == 0 and n // 128 >= target else 64
+    n_tiles, k_tiles = n // tile_n, k // tile_k
+    if n_tiles == 0 or k_tiles == 0:
+        return SkinnyConfig(tile_n=tile_n, tile_k=tile_k)  # refused with a message by skinny_matmul
+    divisors = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
+    want = -(-target // n_tiles)
+    cap = k // (4 * padded_rows(min(max(m, 1), MAX_ROWS)))
+    splits = min([d for d in divisors if d >= want] + [k_tiles])
+    if splits > cap:
+        splits = max([d for d in divisors if d <= cap] + [1])
+    steps = k_tiles // splits
+    return SkinnyConfig(tile_n=tile_n, tile_k=tile_k, splits=splits, max_concurrent_steps=min(steps, 4))
+
+
+def _check(x, w, config: SkinnyConfig) -> None:
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"x must be [M, K] and w [K, N], got x{tuple(x.shape)} and w{tuple(w.shape)}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"x and w must be bfloat16, got x {x.dtype} and w {w.dtype}")
+    m, k = x.shape
+    k2, n = w.shape
+    if k != k2:
+        raise ValueError(f"x's K = {k} differs from w's K = {k2}")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"M = {m} rows: the skinny kernel takes 1 to {MAX_ROWS}")
+    c = config
+    if c.tile_n <= 0 or c.tile_n % 64:
+        raise ValueError(f"tile_n = {c.tile_n} must be a positive multiple of 64 (wgmma's M)")
+    if c.tile_k <= 0 or c.tile_k % 16:
+        raise ValueError(f"tile_k = {c.tile_k} must be a positive multiple of 16 (wgmma's K for bf16)")
+    if n % c.tile_n:
+        raise ValueError(f"N = {n} is not divisible by tile_n = {c.tile_n}")
+    if k % c.tile_k:
+        raise ValueError(f"K = {k} is not divisible by tile_k = {c.tile_k}")
+    if c.splits < 1 or (k // c.tile_k) % c.splits:
+        raise ValueError(f"splits = {c.splits} must divide K / tile_k = {k // c.tile_k}")
+    if c.max_concurrent_steps < 1:
+        raise ValueError(f"max_concurrent_steps = {c.max_concurrent_steps} must be positive")
+
+
+def _skinny_kernel(x_gmem, w_gmem, out_gmem, *, tile_n, tile_k, steps, stages, mpad):
+    ni = lax.axis_index("n")
+    first = lax.axis_index("s") * steps  # the split's first K tile
+    # A stage is refilled one step after its wgmma was issued, once wgmma_wait(1) saw it finish;
+    # a single stage has no later step to release it in.
+    delay = 1 if stages > 1 else 0
+
+    def step(_, w_smem, x_smem, acc_ref):
+        plgpu.wgmma(acc_ref, w_smem.T, x_smem.T)
+        plgpu.wgmma_wait(delay)
+        return acc_ref
+
+    def acc_scope(acc_ref):
+        plgpu.emit_pipeline(
+            functools.partial(step, acc_ref=acc_ref),
+            grid=(steps,),
+            in_specs=[
+                plgpu.BlockSpec((tile_k, tile_n), lambda j: (first + j, ni), delay_release=delay),
+                plgpu.BlockSpec((mpad, tile_k), lambda j: (0, first + j), delay_release=delay),
+            ],
+            max_concurrent_steps=stages,
+        )(w_gmem, x_gmem)
+        return acc_ref[...]
+
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, mpad), jnp.float32))
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_n, mpad), jnp.float32))
+    def _store(o_smem):
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[lax.axis_index("s"), pl.ds(ni * tile_n, tile_n)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def skinny_partials(x_padded, w, config: SkinnyConfig, *, interpret=False):
+    """The kernel alone: f32 ``[splits, N, mpad]`` partial ``y^T`` of each K split, for an already
+    padded ``x_padded [mpad, K]`` (``mpad`` in 8, 16, 32)."""
+    mpad, k = x_padded.shape
+    n = w.shape[1]
+    k_tiles = k // config.tile_k
+    steps = k_tiles // config.splits
+    if interpret is True:
+        # Mosaic GPU's own interpreter: Pallas' generic one cannot run the grid's axis_index.
+        interpret = plgpu.InterpretGPUParams()
+    kernel = plgpu.kernel(
+        functools.partial(_skinny_kernel, tile_n=config.tile_n, tile_k=config.tile_k, steps=steps,
+                          stages=min(config.max_concurrent_steps, steps), mpad=mpad),
+        out_type=jax.ShapeDtypeStruct((config.splits, n, mpad), jnp.float32),
+        grid=(n // config.tile_n, config.splits),
+        grid_names=("n", "s"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret or None,
+    )
+    return kernel(x_padded, w)
+
+
+def skinny_matmul(x, w, *, config: SkinnyConfig | None = None, interpret=False):
+    """``x [M, K] @ w [K, N]`` in bf16 with f32 accumulation, for ``M <= 32``.
+
+    Args:
+      x: ``[M, K]`` bf16, ``1 <= M <= 32``.
+      w: ``[K, N]`` bf16.
+      config: the tiling; ``default_config(M, K, N)`` when None.
+      interpret: run Mosaic GPU's interpreter on the CPU (CPU tests): ``True`` for its default
+        ``plgpu.InterpretGPUParams()``, or such an instance.
+
+    Returns:
+      ``y [M, N]`` bf16.
+    """
+    if config is None and x.ndim == 2 and w.ndim == 2:
+        config = default_config(x.shape[0], x.shape[1], w.shape[1])
+    config = config or SkinnyConfig()
+    _check(x, w, config)
+    m, k = x.shape
+    mpad = padded_rows(m)
+    x_padded = jnp.pad(x, ((0, mpad - m), (0, 0)))
+    partials = skinny_partials(x_padded, w, config, interpret=interpret)
+    return partials.sum(axis=0)[:, :m].T.astype(jnp.bfloat16)
+
+
+def skinny_matmul_reference(x, w):
+    """``x @ w`` with f32 accumulation, bf16 out: what ``skinny_matmul`` computes."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
