@@ -7,6 +7,9 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
 - ``kv_write``: ``write_kv`` / ``write_kv_reference`` (slot-mapped cache update).
 - ``kv_write_mgpu``: ``write_kv_mgpu``, the same update on the Mosaic GPU backend (issue 27; not yet
   used by the engine).
+- ``skinny_gemm_mgpu``: ``skinny_matmul`` / ``skinny_matmul_reference`` (decode's projections at
+  M <= 32, split over K to stream the weight on every SM; Mosaic GPU, issue 26; not yet used by the
+  engine).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``grouped_gemm``: ``grouped_gemm`` / ``grouped_gemm_reference`` (the MoE experts' GEMMs).

@@ -229,6 +229,12 @@ for s in $sections; do case $s in
   # Issue 26: decode projections' weight streaming at M <= 32, XLA's dot vs jax's Mosaic GPU Hopper matmul.
   skinny-gemm) run_section skinny-gemm python3 -m benchmarks.skinny_gemm --rows 1 8 32 \
       --output-json "$OUT/skinny_gemm.json" ;;
+  # Issue 26: the split-K skinny GEMM on Mosaic GPU: its GPU tests, then its configs against XLA's dot,
+  # with the kernels' own time from a trace.
+  skinny-splitk)
+    run_section skinny-splitk-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_skinny_gemm_mgpu.py
+    run_section skinny-splitk python3 -m benchmarks.skinny_gemm --ways splitk --rows 1 8 32 \
+        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk.json" ;;
   # Issue 24: can the fused loop hand each step's tokens to the host (a callback per step) at the
   # loop's pace? A toy decode loop with and without it, and one step per call.
   loop-callback) run_section loop-callback python3 -m benchmarks.loop_callback --steps 16 --layers 28 \
