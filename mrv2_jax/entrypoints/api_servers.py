@@ -56,8 +56,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 class ApiServerProcesses:
-    """The API processes beside the serving one: started with `start`, told to drain with
-    `signal`, waited for (then killed if they hang) with `stop`."""
+    """The API processes beside the serving one: started with `start` (or `start_beside` a server
+    that already serves), told to drain with `signal`, waited for (then killed if they hang) with
+    `stop`."""
 
     def __init__(self, endpoints: list[list[tuple[str, str]]], host: str, port: int, server_kwargs: dict,
                  startup_timeout: float):
@@ -67,19 +68,24 @@ class ApiServerProcesses:
         self._server_kwargs, self._startup_timeout = server_kwargs, startup_timeout
         self.processes: list[multiprocessing.Process] = []
         self._stopping = False
+        self._spawning = threading.Lock()  # `stop` waits for a start under way: no process is left behind
+        self.failure: str | None = None  # why the start failed
 
     def start(self) -> None:
         """Start them and wait until each listens; RuntimeError (after stopping them) if one fails."""
         waiting = {}
-        for index, pairs in enumerate(self._endpoints, start=1):
-            receive, send = self._ctx.Pipe(duplex=False)
-            proc = self._ctx.Process(target=run_attached_api_server, name=f"mrv2-api-server-{index}",
-                                     args=(index, pairs, self._host, self._port,
-                                           self._server_kwargs, self._startup_timeout, send))
-            proc.start()
-            send.close()
-            self.processes.append(proc)
-            waiting[receive] = index
+        with self._spawning:
+            for index, pairs in enumerate(self._endpoints, start=1):
+                if self._stopping:
+                    break
+                receive, send = self._ctx.Pipe(duplex=False)
+                proc = self._ctx.Process(target=run_attached_api_server, name=f"mrv2-api-server-{index}",
+                                         args=(index, pairs, self._host, self._port,
+                                               self._server_kwargs, self._startup_timeout, send))
+                proc.start()
+                send.close()
+                self.processes.append(proc)
+                waiting[receive] = index
         try:
             while waiting:
                 ready = wait(list(waiting), timeout=self._startup_timeout)
@@ -94,9 +100,28 @@ class ApiServerProcesses:
                         status = f"it exited during start-up (exit code {self.processes[index - 1].exitcode})"
                     if status != "listening":
                         raise RuntimeError(f"API server process {index} failed to start: {status}")
-        except BaseException:
+        except BaseException as exc:
+            if not self._stopping:  # not a start cut short by `stop`
+                self.failure = str(exc)
             self.stop(timeout=5.0)
             raise
+
+    def start_beside(self, server) -> None:
+        """Start them on a thread while `server` (the serving process's) already serves: the port
+        hands a connection only to processes that listen (SO_REUSEPORT), so the first requests do
+        not wait for the others' start-up. If one fails to start (`failure` says why) or later
+        exits before it is told to, `server` is stopped."""
+        def run():
+            try:
+                self.start()
+            except Exception:  # noqa: BLE001 - `failure` says why, and the server stops
+                if self.failure is not None:
+                    logger.error("%s: stopping the server", self.failure)
+                    server.should_exit = True
+                return
+            self.stop_server_if_one_exits(server)
+
+        threading.Thread(target=run, name="mrv2-api-servers-start", daemon=True).start()
 
     def stop_server_if_one_exits(self, server) -> None:
         """Stop `server` (the serving process's) if an API process exits before it is told to: its
@@ -119,6 +144,8 @@ class ApiServerProcesses:
     def stop(self, timeout: float) -> None:
         """SIGTERM (they drain their requests), wait up to `timeout` s, then kill what is left."""
         self._stopping = True
+        with self._spawning:
+            pass  # a start under way has spawned its last process
         self.signal(signal.SIGTERM)
         for proc in self.processes:
             proc.join(timeout)

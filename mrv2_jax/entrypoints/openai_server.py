@@ -354,11 +354,12 @@ def serve(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000, *, log_le
                                 dict(log_level=log_level, shutdown_timeout=shutdown_timeout, **app_kwargs),
                                 startup_timeout)
     try:
-        others.start()
         # SIGTERM reaches only this process: pass it on, so that every process drains at once.
         run_http_server(engine, sock=sock, log_level=log_level, shutdown_timeout=shutdown_timeout,
                         on_signal=lambda signum: others.signal(signum) if signum == signal.SIGTERM else None,
-                        on_started=others.stop_server_if_one_exits, **app_kwargs)
+                        on_started=others.start_beside, **app_kwargs)
+        if others.failure is not None:
+            raise RuntimeError(others.failure)
     finally:
         others.stop(shutdown_timeout + 10.0)
         sock.close()

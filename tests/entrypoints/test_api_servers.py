@@ -8,10 +8,12 @@ process on its own engine with the same weights.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -30,14 +32,17 @@ GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
 LONG = dict(max_tokens=200, temperature=0.0, ignore_eos=True)
 
 
-def _pinned(url: str, index: int) -> httpx.Client:
-    """A client whose keep-alive connection reaches API process `index`."""
-    for _ in range(200):
+def _pinned(url: str, index: int, timeout: float = 120.0) -> httpx.Client:
+    """A client whose keep-alive connection reaches API process `index` (the serving process
+    serves before the others listen: they start beside it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         client = httpx.Client(base_url=url, timeout=120)
         if client.get("/health").json()["api_server"] == index:
             return client
         client.close()
-    raise AssertionError(f"no connection reached API process {index}")
+        time.sleep(0.02)
+    raise AssertionError(f"no connection reached API process {index} in {timeout:.0f} s")
 
 
 def _stream_text(client: httpx.Client, prompt: str, **params) -> tuple[str, str | None]:
@@ -204,3 +209,22 @@ def test_serve_starts_one_api_process_per_four_cores_by_default():
     cores_to_count = {1: 1, 2: 1, 7: 1, 8: 2, 12: 3, 16: 4, 128: 4}
     assert {c: default_api_server_count(c) for c in cores_to_count} == cores_to_count
     assert 1 <= default_api_server_count() <= 4
+
+
+def test_an_api_process_that_fails_to_start_beside_a_serving_one_stops_it(tmp_path):
+    """`serve` starts the other API processes while its own server already serves; one that cannot
+    start (here: no engine ever answers on its endpoints) stops that server and says why."""
+    sock = listening_socket("127.0.0.1", 0)
+    endpoints = [[(f"ipc://{tmp_path}/input1", f"ipc://{tmp_path}/output1")]]
+    others = ApiServerProcesses(endpoints, "127.0.0.1", sock.getsockname()[1], dict(log_level="warning"),
+                                startup_timeout=2.0)
+    serving = SimpleNamespace(should_exit=False)
+    try:
+        others.start_beside(serving)
+        wait_until(lambda: serving.should_exit, timeout=120, what="the serving server to be told to stop")
+        # Either the process said why (no engine was ready in 2 s) or the wait for it ran out first.
+        assert re.search(r"API server process(\(es\) \[1\] did not start| 1 failed to start)", others.failure)
+    finally:
+        others.stop(timeout=10.0)
+        sock.close()
+    assert all(not p.is_alive() for p in others.processes)
