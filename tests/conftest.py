@@ -58,12 +58,16 @@ ONE_WORKER_GROUPS = {"test_openai_server.py": "server", "test_server_bad_input.p
 # module, the reference engine included) are built once.
 SPEC_FIRST = ("test_spec_decode.py", "test_spec_decode_mtp.py")
 # Then the units that take longest (measured, a fresh compilation cache), longest first, so that the
-# two workers finish together. Units not named here follow in xdist's order.
-LONGEST_FIRST = ("test_engine.py", "group:server", "test_notebooks.py", "test_moe.py", "test_tensor_parallel.py",
-                 "test_multihost.py", "test_expert_parallel.py", "test_data_parallel.py", "test_bench.py",
-                 "test_sampler.py", "test_sampling_engine.py", "test_prompt_logprobs.py", "test_runner_v2.py",
-                 "test_fp8.py", "test_bench_serve.py", "test_ragged_paged_attention.py", "test_benchmarks.py",
-                 "test_fused_decode.py", "test_stream_in_call.py", "test_cli.py")
+# two workers finish together; test_bench.py a few units after test_engine.py, whose engine shape it
+# shares, so that it loads those steps from the persistent cache rather than compiling them beside it.
+# Units not named here follow in xdist's order.
+LONGEST_FIRST = ("group:server", "test_engine.py", "test_benchmarks.py", "test_moe.py", "test_tensor_parallel.py",
+                 "test_bench.py", "test_api_servers.py", "test_lazy_programs.py", "test_notebooks.py",
+                 "test_data_parallel.py", "test_expert_parallel.py", "test_sampler.py", "test_sampling_engine.py",
+                 "test_structured_engine.py", "test_ragged_paged_attention.py", "test_prompt_logprobs.py",
+                 "test_fp8.py", "test_multihost.py", "test_bench_compare.py", "test_bench_serve.py",
+                 "test_fused_decode.py", "test_runner_v2.py", "test_stream_in_call.py", "test_paged_model.py",
+                 "test_bench_xla_vs_cudagraph.py", "test_logit_stats.py", "test_threshold_search.py", "test_cli.py")
 
 
 def _unit_name(scope: str) -> str:

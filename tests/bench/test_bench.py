@@ -198,6 +198,7 @@ def test_bench_fused_decode(tmp_path):
     out = tmp_path / "fused.json"
     engine = [a for a in ENGINE if a not in ("--max-num-seqs", "8")]
     engine[engine.index("--max-num-batched-tokens") + 1] = "8"  # one bucket: a quick start-up
+    engine += ["--sampler-variants", "greedy,all"]  # greedy requests only: the cheapest variant compiles
     assert cli.main(["bench", "fused", "--batches", "1", "2", "--fused-steps", "1", "4", "--in-call", "--input-len",
                      "8", "--output-len", "12", "--output-json", str(out), *engine]) == 0
     report = json.loads(out.read_text())

@@ -15,8 +15,9 @@ import pytest
 from mrv2_jax.bench import xla_vs_cudagraph as bench
 
 MODEL = str(Path(__file__).parents[1] / "fixtures" / "qwen3-tiny")
+# An 8-token budget: one step program serves the chunked prefills and the decode steps alike.
 COMMON = ["--model", MODEL, "--load-format", "auto", "--dtype", "float32", "--batches", "1,3", "--context", "12",
-          "--runs", "3", "--warmup", "1", "--max-num-batched-tokens", "32"]
+          "--runs", "3", "--warmup", "1", "--max-num-batched-tokens", "8"]
 TORCH_PYTHON = os.environ.get("MRV2_TORCH_PYTHON", "/work/.oracle-venv/bin/python")
 
 
