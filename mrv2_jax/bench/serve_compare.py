@@ -193,7 +193,7 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--client", choices=("vllm", "mrv2", "auto"), default="auto",
                    help="the streaming client (auto: vLLM's where it imports, else mrv2-jax's)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    p.add_argument("--streams-per-client", type=int, default=8,
+    p.add_argument("--streams-per-client", type=int, default=16,
                    help="streams per client process (one Python client process keeps up with a few streams only)")
     p.add_argument("--prompts-per-stream", type=int, default=3)
     p.add_argument("--min-prompts", type=int, default=16)
