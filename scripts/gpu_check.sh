@@ -285,11 +285,12 @@ for s in $sections; do case $s in
   # Issue 24: what streaming from inside fused calls costs per token without the serving path (no
   # sockets, no API process): K = 1, K = 16, K = 16 in-call; and one step per call with the decode
   # buckets' layers unrolled (--unrolled-layers-max-tokens: the host cost of a call, issue 25).
-  fused-in-call)
-    run_section fused-in-call python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --in-call \
-        --output-json "$OUT/fused_decode_in_call.json"
-    run_section fused-unrolled-layers python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 1 \
-        --unrolled-layers-max-tokens 256 --output-json "$OUT/fused_decode_unrolled_layers.json" ;;
+  # Both compile lazily (the programs the warm-up uses, not every bucket), each engine its own programs.
+  fused-in-call) run_section fused-in-call python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --in-call \
+      --compile-mode lazy --output-json "$OUT/fused_decode_in_call.json" ;;
+  fused-unrolled-layers) run_section fused-unrolled-layers python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      --fused-steps 1 --unrolled-layers-max-tokens 256 --compile-mode lazy \
+      --output-json "$OUT/fused_decode_unrolled_layers.json" ;;
   fused-unroll) run_section fused-unroll python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
       --fused-steps 16 --fused-unroll 4 --output-json "$OUT/fused_decode_unroll4.json" ;;
   spec) run_section spec python3 -m mrv2_jax.bench.spec_decode --suites demo,qwen3-0.6b --runners v1,v2-async \
