@@ -97,10 +97,8 @@ class _EngineLink:
         if not isinstance(msg, M.Ready):
             raise EngineStartupError(f"the engine process sent {type(msg).__name__} before it was ready")
         self.ready = msg
-        if preload is not None:
-            self.tokenizer = preload.get(msg.tokenizer_path)
-        else:
-            self.tokenizer = load_tokenizer(Path(msg.tokenizer_path)) if msg.tokenizer_path else None
+        path = msg.tokenizer_path
+        self.tokenizer = preload.get(path) if preload is not None else load_tokenizer(Path(path) if path else None)
         return msg
 
     # --- talking to the engine ------------------------------------------------------------

@@ -38,4 +38,4 @@ class TokenizerPreload:
         self._thread.join()
         if path is not None and path == self.path and self._error is None:
             return self._tokenizer
-        return load_tokenizer(Path(path)) if path else None
+        return load_tokenizer(Path(path) if path else None)
