@@ -25,7 +25,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine, self.tokenizer, self.model_state = build_engine(self.config, loaded_model)
+        self.engine, hf_files, self.model_state = build_engine(self.config, loaded_model)
+        self.tokenizer = hf_files.tokenizer()
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -9,8 +9,8 @@ from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.startup import StartupReport
-from mrv2_jax.engine.tokenizer import load_tokenizer
-from mrv2_jax.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
+from mrv2_jax.engine.tokenizer import HuggingFacePreload
+from mrv2_jax.models.loader import load_model, resolve_dtype, resolve_model_path
 from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.sample.features import SamplerKernels, default_variant_names, variants_by_name
@@ -125,10 +125,14 @@ def make_tensor_parallel(size: int, model_state, lm, expert_parallel: bool = Fal
 
 
 def build_engine(config: EngineConfig, loaded_model=None):
-    """-> (EngineCore, tokenizer or None, model_state); the engine's `startup` says where the time
-    went. `loaded_model`: a `load_model` result to reuse (benchmarks that build several engines over
-    one set of weights)."""
+    """-> (EngineCore, HuggingFacePreload, model_state); the engine's `startup` says where the time
+    went. The preload holds the tokenizer, which loads on a thread while the engine starts (only
+    structured outputs need it in the engine). `loaded_model`: a `load_model` result to reuse
+    (benchmarks that build several engines over one set of weights)."""
     report = StartupReport()
+    model_path = resolve_model_path(config.model) if loaded_model is None else loaded_model[2]
+    preload = HuggingFacePreload(Path(config.tokenizer) if config.tokenizer else model_path,
+                                 config_path=model_path if loaded_model is None else None)
     with report.phase("backend"):  # the cache's settings ask for the backend, which starts it
         import jax
 
@@ -137,15 +141,13 @@ def build_engine(config: EngineConfig, loaded_model=None):
     hf_config = None
     if loaded_model is None:
         with report.phase("model config"):
-            hf_config = load_hf_config(resolve_model_path(config.model))
+            hf_config = preload.config()
     with report.phase("weights"):
-        model_state, lm, path = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed,
+        model_state, lm, _ = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed,
                                                            hf_config=hf_config)
     lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
     use_moe_backend(model_state, config.kernels)
     tensor_parallel = make_tensor_parallel(config.tensor_parallel_size, model_state, lm, config.enable_expert_parallel)
-    with report.phase("tokenizer"):
-        tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else path)
     max_model_len = config.max_model_len or model_state.max_model_len
     if max_model_len > model_state.max_model_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -181,8 +183,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),
         eos_token_id=model_state.eos_token_ids, automaton_pool=runner.automaton_pool)
-    compiler = None if tokenizer is None else ConstraintCompiler(tokenizer, model_state.eos_token_ids or (),
-                                                                 model_state.vocab_size)
+    compiler = None if not preload.has_tokenizer else ConstraintCompiler(
+        None, model_state.eos_token_ids or (), model_state.vocab_size, load_tokenizer=preload.tokenizer)
     engine = EngineCore(scheduler, runner, async_scheduling, compiler)
     engine.startup = report.finish()
-    return engine, tokenizer, model_state
+    return engine, preload, model_state

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from mrv2_jax.structured.automaton import TokenAutomaton, compile_automaton
 from mrv2_jax.structured.grammar import CompiledGrammar, GrammarMatcher, llg_tokenizer
@@ -24,18 +26,26 @@ _lock = threading.Lock()
 
 
 class ConstraintCompiler:
-    """Constraints -> TokenAutomaton for one tokenizer (its vocabulary is read on first use)."""
+    """Constraints -> TokenAutomaton for one tokenizer (its vocabulary is read on first use).
+    `load_tokenizer`: called on first use instead of passing `tokenizer` (one still loading)."""
 
-    def __init__(self, tokenizer, eos_token_ids, vocab_size: int):
+    def __init__(self, tokenizer, eos_token_ids, vocab_size: int, *, load_tokenizer: Callable[[], Any] | None = None):
         self._tokenizer, self._eos, self._vocab_size = tokenizer, tuple(eos_token_ids), vocab_size
+        self._load_tokenizer = load_tokenizer
         self._vocab: TokenVocabulary | None = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None and self._load_tokenizer is not None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
 
     @property
     def vocabulary(self) -> TokenVocabulary:
         if self._vocab is None:
-            if self._tokenizer is None:
+            if self.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer, and this model has none")
-            self._vocab = vocabulary_of(self._tokenizer, self._eos, self._vocab_size)
+            self._vocab = vocabulary_of(self.tokenizer, self._eos, self._vocab_size)
         return self._vocab
 
     def cached(self, params: StructuredOutputsParams) -> TokenAutomaton | CompiledGrammar | None:
@@ -62,7 +72,7 @@ class ConstraintCompiler:
 
     def _compile(self, params: StructuredOutputsParams, vocab: TokenVocabulary) -> TokenAutomaton | CompiledGrammar:
         if params.kind == "grammar":  # (its errors name the field already)
-            tokenizer = llg_tokenizer(self._tokenizer, vocab, self._eos)
+            tokenizer = llg_tokenizer(self.tokenizer, vocab, self._eos)
             return CompiledGrammar(params.llguidance_grammar, tokenizer, vocab.vocab_size, self._eos)
         try:
             return compile_automaton(params.pattern, vocab)
