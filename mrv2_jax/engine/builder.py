@@ -5,7 +5,7 @@ from pathlib import Path
 
 from mrv2_jax import envs
 from mrv2_jax.config import CacheConfig, KernelConfig, SchedulerConfig
-from mrv2_jax.engine.engine_config import EngineConfig
+from mrv2_jax.engine.engine_config import DEFAULT_UNROLLED_LAYERS_MAX_TOKENS, EngineConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.startup import StartupReport
@@ -53,6 +53,18 @@ def resolve_compile_mode(mode: str | None) -> str:
     return "lazy" if jax.default_backend() == "cpu" else "eager"
 
 
+def resolve_unrolled_layers_max_tokens(config: EngineConfig) -> int:
+    """EngineConfig.unrolled_layers_max_tokens, unless set: on for the configuration it was measured
+    in (one GPU, the v2 runner, no speculative decoding), off elsewhere."""
+    if config.unrolled_layers_max_tokens is not None:
+        return config.unrolled_layers_max_tokens
+    import jax
+
+    measured = (config.runner == "v2" and config.speculative_config is None and config.tensor_parallel_size == 1
+                and jax.default_backend() == "gpu")
+    return DEFAULT_UNROLLED_LAYERS_MAX_TOKENS if measured else 0
+
+
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
                 spec_decoder=None, tensor_parallel=None) -> Runner:
     variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
@@ -66,7 +78,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
 
         return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps, tensor_parallel=tensor_parallel,
                              fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows,
-                             unrolled_layers_max_tokens=config.unrolled_layers_max_tokens,
+                             unrolled_layers_max_tokens=resolve_unrolled_layers_max_tokens(config),
                              stream_in_call=config.stream_in_call and config.max_fused_steps > 1, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 

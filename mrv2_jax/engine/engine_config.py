@@ -21,6 +21,10 @@ DEFAULT_MAX_FUSED_ROWS = 256
 # One decode step between a stream's chunks, as vLLM's default: with K > 1 a stream gets K tokens
 # at once every K steps, and its inter-chunk gap is K times its time per token.
 DEFAULT_STREAM_INTERVAL = 1
+# On GPUs the step programs of buckets up to 128 tokens unroll their layers: a cheaper call per
+# step at the small batches that serving streams one step per call; at 256 rows the device step
+# sets the pace and the loop measured faster (docs/benchmarks.md, "Layers unrolled in small buckets").
+DEFAULT_UNROLLED_LAYERS_MAX_TOKENS = 128
 
 
 COMPILE_MODES = ("eager", "lazy", "background")
@@ -47,8 +51,10 @@ class EngineConfig:
     layer_unroll: int = 1
     # V2: ordinary step programs of buckets with at most this many tokens unroll every layer (one
     # command buffer per call, a cheaper call for the host at small batches); larger buckets and
-    # fused decode keep `layer_unroll`. 0: none.
-    unrolled_layers_max_tokens: int = 0
+    # fused decode keep `layer_unroll`. 0: none; None: DEFAULT_UNROLLED_LAYERS_MAX_TOKENS on one GPU
+    # with the v2 runner and no speculative decoding, 0 elsewhere (the call's host cost it cuts is
+    # a GPU matter, and XLA:CPU compiles unrolled programs slowly).
+    unrolled_layers_max_tokens: int | None = None
     # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
     # short stall then) or "background" (on threads while the engine serves; a step whose program
     # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
@@ -116,8 +122,9 @@ class EngineConfig:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
-        if not isinstance(self.unrolled_layers_max_tokens, int) or self.unrolled_layers_max_tokens < 0:
-            raise ValueError(f"unrolled_layers_max_tokens must be an int >= 0, got {self.unrolled_layers_max_tokens!r}")
+        unrolled = self.unrolled_layers_max_tokens
+        if unrolled is not None and (not isinstance(unrolled, int) or unrolled < 0):
+            raise ValueError(f"unrolled_layers_max_tokens must be an int >= 0, got {unrolled!r}")
         if self.runner == "v1" and self.unrolled_layers_max_tokens:
             raise ValueError("unrolled_layers_max_tokens needs the v2 runner")
         if self.max_fused_steps is None:

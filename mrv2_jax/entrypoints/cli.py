@@ -5,7 +5,7 @@ import sys
 
 from mrv2_jax import envs
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT, SERVER_SHUTDOWN_TIMEOUT, KernelConfig
-from mrv2_jax.engine.engine_config import EngineConfig
+from mrv2_jax.engine.engine_config import DEFAULT_UNROLLED_LAYERS_MAX_TOKENS, EngineConfig
 from mrv2_jax.without_torch import keep_torch_out
 
 KERNELS_HELP = ("kernel or reference per piece, as field=value,...; fields (values): "
@@ -55,10 +55,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
-    g.add_argument("--unrolled-layers-max-tokens", type=int, default=0, metavar="TOKENS",
+    g.add_argument("--unrolled-layers-max-tokens", type=int, default=None, metavar="TOKENS",
                    help="v2: step programs of buckets with at most this many tokens unroll every layer (a "
                         "cheaper call for the host at small batches; fused decode and larger buckets keep "
-                        "--layer-unroll); 0: none")
+                        f"--layer-unroll); 0: none; default {DEFAULT_UNROLLED_LAYERS_MAX_TOKENS} on GPUs, 0 elsewhere")
     g.add_argument("--compile-mode", default=None, choices=["eager", "lazy", "background"],
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
                         "on threads beside the serving engine (background: it serves at once, a step whose "

@@ -204,3 +204,23 @@ def test_small_buckets_with_unrolled_layers_give_the_same_tokens():
     assert loops == {(8, False), (16, True)}
     with pytest.raises(ValueError, match="unrolled_layers_max_tokens needs the v2 runner"):
         make_llm(runner="v1", unrolled_layers_max_tokens=8)
+
+
+def test_unrolled_small_buckets_default_on_one_gpu_only(monkeypatch):
+    """The default (None) unrolls buckets of up to DEFAULT_UNROLLED_LAYERS_MAX_TOKENS tokens on a GPU
+    with the v2 runner, one device and no speculative decoding; 0 on the CPU and elsewhere; a set
+    value always wins."""
+    import jax
+
+    from mrv2_jax.engine.builder import resolve_unrolled_layers_max_tokens
+    from mrv2_jax.engine.engine_config import DEFAULT_UNROLLED_LAYERS_MAX_TOKENS, EngineConfig
+
+    demo = dict(model="demo", dtype="float32")
+    assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", **demo)) == 0  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", **demo)) == DEFAULT_UNROLLED_LAYERS_MAX_TOKENS
+    assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v1", **demo)) == 0
+    assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", tensor_parallel_size=2, **demo)) == 0
+    spec = {"method": "draft_model", "k": 2, "model": "demo"}
+    assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", speculative_config=spec, **demo)) == 0
+    assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", unrolled_layers_max_tokens=64, **demo)) == 64
