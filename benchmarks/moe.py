@@ -11,7 +11,7 @@ Cases, each one jitted call timed to completion (median of --runs):
                     backends: pallas (our grouped GEMM, Triton), mgpu (our grouped GEMM on
                     Mosaic GPU: TMA + wgmma, the weight streamed once per row tile), ragged_dot
                     (jax.lax.ragged_dot), dense (every token through every expert), pallas_fp8
-                    (FP8 weights with 128x128 block scales, dequantised in the kernel)
+                    and mgpu_fp8 (FP8 weights with 128x128 block scales, dequantised in the kernel)
   gemm/<backend>    the gate_up grouped GEMM alone ([T*8, 2048] x [128, 2048, 1536]): pallas
                     always, mgpu and ragged_dot when among --backends
   sweep/...         (--sweep) the gate_up GEMM with other kernel tilings
@@ -98,11 +98,11 @@ def run_cases(tokens: int, opts) -> list[dict]:
         print(_row(r), flush=True)
 
     for backend in opts.backends:
-        if backend == "pallas_fp8":
+        if backend.endswith("_fp8"):
             gu8, gu_s = quantize_fp8(gate_up)
             d8, d_s = quantize_fp8(down)
-            fn = functools.partial(_layer_fp8, backend="pallas")
-            record("layer/pallas_fp8", fn, (x, weights, ids, gu8, d8, gu_s, d_s), True)
+            fn = functools.partial(_layer_fp8, backend=backend.removesuffix("_fp8"))
+            record(f"layer/{backend}", fn, (x, weights, ids, gu8, d8, gu_s, d_s), True)
             continue
         fn = functools.partial(routed_experts, backend=backend)
         record(f"layer/{backend}", fn, (x, weights, ids, gate_up, down), True)
@@ -143,7 +143,8 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--moe-intermediate", type=int, default=768)
-    ap.add_argument("--backends", nargs="+", default=["pallas", "mgpu", "ragged_dot", "dense", "pallas_fp8"])
+    ap.add_argument("--backends", nargs="+", default=["pallas", "mgpu", "ragged_dot", "dense", "pallas_fp8",
+                                                          "mgpu_fp8"])
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of the kernel")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -159,7 +160,8 @@ def main(argv=None):
     for tokens in opts.tokens:
         by = {r["case"]: r.get("ms") for r in results if r["tokens"] == tokens}
         for a, b in (("layer/pallas", "layer/ragged_dot"), ("gemm/pallas", "gemm/ragged_dot"),
-                     ("layer/pallas", "layer/dense"), ("layer/mgpu", "layer/pallas"), ("gemm/mgpu", "gemm/pallas")):
+                     ("layer/pallas", "layer/dense"), ("layer/mgpu", "layer/pallas"), ("gemm/mgpu", "gemm/pallas"),
+                     ("layer/mgpu_fp8", "layer/pallas_fp8")):
             if by.get(a) and by.get(b):
                 speedups[f"{b} / {a} @ {tokens}"] = by[b] / by[a]
     for k, v in speedups.items():

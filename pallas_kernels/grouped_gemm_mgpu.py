@@ -6,17 +6,18 @@ rows sorted by group, ``rhs [G, K, N]`` bf16 every group's weight, ``group_sizes
 ``[off_g, off_g + group_sizes[g])`` are multiplied by ``rhs[g]`` (``off_g`` the sum of the sizes
 before ``g``; negative sizes count as 0, sizes past ``M`` are clipped), accumulated in f32 and
 returned as ``out [M, N]`` bf16; rows past ``sum(group_sizes)`` come out as zeros. An empty group
-costs a few idle CTAs and its weight is never read. ``grouped_gemm.grouped_gemm_reference`` is the
+has no row tile: its weight is never read. ``grouped_gemm.grouped_gemm_reference`` is the
 reference. ``K`` must divide into ``tile_k``-tiles and ``N`` into ``tile_n``-tiles (the default
 configs need ``K % 16 == 0`` and ``N % 64 == 0``); anything else raises ``ValueError``. FP8
-block-scaled weights are not supported yet (``ValueError``: use the Triton kernel, backend
-"pallas").
+block-scaled weights as in the Triton kernel: ``rhs`` float8_e4m3fn with ``rhs_scale [G, cdiv(K,
+sb), cdiv(N, sb)]`` float32 (``sb = scale_block``, 128 in the checkpoints), dequantised in the
+kernel as the reference does (``bf16(w * scale)``).
 
 Why. At decode every expert gets a handful of rows (128 tokens x top-8 over 128 experts: ~8 rows
 each) while its weight must be read whole, so each routed GEMM streams the weights of every expert
 that got a row, once per step: it is bound by HBM bandwidth and the aim is to keep enough weight
-bytes in flight on every SM. The Triton kernel tiles rows on the MMA's M side (16 at least, most
-of them padding) and does not keep enough loads in flight.
+bytes in flight on every SM. The Triton kernel tiles rows on the MMA's M side (16 at least, mostly
+padding at decode) and stays far from that bound.
 
 Algorithm. The weight is the big operand, so it sits on wgmma's M side and the group's rows on its
 (small) N side: a CTA computes ``out^T[n-tile, rows] = rhs[g]^T[n-tile, :] @ lhs[rows, :]^T``.
@@ -54,6 +55,13 @@ Algorithm. The weight is the big operand, so it sits on wgmma's M side and the g
   ladder of copies of 2^j rows: a TMA copy's shape is static, the count is not). The zero tail's
   tiles skip the pipeline and store zeros the same way; idle tiles do nothing. No epilogue in XLA:
   the kernel writes every row of ``out`` once.
+* FP8 weights: wgmma reads 8-bit operands only K-major, and the weight tile is MN-major on its M
+  side. So each step loads the FP8 tile from shared memory into registers, multiplies it by its
+  block's scale (one scalar: ``tile_k`` and ``tile_n`` divide ``scale_block``; read from global
+  memory, an L2 hit), stores it as bf16 into one of two bf16 tiles in shared memory (the other
+  one may still be read by the previous step's wgmma) and issues the bf16 wgmma from there. The
+  weights stay FP8 in HBM: half the bytes to stream; the conversion is register work overlapped
+  with the TMA copies in flight.
 
 Default config (``default_config``) for ``num_sms`` SMs (the device's count on a GPU, else the
 H200's 132):
@@ -67,7 +75,8 @@ H200's 132):
 * ``tile_k``: 64 (a 128-byte swizzled row of ``lhs`` per tile) or the largest of 32, 16 that
   divides ``K``.
 * ``max_concurrent_steps = min(K / tile_k, 4)`` (3 at ``row_tile = 64``, to leave room for two
-  CTAs per SM).
+  CTAs per SM). The same rule for FP8 weights (their stages are half the size; the two bf16 tiles
+  add ``2 * tile_k * tile_n * 2`` bytes).
 
 The weights are read once per row tile, so a step that gives each group one tile reads
 ``(experts with rows) * K * N * 2`` bytes and writes ``M * N * 2``, plus the rows of ``lhs`` (from
@@ -77,11 +86,12 @@ that reaches only a few experts has fewer.
 
 Constraints of the Mosaic GPU lowering (the interpreter accepts more): wgmma's M dimension is a
 multiple of 64, so ``tile_n`` is; ``tile_k`` is a multiple of 16 (wgmma's K for bf16); ``row_tile``
-a multiple of 8 in [8, 256] (wgmma's N); both operands bf16 (the 16-bit types are the ones wgmma
-reads MN-major); the row tile's global offset must be provably a multiple of 8 (``pl.multiple_of``:
-layout inference otherwise asks for an untiled, unswizzled tile that wgmma cannot read); the
-output tile is stored transposed into an untiled buffer, which the ladder's dynamic row slices
-need; the stages and the output tile must fit in shared memory (227 KB), which the lowering checks.
+a multiple of 8 in [8, 256] (wgmma's N); both wgmma operands bf16 (the 16-bit types are the ones
+wgmma reads MN-major, hence the FP8 weights' conversion in shared memory); the row tile's global
+offset must be provably a multiple of 8 (``pl.multiple_of``: layout inference otherwise asks for an
+untiled, unswizzled tile that wgmma cannot read); the output tile is stored transposed into an
+untiled buffer, which the ladder's dynamic row slices need; the stages and the output tile must fit
+in shared memory (227 KB), which the lowering checks.
 
 On the CPU (tests) the kernel runs in Mosaic GPU's interpreter (``interpret=True``), which checks
 reads against the buffers' bounds but not the real lowering's layouts, and runs wgmma
@@ -173,11 +183,15 @@ def tile_schedule(group_sizes, m: int, row_tile: int):
     return jnp.concatenate([group, base, lo, count])
 
 
-def _check(lhs, rhs, group_sizes, config: GroupedConfig) -> None:
+def _check(lhs, rhs, group_sizes, rhs_scale, config: GroupedConfig, scale_block: int) -> None:
     if lhs.ndim != 2 or rhs.ndim != 3:
         raise ValueError(f"lhs must be [M, K] and rhs [G, K, N], got lhs{tuple(lhs.shape)} and rhs{tuple(rhs.shape)}")
-    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
-        raise ValueError(f"lhs and rhs must be bfloat16, got lhs {lhs.dtype} and rhs {rhs.dtype}")
+    if rhs_scale is None and (lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16):
+        raise ValueError(f"lhs and rhs must be bfloat16, got lhs {lhs.dtype} and rhs {rhs.dtype}"
+                         + (" (FP8 weights need rhs_scale)" if rhs.dtype == jnp.float8_e4m3fn else ""))
+    if rhs_scale is not None and (lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.float8_e4m3fn):
+        raise ValueError(f"with rhs_scale, lhs must be bfloat16 and rhs float8_e4m3fn, got lhs {lhs.dtype} "
+                         f"and rhs {rhs.dtype}")
     m, k = lhs.shape
     g, k2, n = rhs.shape
     if k != k2:
@@ -199,6 +213,14 @@ def _check(lhs, rhs, group_sizes, config: GroupedConfig) -> None:
         raise ValueError(f"K = {k} is not divisible by tile_k = {c.tile_k}")
     if c.max_concurrent_steps < 1:
         raise ValueError(f"max_concurrent_steps = {c.max_concurrent_steps} must be positive")
+    if rhs_scale is not None:
+        expected = (g, -(-k // scale_block), -(-n // scale_block))
+        if tuple(rhs_scale.shape) != expected:
+            raise ValueError(f"rhs_scale has shape {tuple(rhs_scale.shape)}, expected {expected} "
+                             f"(one scale per {scale_block} x {scale_block} block of each group's weight)")
+        if scale_block % c.tile_k or scale_block % c.tile_n:
+            raise ValueError(f"tile_k = {c.tile_k} and tile_n = {c.tile_n} must divide scale_block = {scale_block} "
+                             "(one scale per weight tile)")
 
 
 def _store_rows(o_smem, out_gmem, row0, lo, count, col0, *, row_tile, tile_n):
@@ -217,8 +239,12 @@ def _store_rows(o_smem, out_gmem, row0, lo, count, col0, *, row_tile, tile_n):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _grouped_kernel(meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, num_groups, tiles, steps, stages,
-                    tile_n, tile_k, row_tile):
+def _grouped_kernel(meta_gmem, lhs_gmem, rhs_gmem, *rest, num_groups, tiles, steps, stages,
+                    tile_n, tile_k, row_tile, scale_block, scale_shape):
+    if scale_shape is None:
+        (out_gmem,) = rest
+    else:
+        scale_gmem, out_gmem = rest
     ni = lax.axis_index("n")
     t = lax.axis_index("t")
     group = meta_gmem[t]
@@ -237,9 +263,22 @@ def _grouped_kernel(meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, num_groups, tile
         plgpu.wgmma_wait(delay)
         return acc_ref
 
-    def acc_scope(acc_ref):
+    def step_fp8(idx, w_smem, x_smem, acc_ref, wide_smem):
+        # wgmma reads 8-bit operands K-major only: the FP8 tile is scaled into a bf16 copy in
+        # registers and shared memory, one of two so that the previous step's wgmma (still
+        # pending after wgmma_wait(1)) keeps reading its own.
+        j = idx[0]
+        n_k, n_n = scale_shape
+        scale = scale_gmem[(group * n_k + lax.div(j * tile_k, scale_block)) * n_n + lax.div(col0, scale_block)]
+        wide = wide_smem.at[lax.rem(j, 2)]
+        wide[...] = (w_smem[...].astype(jnp.float32) * scale).astype(wide.dtype)
+        plgpu.commit_smem()
+        return step(idx, wide, x_smem, acc_ref)
+
+    def acc_scope(acc_ref, wide_smem=None):
+        body = step if wide_smem is None else functools.partial(step_fp8, wide_smem=wide_smem)
         plgpu.emit_pipeline(
-            functools.partial(step, acc_ref=acc_ref),
+            functools.partial(body, acc_ref=acc_ref),
             grid=(steps,),
             in_specs=[
                 plgpu.BlockSpec((tile_k, tile_n), lambda j: (j, ni), delay_release=delay),
@@ -250,7 +289,12 @@ def _grouped_kernel(meta_gmem, lhs_gmem, rhs_gmem, out_gmem, *, num_groups, tile
         return acc_ref[...]
 
     def compute(o_smem):
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, row_tile), jnp.float32))
+        acc_type = plgpu.ACC((tile_n, row_tile), jnp.float32)
+        if scale_shape is None:
+            acc = pl.run_scoped(acc_scope, acc_type)
+        else:  # (a scope allocates registers or memory, not both)
+            acc = pl.run_scoped(lambda wide: pl.run_scoped(functools.partial(acc_scope, wide_smem=wide), acc_type),
+                                plgpu.SMEM((2, tile_k, tile_n), jnp.bfloat16))
         o_smem.T[...] = acc.astype(o_smem.dtype)  # transposed: the rows on the buffer's major axis
         plgpu.commit_smem()
         store(o_smem)
@@ -277,24 +321,22 @@ def grouped_gemm_mgpu(lhs, rhs, group_sizes, rhs_scale=None, *, config: GroupedC
 
     Args:
       lhs: ``[M, K]`` bf16, the rows of group 0, then group 1, ...
-      rhs: ``[G, K, N]`` bf16.
+      rhs: ``[G, K, N]`` bf16, or float8_e4m3fn with ``rhs_scale``.
       group_sizes: ``[G]`` integers (int32); rows past their sum come out as zeros.
-      rhs_scale: FP8 block scales (not supported yet: ``ValueError`` unless None).
+      rhs_scale: None, or the FP8 weights' block scales, float32 ``[G, cdiv(K, scale_block),
+        cdiv(N, scale_block)]``.
       config: the tiling; ``default_config(M, K, N, G)`` when None.
-      scale_block: the FP8 scale block (with ``rhs_scale``).
+      scale_block: the side of a scale's square block of weights (``tile_k`` and ``tile_n`` divide it).
       interpret: run Mosaic GPU's interpreter on the CPU (CPU tests): ``True`` for its default
         ``plgpu.InterpretGPUParams()``, or such an instance.
 
     Returns:
       ``out [M, N]`` bf16 (f32 accumulation).
     """
-    del scale_block
-    if rhs_scale is not None or rhs.dtype == jnp.float8_e4m3fn:
-        raise ValueError("grouped_gemm_mgpu does not take FP8 weights: use backend pallas (the Triton kernel)")
     if config is None and lhs.ndim == 2 and rhs.ndim == 3:
         config = default_config(lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0])
     config = config or GroupedConfig()
-    _check(lhs, rhs, group_sizes, config)
+    _check(lhs, rhs, group_sizes, rhs_scale, config, scale_block)
     m, k = lhs.shape
     g, _, n = rhs.shape
     if m == 0 or g == 0:
@@ -304,7 +346,11 @@ def grouped_gemm_mgpu(lhs, rhs, group_sizes, rhs_scale=None, *, config: GroupedC
     if m8 != m:  # every row tile reads row_tile rows from an 8-aligned row inside lhs
         lhs = jnp.pad(lhs, ((0, m8 - m), (0, 0)))
     tiles = num_tiles(m, g, row_tile)
-    meta = tile_schedule(group_sizes, m, row_tile)
+    args = [tile_schedule(group_sizes, m, row_tile), lhs, rhs]
+    scale_shape = None
+    if rhs_scale is not None:
+        scale_shape = tuple(rhs_scale.shape[1:])
+        args.append(rhs_scale.astype(jnp.float32).reshape(-1))
     steps = k // config.tile_k
     if interpret is True:
         # Mosaic GPU's own interpreter: Pallas' generic one cannot run the grid's axis_index.
@@ -312,11 +358,12 @@ def grouped_gemm_mgpu(lhs, rhs, group_sizes, rhs_scale=None, *, config: GroupedC
     kernel = plgpu.kernel(
         functools.partial(_grouped_kernel, num_groups=g, tiles=tiles, steps=steps,
                           stages=min(config.max_concurrent_steps, steps), tile_n=config.tile_n,
-                          tile_k=config.tile_k, row_tile=row_tile),
+                          tile_k=config.tile_k, row_tile=row_tile, scale_block=scale_block,
+                          scale_shape=scale_shape),
         out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
         grid=(n // config.tile_n, tiles),
         grid_names=("n", "t"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret or None,
     )
-    return kernel(meta, lhs, rhs)
+    return kernel(*args)

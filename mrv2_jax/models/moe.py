@@ -8,7 +8,7 @@ Expert computation, for T tokens each routed to k experts:
 The grouped GEMM is chosen by `backend`:
   - "pallas": the Pallas/Triton kernel (pallas_kernels/grouped_gemm.py), for GPUs;
   - "mgpu": the Pallas Mosaic GPU kernel (pallas_kernels/grouped_gemm_mgpu.py: TMA + wgmma, built for
-    decode's few rows per expert; bf16 weights only), for H100/H200s;
+    decode's few rows per expert; bf16 activations, bf16 or block-scaled FP8 weights), for H100/H200s;
   - "ragged_dot": `jax.lax.ragged_dot` (the reference; a dense expansion on CPU and GPU);
   - "dense": no sorting; every token through every expert, weighted by a dense [T, E]
     weight matrix (E/k times the work; the simplest correct fallback and a benchmark arm);

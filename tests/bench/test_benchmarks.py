@@ -16,7 +16,7 @@ def test_bench_moe_smoke_at_tiny_shapes(tmp_path):
     assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
     cases = {r["case"]: r for r in report["results"]}
     assert set(cases) == {"layer/pallas", "layer/mgpu", "layer/ragged_dot", "layer/dense", "layer/pallas_fp8",
-                          "gemm/pallas", "gemm/mgpu", "gemm/ragged_dot"}
+                          "layer/mgpu_fp8", "gemm/pallas", "gemm/mgpu", "gemm/ragged_dot"}
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in cases.values())
     assert {"layer/ragged_dot / layer/pallas @ 8", "gemm/pallas / gemm/mgpu @ 8"} <= report["speedups"].keys()
 

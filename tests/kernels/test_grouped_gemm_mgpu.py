@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from benchmarks.moe import quantize_fp8
 from pallas_kernels import grouped_gemm_mgpu as gm
 from pallas_kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 from pallas_kernels.grouped_gemm_mgpu import GroupedConfig, default_config, grouped_gemm_mgpu
@@ -24,12 +25,16 @@ EXPERTS, TOP_K = 128, 8
 QWEN3_30B = {"gate_up": (2048, 1536), "down": (768, 2048)}
 
 
-def make(sizes, k, n, extra=0, seed=0):
-    """bf16 operands for groups of `sizes` rows and `extra` rows past them."""
+def make(sizes, k, n, extra=0, seed=0, fp8=False):
+    """bf16 operands for groups of `sizes` rows and `extra` rows past them; with `fp8` the weights
+    quantised to float8_e4m3fn with 128 x 128 block scales (the benchmark's quantiser), the
+    scales last."""
     rng = np.random.default_rng(seed)
     m = int(sum(sizes)) + extra
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     rhs = jnp.asarray(0.05 * rng.standard_normal((len(sizes), k, n)), jnp.bfloat16)
+    if fp8:
+        return lhs, *quantize_fp8(rhs), jnp.asarray(sizes, jnp.int32)
     return lhs, rhs, jnp.asarray(sizes, jnp.int32)
 
 
@@ -38,11 +43,11 @@ def jitted(config):
     return jax.jit(functools.partial(grouped_gemm_mgpu, config=config, interpret=not on_gpu))
 
 
-def check(lhs, rhs, group_sizes, config, reference=grouped_gemm_reference):
+def check(lhs, rhs, group_sizes, config, reference=grouped_gemm_reference, rhs_scale=None):
     """The kernel == the reference to a bf16 rounding step (both round an f32 sum once, summed in
-    another order); rows past the groups are exactly zero."""
-    out = np.asarray(jitted(config)(lhs, rhs, group_sizes), np.float32)
-    ref = np.asarray(jax.jit(reference)(lhs, rhs, group_sizes), np.float32)
+    another order; FP8 weights dequantised the same way); rows past the groups are exactly zero."""
+    out = np.asarray(jitted(config)(lhs, rhs, group_sizes, rhs_scale), np.float32)
+    ref = np.asarray(jax.jit(reference)(lhs, rhs, group_sizes, rhs_scale), np.float32)
     assert out.shape == (lhs.shape[0], rhs.shape[2])
     np.testing.assert_allclose(out, ref, rtol=2**-7, atol=1e-2)
     total = min(int(np.maximum(np.asarray(group_sizes), 0).sum()), lhs.shape[0])
@@ -101,6 +106,21 @@ def test_interpreted_kernel_matches_reference(case):
     check(*make(sizes, k, n, extra), config)
 
 
+# FP8 weights (two scale blocks along K and N): decode-like groups with 64-wide tiles (two per
+# scale block), a group over several row tiles with 128-wide ones and a single stage.
+FP8_CASES = {
+    "decode": ((3, 0, 5, 1, 0, 2, 4, 0), GroupedConfig(64, 64, 16, 3)),
+    "big_group": ((40, 3, 0, 21), GroupedConfig(128, 64, 16, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_interpreted_kernel_with_fp8_weights_matches_reference(case):
+    sizes, config = FP8_CASES[case]
+    lhs, w8, scale, gs = make(sizes, 256, 256, extra=3, fp8=True)
+    check(lhs, w8, gs, config, rhs_scale=scale)
+
+
 def test_interpreter_finds_no_race_in_the_pipeline():
     """Mosaic GPU's interpreter with its race detector: the TMA ring (4 steps through 3 stages),
     the ladder of row stores and the zero tail race with nothing. (It runs wgmma synchronously, so
@@ -150,16 +170,21 @@ def test_default_configs_at_qwen3_30b_shapes(tokens):
         assert c.tile_k == 64
 
 
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 128, 256, 4096])
-def test_cuda_lowering_accepts_default_configs_at_qwen3_30b_shapes(tokens, monkeypatch):
+def test_cuda_lowering_accepts_default_configs_at_qwen3_30b_shapes(tokens, weights, monkeypatch):
     """The real Mosaic GPU lowering (layouts, swizzles, wgmma shapes, TMA offsets, shared memory
     size) takes the default config of both GEMMs, lowered for CUDA on any backend with the H200's
-    SM count: 128 tokens (the decode step of issue 27), 256 and a 4096-token prefill chunk."""
+    SM count: 128 tokens (the decode step of issue 27), 256 and a 4096-token prefill chunk; bf16
+    and FP8 block-scaled weights."""
     monkeypatch.setattr(gm, "_num_sms", lambda: 132)
     m = tokens * TOP_K
+    sds = jax.ShapeDtypeStruct
     for k, n in QWEN3_30B.values():
-        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((EXPERTS, k, n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((EXPERTS,), jnp.int32))
+        args = [sds((m, k), jnp.bfloat16), sds((EXPERTS, k, n), jnp.bfloat16), sds((EXPERTS,), jnp.int32)]
+        if weights == "fp8":
+            args[1] = sds((EXPERTS, k, n), jnp.float8_e4m3fn)
+            args.append(sds((EXPERTS, k // 128, n // 128), jnp.float32))
         jax.jit(grouped_gemm_mgpu).trace(*args).lower(lowering_platforms=("cuda",))
 
 
@@ -177,7 +202,7 @@ def test_cuda_lowering_refuses_too_much_shared_memory():
 @pytest.mark.parametrize(("lhs", "rhs", "gs", "dtypes", "config", "match"), [
     ((8, 64), (2, 64, 64), (2,), ("bfloat16", "float32", "int32"), None, "got lhs bfloat16 and rhs float32"),
     ((8, 64), (2, 64, 64), (2,), ("float16", "bfloat16", "int32"), None, "must be bfloat16, got lhs float16"),
-    ((8, 64), (2, 64, 64), (2,), ("bfloat16", "float8_e4m3fn", "int32"), None, "FP8 weights: use backend pallas"),
+    ((8, 64), (2, 64, 64), (2,), ("bfloat16", "float8_e4m3fn", "int32"), None, "FP8 weights need rhs_scale"),
     ((8, 64), (2, 64, 64), (2,), ("bfloat16", "bfloat16", "float32"), None, "group_sizes must be integers"),
     ((8, 64), (64, 64), (2,), None, None, "rhs \\[G, K, N\\]"),
     ((8, 64), (2, 128, 64), (2,), None, None, "lhs's K = 64 differs from rhs's K = 128"),
@@ -195,10 +220,16 @@ def test_bad_input_raises(lhs, rhs, gs, dtypes, config, match):
         grouped_gemm_mgpu(jnp.zeros(lhs, ld), jnp.zeros(rhs, rd), jnp.zeros(gs, gd), config=config, interpret=True)
 
 
-def test_fp8_scales_refused():
-    lhs, rhs, gs = make((3, 5), 128, 128)
-    with pytest.raises(ValueError, match="FP8 weights: use backend pallas"):
-        grouped_gemm_mgpu(lhs, rhs, gs, jnp.ones((2, 1, 1), jnp.float32), interpret=True)
+@pytest.mark.parametrize(("rhs_dtype", "k", "scale_shape", "config", "match"), [
+    ("bfloat16", 128, (2, 1, 1), None, "with rhs_scale, lhs must be bfloat16 and rhs float8_e4m3fn"),
+    ("float8_e4m3fn", 128, (2, 1, 2), None, "rhs_scale has shape \\(2, 1, 2\\), expected \\(2, 1, 1\\)"),
+    ("float8_e4m3fn", 256, (2, 2, 1), GroupedConfig(64, 256, 8, 2), "must divide scale_block = 128"),
+])
+def test_bad_fp8_input_raises(rhs_dtype, k, scale_shape, config, match):
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm_mgpu(jnp.zeros((8, k), jnp.bfloat16), jnp.zeros((2, k, 128), rhs_dtype),
+                          jnp.zeros((2,), jnp.int32), jnp.ones(scale_shape, jnp.float32), config=config,
+                          interpret=True)
 
 
 # --- on the GPU ----------------------------------------------------------------------------------
@@ -221,6 +252,17 @@ def test_gpu_qwen3_30b_shapes_match_reference(tokens, skew):
     for k, n in QWEN3_30B.values():
         lhs, rhs, _ = make([0] * EXPERTS, k, n, extra=tokens * TOP_K, seed=k)
         check(lhs, rhs, sizes, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [128, 256])
+def test_gpu_fp8_weights_match_reference(tokens):
+    """FP8 block-scaled weights, the real kernel at decode against the reference (which dequantises
+    them first)."""
+    sizes = routed_sizes(tokens, seed=tokens)
+    for k, n in QWEN3_30B.values():
+        lhs, w8, scale, _ = make([0] * EXPERTS, k, n, extra=tokens * TOP_K, seed=k, fp8=True)
+        check(lhs, w8, sizes, None, rhs_scale=scale)
 
 
 @pytest.mark.gpu
