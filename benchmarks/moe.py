@@ -8,10 +8,12 @@ Cases, each one jitted call timed to completion (median of --runs):
 
   layer/<backend>   the whole routed-expert MLP (`mrv2_jax.models.moe.routed_experts`):
                     sort by expert, gate_up GEMM, SwiGLU, down GEMM, un-permute + weights.
-                    backends: pallas (our grouped GEMM), ragged_dot (jax.lax.ragged_dot),
-                    dense (every token through every expert), pallas_fp8 (FP8 weights with
-                    128x128 block scales, dequantised in the kernel)
-  gemm/<backend>    the gate_up grouped GEMM alone ([T*8, 2048] x [128, 2048, 1536])
+                    backends: pallas (our grouped GEMM, Triton), mgpu (our grouped GEMM on
+                    Mosaic GPU: TMA + wgmma, the weight streamed once per row tile), ragged_dot
+                    (jax.lax.ragged_dot), dense (every token through every expert), pallas_fp8
+                    and mgpu_fp8 (FP8 weights with 128x128 block scales, dequantised in the kernel)
+  gemm/<backend>    the gate_up grouped GEMM alone ([T*8, 2048] x [128, 2048, 1536]): pallas
+                    always, mgpu and ragged_dot when among --backends
   sweep/...         (--sweep) the gate_up GEMM with other kernel tilings
 
 Floors: FLOPs of the routed work only (6 * T * k * H * I for the layer) at 790 TFLOP/s bf16,
@@ -34,6 +36,7 @@ from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.models.moe import routed_experts, softmax_topk_router
 from pallas_kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from pallas_kernels.grouped_gemm_mgpu import grouped_gemm_mgpu
 
 PEAK_FLOPS, PEAK_BW = 790e12, 4.3e12
 SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
@@ -95,11 +98,11 @@ def run_cases(tokens: int, opts) -> list[dict]:
         print(_row(r), flush=True)
 
     for backend in opts.backends:
-        if backend == "pallas_fp8":
+        if backend.endswith("_fp8"):
             gu8, gu_s = quantize_fp8(gate_up)
             d8, d_s = quantize_fp8(down)
-            fn = functools.partial(_layer_fp8, backend="pallas")
-            record("layer/pallas_fp8", fn, (x, weights, ids, gu8, d8, gu_s, d_s), True)
+            fn = functools.partial(_layer_fp8, backend=backend.removesuffix("_fp8"))
+            record(f"layer/{backend}", fn, (x, weights, ids, gu8, d8, gu_s, d_s), True)
             continue
         fn = functools.partial(routed_experts, backend=backend)
         record(f"layer/{backend}", fn, (x, weights, ids, gate_up, down), True)
@@ -110,6 +113,8 @@ def run_cases(tokens: int, opts) -> list[dict]:
     lhs = x[order // TOP_K]
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
     record("gemm/pallas", gemm, (lhs, gate_up, sizes), False)
+    if "mgpu" in opts.backends:
+        record("gemm/mgpu", functools.partial(grouped_gemm_mgpu, interpret=interpret), (lhs, gate_up, sizes), False)
     if "ragged_dot" in opts.backends:
         record("gemm/ragged_dot", grouped_gemm_reference, (lhs, gate_up, sizes), False)
     if opts.sweep:
@@ -138,7 +143,8 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--moe-intermediate", type=int, default=768)
-    ap.add_argument("--backends", nargs="+", default=["pallas", "ragged_dot", "dense", "pallas_fp8"])
+    ap.add_argument("--backends", nargs="+", default=["pallas", "mgpu", "ragged_dot", "dense", "pallas_fp8",
+                                                          "mgpu_fp8"])
     ap.add_argument("--sweep", action="store_true", help="also time other tilings of the kernel")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -154,7 +160,8 @@ def main(argv=None):
     for tokens in opts.tokens:
         by = {r["case"]: r.get("ms") for r in results if r["tokens"] == tokens}
         for a, b in (("layer/pallas", "layer/ragged_dot"), ("gemm/pallas", "gemm/ragged_dot"),
-                     ("layer/pallas", "layer/dense")):
+                     ("layer/pallas", "layer/dense"), ("layer/mgpu", "layer/pallas"), ("gemm/mgpu", "gemm/pallas"),
+                     ("layer/mgpu_fp8", "layer/pallas_fp8")):
             if by.get(a) and by.get(b):
                 speedups[f"{b} / {a} @ {tokens}"] = by[b] / by[a]
     for k, v in speedups.items():

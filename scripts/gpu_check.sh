@@ -16,7 +16,8 @@
 # slow path's search kernel (threshold-search), the batch-1 kernel split (timeline-b1) and tensor
 # parallelism on 2+ GPUs (tp: parity with one GPU, Qwen3-8B S1 at N = 1 and 2) and expert parallelism
 # (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2), the KV write on Mosaic GPU
-# against Triton (kv-write: its GPU tests and the benchmark's kv_write cases).
+# against Triton (kv-write: its GPU tests and the benchmark's kv_write cases), the MoE grouped GEMM on
+# Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -128,6 +129,13 @@ for s in $sections; do case $s in
         --output-json "$OUT/${s//-/_}_$rows.json"
     done ;;
   moe) run_section moe python3 -m benchmarks.moe --sweep --output-json "$OUT/moe.json" ;;
+  # Issue 27: the MoE grouped GEMM on Mosaic GPU beside the Triton one: the kernel file's GPU tests
+  # (Qwen3-30B-A3B's shapes against the reference), then the routed experts and the gate_up GEMM by
+  # backend at decode (128, 256 tokens) and on a 4096-token prefill chunk.
+  moe-mgpu)
+    run_section moe-mgpu-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_grouped_gemm_mgpu.py
+    run_section moe-mgpu python3 -m benchmarks.moe --tokens 128 256 4096 --backends pallas mgpu \
+        --output-json "$OUT/moe_mgpu.json" ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
   moe-presets)

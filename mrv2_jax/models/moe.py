@@ -7,6 +7,8 @@ Expert computation, for T tokens each routed to k experts:
   3. un-permute and sum each token's k outputs weighted by its routing weights.
 The grouped GEMM is chosen by `backend`:
   - "pallas": the Pallas/Triton kernel (pallas_kernels/grouped_gemm.py), for GPUs;
+  - "mgpu": the Pallas Mosaic GPU kernel (pallas_kernels/grouped_gemm_mgpu.py: TMA + wgmma, built for
+    decode's few rows per expert; bf16 activations, bf16 or block-scaled FP8 weights), for H100/H200s;
   - "ragged_dot": `jax.lax.ragged_dot` (the reference; a dense expansion on CPU and GPU);
   - "dense": no sorting; every token through every expert, weighted by a dense [T, E]
     weight matrix (E/k times the work; the simplest correct fallback and a benchmark arm);
@@ -25,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from mrv2_jax.models.tensor_parallel import AXIS
 
-BACKENDS = ("auto", "pallas", "ragged_dot", "dense")
+BACKENDS = ("auto", "pallas", "mgpu", "ragged_dot", "dense")
 
 
 def resolve_backend(backend: str | None = None) -> str:
@@ -80,6 +82,11 @@ def _grouped(lhs, rhs, group_sizes, scale, backend, scale_block):
     if backend == "pallas":
         return gg.grouped_gemm(lhs, rhs, group_sizes, scale, scale_block=scale_block,
                                interpret=jax.default_backend() != "gpu")
+    if backend == "mgpu":
+        from pallas_kernels.grouped_gemm_mgpu import grouped_gemm_mgpu
+
+        return grouped_gemm_mgpu(lhs, rhs, group_sizes, scale, scale_block=scale_block,
+                                 interpret=jax.default_backend() != "gpu")
     return gg.grouped_gemm_reference(lhs, rhs, group_sizes, scale, scale_block=scale_block)
 
 
