@@ -153,7 +153,7 @@ class KernelConfig:
     threshold search, "kernel", "interpret" or "reference" (jnp over every row).
     For the three sampler fields "kernel" means the kernel where it runs (GPUs), the jnp
     reference elsewhere.
-    ``moe_backend``: the MoE experts' grouped GEMM, "pallas", "ragged_dot" or "dense".
+    ``moe_backend``: the MoE experts' grouped GEMM, "pallas", "mgpu", "ragged_dot" or "dense".
     """
 
     attention: str = "auto"

@@ -70,7 +70,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
             "Default of KernelConfig.sampler_noise_pass: the sampler's whole-row noise pass."),
     _choice("MRV2_SAMPLER_SLOW_PATH", "auto", SAMPLER_PASS_MODES,
             "Default of KernelConfig.sampler_slow_path: the sampler's whole-row threshold search."),
-    _choice("MRV2_MOE_BACKEND", "auto", ("auto", "pallas", "ragged_dot", "dense"),
+    _choice("MRV2_MOE_BACKEND", "auto", ("auto", "pallas", "mgpu", "ragged_dot", "dense"),
             "Default of KernelConfig.moe_backend: the grouped GEMM of the MoE experts."),
     Switch("MRV2_STRUCTURED_STATES", "int", "2048",
            "States of the device's structured-output automaton pool (8 * ceil(V / 32) bytes each)."),

@@ -13,6 +13,8 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``grouped_gemm``: ``grouped_gemm`` / ``grouped_gemm_reference`` (the MoE experts' GEMMs).
+- ``grouped_gemm_mgpu``: ``grouped_gemm_mgpu``, the same GEMMs on Mosaic GPU for decode's few rows per
+  expert (issue 27; the engine's `moe_backend=mgpu`, not its default).
 - ``logit_stats``: the sampler's one pass over the logits (``logit_stats``, ``count_above``).
 - ``noise_pass``: the sampler's whole-row noise pass; ``threshold_search``: its slow path.
 - ``sampler_common``, ``gumbel_hash``: the constants and jnp math the sampler kernels share with
