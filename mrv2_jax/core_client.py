@@ -28,7 +28,7 @@ import zmq
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.engine_config import EngineConfig
-from mrv2_jax.engine.tokenizer import HuggingFacePreload, load_tokenizer
+from mrv2_jax.engine.tokenizer import TokenizerPreload, load_tokenizer
 from mrv2_jax.models.paths import resolve_model_path
 from mrv2_jax.without_torch import keep_torch_out
 
@@ -83,7 +83,7 @@ class _EngineLink:
         engine, or for an attached client the serving process), for a poller over several links."""
         return self._output, self._watched_sentinel
 
-    def _wait_ready(self, timeout: float, exitcode, preload: HuggingFacePreload | None = None) -> M.Ready:
+    def _wait_ready(self, timeout: float, exitcode, preload: TokenizerPreload | None = None) -> M.Ready:
         try:
             msg = self.recv(timeout)
         except EngineProcessDied as died:
@@ -175,7 +175,7 @@ class CoreClient(_EngineLink):
         self.process = multiprocessing.get_context("spawn").Process(
             target=_engine_process, args=(dict(engine_args), inputs, outputs), name="mrv2-engine-core", daemon=True)
         self.process.start()
-        preload = HuggingFacePreload(_tokenizer_path(engine_args))  # loads while the engine starts
+        preload = TokenizerPreload(_tokenizer_path(engine_args))  # loads while the engine starts
         self._watched_sentinel = self.process.sentinel
         self._poller.register(self.process.sentinel, zmq.POLLIN)
         try:

@@ -11,6 +11,7 @@ from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.request_checks import check_request_fits
+from mrv2_jax.engine.tokenizer import load_tokenizer
 from mrv2_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -25,8 +26,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine, hf_files, self.model_state = build_engine(self.config, loaded_model)
-        self.tokenizer = hf_files.tokenizer()
+        self.engine, tokenizer_path, self.model_state = build_engine(self.config, loaded_model)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -1,6 +1,7 @@
 """Assembling an engine from its configuration (engine/engine_config.py): model, tokenizer, KV
 cache, scheduler, runner."""
 
+import functools
 from pathlib import Path
 
 from mrv2_jax import envs
@@ -9,8 +10,9 @@ from mrv2_jax.engine.engine_config import DEFAULT_UNROLLED_LAYERS_MAX_TOKENS, En
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
 from mrv2_jax.engine.startup import StartupReport
-from mrv2_jax.engine.tokenizer import HuggingFacePreload
-from mrv2_jax.models.loader import load_model, resolve_dtype, resolve_model_path
+from mrv2_jax.engine.tokenizer import has_tokenizer, load_tokenizer
+from mrv2_jax.models.config_cache import load_hf_config_cached
+from mrv2_jax.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
 from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.sample.features import SamplerKernels, default_variant_names, variants_by_name
@@ -108,6 +110,13 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
 
 
+def config_cache_dir() -> Path | None:
+    """Where model configs are kept for warm starts (models/config_cache.py): beside the compiled
+    programs, and off with them."""
+    where = envs.read("MRV2_COMPILATION_CACHE")
+    return None if where.lower() == "off" else Path(where).expanduser() / "hf_configs"
+
+
 def use_moe_backend(model_state, kernels: KernelConfig) -> None:
     """Set the MoE experts' grouped GEMM on a model state that has experts (read when traced)."""
     if hasattr(model_state, "moe_backend"):
@@ -137,14 +146,14 @@ def make_tensor_parallel(size: int, model_state, lm, expert_parallel: bool = Fal
 
 
 def build_engine(config: EngineConfig, loaded_model=None):
-    """-> (EngineCore, HuggingFacePreload, model_state); the engine's `startup` says where the time
-    went. The preload holds the tokenizer, which loads on a thread while the engine starts (only
-    structured outputs need it in the engine). `loaded_model`: a `load_model` result to reuse
-    (benchmarks that build several engines over one set of weights)."""
+    """-> (EngineCore, tokenizer path or None, model_state); the engine's `startup` says where the
+    time went. The engine loads the tokenizer only when a structured-output request first needs it.
+    `loaded_model`: a `load_model` result to reuse (benchmarks that build several engines over one
+    set of weights)."""
     report = StartupReport()
     model_path = resolve_model_path(config.model) if loaded_model is None else loaded_model[2]
-    preload = HuggingFacePreload(Path(config.tokenizer) if config.tokenizer else model_path,
-                                 config_path=model_path if loaded_model is None else None)
+    tokenizer_path = Path(config.tokenizer) if config.tokenizer else model_path
+    tokenizer_path = tokenizer_path if has_tokenizer(tokenizer_path) else None
     with report.phase("backend"):  # the cache's settings ask for the backend, which starts it
         import jax
 
@@ -153,7 +162,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
     hf_config = None
     if loaded_model is None:
         with report.phase("model config"):
-            hf_config = preload.config()
+            hf_config = load_hf_config_cached(model_path, config_cache_dir(), load_hf_config)
     with report.phase("weights"):
         model_state, lm, _ = loaded_model or load_model(config.model, config.dtype, config.load_format, config.seed,
                                                            hf_config=hf_config)
@@ -195,8 +204,9 @@ def build_engine(config: EngineConfig, loaded_model=None):
                     gpu_memory_utilization=config.gpu_memory_utilization,
                     enable_prefix_caching=config.enable_prefix_caching),
         eos_token_id=model_state.eos_token_ids, automaton_pool=runner.automaton_pool)
-    compiler = None if not preload.has_tokenizer else ConstraintCompiler(
-        None, model_state.eos_token_ids or (), model_state.vocab_size, load_tokenizer=preload.tokenizer)
+    compiler = None if tokenizer_path is None else ConstraintCompiler(
+        None, model_state.eos_token_ids or (), model_state.vocab_size,
+        load_tokenizer=functools.partial(load_tokenizer, tokenizer_path))
     engine = EngineCore(scheduler, runner, async_scheduling, compiler)
     engine.startup = report.finish()
-    return engine, preload, model_state
+    return engine, tokenizer_path, model_state

@@ -64,7 +64,7 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
             out.send(data)
 
     try:
-        engine, hf_files, model_state = build_engine(EngineConfig(**engine_args))
+        engine, tokenizer_path, model_state = build_engine(EngineConfig(**engine_args))
     except BaseException as exc:  # noqa: BLE001 - every start-up failure is reported the same way
         send_all(M.StartupFailed(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         code = 1
@@ -80,7 +80,7 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
                 stream_outs.append(sock)
         proc = EngineCoreProc(engine, model_state, inp, outs, stream_outs)
         send_all(M.Ready(
-            pid=os.getpid(), tokenizer_path=hf_files.path if hf_files.has_tokenizer else None,
+            pid=os.getpid(), tokenizer_path=None if tokenizer_path is None else str(tokenizer_path),
             max_model_len=engine.scheduler.max_model_len, vocab_size=model_state.vocab_size,
             num_eos=len(model_state.eos_token_ids or ()),
             supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats(),

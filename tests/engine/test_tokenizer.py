@@ -4,9 +4,7 @@ from several threads at once in a process that has not imported transformers yet
 import subprocess
 import sys
 
-import pytest
-
-from mrv2_jax.engine.tokenizer import HuggingFacePreload, load_tokenizer
+from mrv2_jax.engine.tokenizer import TokenizerPreload, load_tokenizer
 from mrv2_jax.models.loader import load_hf_config
 from mrv2_jax.models.paths import CHECKPOINTS_DIR
 
@@ -15,27 +13,16 @@ TEXT = "The king said, to be or not to be"
 
 
 def test_a_preload_hands_over_the_tokenizer_of_its_path():
-    preload = HuggingFacePreload(DEMO)
+    preload = TokenizerPreload(DEMO)
     tokenizer = preload.get(str(DEMO))
     assert tokenizer.encode(TEXT) == load_tokenizer(DEMO).encode(TEXT)
     assert preload.get(str(DEMO)) is tokenizer  # handed over, not loaded again
 
 
 def test_a_preload_of_another_path_loads_the_one_asked_for():
-    assert HuggingFacePreload(None).get(str(DEMO)).encode(TEXT) == load_tokenizer(DEMO).encode(TEXT)
-    assert HuggingFacePreload(DEMO).get(None) is None  # the engine has no tokenizer (a preset)
-    assert HuggingFacePreload(CHECKPOINTS_DIR / "no-such-model").get(str(DEMO)) is not None
-
-
-def test_a_preload_loads_the_config_first_and_keeps_each_error_to_its_own_file():
-    preload = HuggingFacePreload(DEMO, config_path=DEMO)
-    assert preload.config().to_dict() == load_hf_config(DEMO).to_dict()
-    assert preload.tokenizer().encode(TEXT) == load_tokenizer(DEMO).encode(TEXT)
-    missing = HuggingFacePreload(DEMO, config_path=CHECKPOINTS_DIR / "no-such-model")
-    with pytest.raises(OSError):
-        missing.config()
-    assert missing.tokenizer().encode(TEXT) == load_tokenizer(DEMO).encode(TEXT)  # the tokenizer still loads
-    assert HuggingFacePreload(CHECKPOINTS_DIR / "no-such-model").tokenizer() is None
+    assert TokenizerPreload(None).get(str(DEMO)).encode(TEXT) == load_tokenizer(DEMO).encode(TEXT)
+    assert TokenizerPreload(DEMO).get(None) is None  # the engine has no tokenizer (a preset)
+    assert TokenizerPreload(CHECKPOINTS_DIR / "no-such-model").get(str(DEMO)) is not None
 
 
 def test_threads_loading_at_once_before_transformers_is_imported():
