@@ -30,8 +30,9 @@ Algorithm. One CTA (one warpgroup) per (row, KV head, split); grid ``(R, Hkv, nu
   in shared memory (128-byte swizzled). Filling a stage is ``64 / block_size`` TMA copies per cache
   (one page's ``[block_size, D]`` slab of this KV head is contiguous), the page numbers read as
   scalars from ``block_tables`` in global memory, all arriving on the stage's K (or V) barrier. The
-  CTA issues the first stages up front and refills a stage as soon as the step that read it is done,
-  so ``max_concurrent_steps - 1`` to ``max_concurrent_steps`` tiles are in flight while it computes.
+  CTA issues the first stages up front and refills a stage's K as soon as the step's score wgmma has
+  read it and its V once the value wgmma has, so ``max_concurrent_steps - 1`` to
+  ``max_concurrent_steps`` tiles are in flight while it computes.
   (``plgpu.emit_pipeline`` takes one BlockSpec block per input per step; a 64-token tile of 16-token
   pages is 4 unrelated blocks that wgmma must read as one ``[64, D]`` operand, hence a hand-written
   ring.)
@@ -179,8 +180,8 @@ def _decode_kernel(layer_gmem, num_seqs_gmem, seq_lens_gmem, bt_gmem, q_gmem, k_
     steps = jnp.minimum(t_lo + per_split, n_tiles) - t_lo
 
     def body(q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar):
-        def issue(step, slot):
-            """TMA copies of tile ``t_lo + step``'s K and V pages into stage ``slot``."""
+        def issue(step, slot, caches=((k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar))):
+            """TMA copies of tile ``t_lo + step``'s pages of ``caches`` (K and V) into stage ``slot``."""
             tile = t_lo + step
             for j in range(pages_per_tile):
                 if block_size <= TILE:
@@ -192,12 +193,12 @@ def _decode_kernel(layer_gmem, num_seqs_gmem, seq_lens_gmem, bt_gmem, q_gmem, k_
                 blk = jnp.clip(bt_gmem[row * max_blocks + jnp.minimum(page, max_blocks - 1)], 0, num_blocks - 1)
                 dst = pl.ds(j * page_rows, page_rows)
                 src = (layer, blk, head, pl.ds(offset, page_rows))
-                plgpu.copy_gmem_to_smem(k_gmem.at[src], k_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_gmem.at[src], v_smem.at[slot, dst], v_bar.at[slot])
+                for gmem, smem, bar in caches:
+                    plgpu.copy_gmem_to_smem(gmem.at[src], smem.at[slot, dst], bar.at[slot])
 
+        plgpu.copy_gmem_to_smem(q_gmem.at[row, head], q_smem, q_bar)
         for i in range(stages):
             pl.when(i < steps)(functools.partial(issue, i, i))
-        plgpu.copy_gmem_to_smem(q_gmem.at[row, head], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
         def kv_step(step, carry):
@@ -212,6 +213,9 @@ def _decode_kernel(layer_gmem, num_seqs_gmem, seq_lens_gmem, bt_gmem, q_gmem, k_
                 return s_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((TILE, _HEAD_PAD), jnp.float32))
+            # The stage's K is read: refill it now, its V once P V is done.
+            refill = step + stages < steps
+            pl.when(refill)(functools.partial(issue, step + stages, slot, ((k_gmem, k_smem, k_bar),)))
             tok = plgpu.broadcasted_iota(jnp.int32, (TILE, _HEAD_PAD), 0, layout=plgpu.Layout.WGMMA)
             live = tok < seq_len - tile * TILE
             s = jnp.where(live, s * scale_log2, _NEG)
@@ -240,7 +244,7 @@ def _decode_kernel(layer_gmem, num_seqs_gmem, seq_lens_gmem, bt_gmem, q_gmem, k_
 
             pv = pl.run_scoped(values, plgpu.ACC((head_dim, _HEAD_PAD), jnp.float32))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1]) + pv
-            pl.when(step + stages < steps)(functools.partial(issue, step + stages, slot))
+            pl.when(refill)(functools.partial(issue, step + stages, slot, ((v_gmem, v_smem, v_bar),)))
             return acc, m_new, l_i
 
         carry = (

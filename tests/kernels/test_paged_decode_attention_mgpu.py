@@ -25,28 +25,29 @@ HQ, HKV, D, BS = 16, 8, 128, 16
 def make_batch(seq_lens, *, rows=None, hq, hkv, d, bs, max_blocks, num_layers=2, layer=1, seed=0,
                poison=np.nan):
     """A decode batch: ``seq_lens`` real rows (then padding rows up to ``rows``) on shuffled pages;
-    with ``poison``, every cache slot no row may read holds it."""
+    with ``poison``, every cache slot no row may read holds it (the other layer's too)."""
     rows = rows or len(seq_lens)
     rng = np.random.default_rng(seed)
     num_blocks = rows * max_blocks + 3
     block_tables = np.zeros((rows, max_blocks), np.int32)  # unused entries: block 0
     lens = np.zeros(rows, np.int32)
-    live = np.zeros((num_blocks, bs), bool)
-    free = list(rng.permutation(num_blocks))
+    live = np.zeros((num_blocks * bs,), bool)
+    free = rng.permutation(num_blocks)
     for i, n in enumerate(seq_lens):
-        blocks = [free.pop() for _ in range(-(-n // bs))]
+        blocks, free = free[:-(-n // bs)], free[-(-n // bs):]
         block_tables[i, :len(blocks)] = blocks
         lens[i] = n
-        for p in range(n):
-            live[blocks[p // bs], p % bs] = True
+        slots = blocks[np.arange(n) // bs] * bs + np.arange(n) % bs
+        live[slots] = True
     shape = (num_layers, num_blocks, hkv, bs, d)
-    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in (kk, kv))
     if poison is not None:
-        dead = (np.arange(num_layers) != layer)[:, None, None, None, None] | ~live[None, :, None, :, None]
-        k, v = np.where(dead, poison, k), np.where(dead, poison, v)
-    q = rng.standard_normal((rows, hq, d))
-    bf = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
-    return dict(q=bf(q), k_cache=bf(k), v_cache=bf(v), block_tables=jnp.asarray(block_tables),
+        dead = (np.arange(num_layers) != layer)[:, None, None, None, None] | ~live.reshape(num_blocks, bs)[
+            None, :, None, :, None]
+        k, v = (jnp.where(jnp.asarray(dead), jnp.asarray(poison, jnp.bfloat16), x) for x in (k, v))
+    q = jax.random.normal(kq, (rows, hq, d), jnp.bfloat16)
+    return dict(q=q, k_cache=k, v_cache=v, block_tables=jnp.asarray(block_tables),
                 seq_lens=jnp.asarray(lens), num_seqs=jnp.int32(len(seq_lens)), layer=jnp.int32(layer))
 
 
@@ -67,8 +68,8 @@ def reference_fn(sm_scale):
 
 
 def check(batch, config, *, sm_scale=None):
-    """The kernel == the reference within bf16 rounding (P is rounded to bf16 before P V); padding
-    rows exactly 0; no NaN anywhere."""
+    """The kernel == the reference within bf16 rounding (P is rounded to bf16 before P V, and the
+    output to bf16); padding rows exactly 0; no NaN anywhere."""
     sm_scale = sm_scale or batch["q"].shape[-1] ** -0.5
     out = np.asarray(kernel_fn(config, sm_scale)(**batch), np.float32)
     ref = np.asarray(reference_fn(sm_scale)(**batch), np.float32)
@@ -76,7 +77,9 @@ def check(batch, config, *, sm_scale=None):
     assert not np.isnan(out).any(), f"NaN in rows {np.where(np.isnan(out).any((1, 2)))[0]}"
     n = int(batch["num_seqs"])
     np.testing.assert_array_equal(out[n:], 0.0)
-    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+    # Relative to the largest output: a long context averages the values down to ~1/sqrt(seq_len).
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err <= 1e-2, f"max error {err:.2e} of the largest output"
     return out
 
 
@@ -116,7 +119,8 @@ def test_interpreter_finds_no_race_in_the_ring():
     out = paged_decode_attention_mgpu(**batch, sm_scale=0.125, config=DecodeConfig(1, 2), interpret=params)
     assert not gpu_callbacks.get_races().races_found
     ref = reference_fn(0.125)(**batch)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max()
 
 
 def test_default_config_rule():
