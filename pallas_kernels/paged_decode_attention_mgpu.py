@@ -51,9 +51,10 @@ Algorithm. One CTA (one warpgroup) per (row, KV head, split); grid ``(R, Hkv, nu
 * Partials: each CTA writes its unnormalised ``O^T`` (f32 ``[D, 8]``) and its running max and sum
   (``[2, 8]``) through shared memory with TMA; a jnp epilogue (one XLA fusion) merges the splits
   with the usual log-sum-exp weights, drops the padding heads, normalises and transposes. Empty
-  splits and padding rows write ``O = 0``, a finite minus infinity as the max and sum 0, so they weigh 0 and a row with
-  no keys comes out as 0. The epilogue runs for ``S = 1`` too (one code path); its traffic is
-  ``R * Hkv * S * D * 8 * 4`` bytes, next to ``R * seq_len * Hkv * D * 4`` of K and V.
+  splits and padding rows write ``O = 0``, a finite minus infinity as the max and a sum of 0, so
+  they weigh 0 and a row with no keys comes out as 0. The epilogue runs for ``S = 1`` too (one
+  code path); its traffic is ``R * Hkv * S * D * 8 * 4`` bytes, next to ``R * seq_len * Hkv * D *
+  4`` of K and V.
 
 Default config (``default_config``) for ``num_sms`` SMs (the device's count on a GPU, else the
 H200's 132): ``max_concurrent_steps = 3`` (3 x 32 KB of K and V per CTA, ~106 KB of shared memory
@@ -68,8 +69,8 @@ Constraints of the Mosaic GPU lowering (Lane semantics, shared memory tiled ``(8
 ``head_dim`` a multiple of 64 for ``O^T``); its N takes multiples of 8 (the padded heads); a
 16-byte swizzle does not exist, so ``P^T [64, 8]`` cannot be its own B tile and is stored transposed
 into an ``[8, 64]`` tile (``p_smem.T[...] = p``) read back through ``.T`` (K-major); a page's slab
-is copied into rows ``[j * block_size, ...)`` of the stage, so ``block_size`` is a multiple of the 8-row
-tiling; each TMA copy moves a multiple of 128 bytes. The interpreter has two gaps that shape the
+is copied into rows ``[j * block_size, ...)`` of the stage, so ``block_size`` is a multiple of the
+8-row tiling; each TMA copy moves a multiple of 128 bytes. The interpreter has two gaps that shape the
 code: it cannot store into a wgmma accumulator ref (``acc_ref[...] = x``) nor run wgmma under
 ``pl.run_state``, so each wgmma gets a fresh zero accumulator (``pl.run_scoped``) and the rescaled
 ``O^T`` is carried in registers (``acc * alpha + pv``, a ``[128, 8]`` add per tile).
