@@ -10,7 +10,10 @@ Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf1
 size 16) over one layer's worth of cache in the stacked layout (num_layers=1 by default),
 random non-zero data and random (shuffled) block tables. Cases:
   decode   batch {1, 32, 256} x context {512, 4096, 32768} (one query token per row; cases
-           whose KV exceeds --max-kv-gib are skipped);
+           whose KV exceeds --max-kv-gib are skipped); besides the Triton kernel (impl "kernel")
+           each decode case runs the Mosaic GPU decode kernel (impl "mgpu",
+           paged_decode_attention_mgpu, its default config unless --mgpu-splits/--mgpu-stages;
+           --no-mgpu leaves it out), timed and checked against the reference the same way;
   prefill  1 x 4096 and 8 x 1024 (whole prompts, causal);
   kv_write 256 and 8192 tokens into the cache: kv_write_t* the Triton kernel (kv_write.write_kv),
            kv_write_mgpu_t* the Mosaic GPU one (kv_write_mgpu.write_kv_mgpu), same shapes and timing.
@@ -30,6 +33,7 @@ figures are reported for the pure-jnp reference (the baseline), where it fits in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -46,6 +50,8 @@ from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.kv_write_mgpu import write_kv_mgpu
+from pallas_kernels.paged_decode_attention_mgpu import default_config as mgpu_default_config
+from pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
 from pallas_kernels.ragged_paged_attention import (
     default_tuning,
     ragged_paged_attention,
@@ -155,7 +161,25 @@ def figures(seconds, nbytes, flops):
     )
 
 
-def bench_attention(case, tuning, opts, *, with_reference=True):
+def mgpu_attention(case, opts, max_blocks):
+    """The Mosaic GPU decode kernel with the Triton kernel's argument order (None: not a decode case)
+    and its resolved config."""
+    if case["q_len"] != 1 or getattr(opts, "no_mgpu", False):
+        return None, None
+    config = mgpu_default_config(case["rows"], HKV, max_blocks * BS)
+    overrides = dict(num_splits=getattr(opts, "mgpu_splits", None),
+                     max_concurrent_steps=getattr(opts, "mgpu_stages", None))
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+    def attn(q, k, v, layer, block_tables, seq_lens, query_start_loc, num_seqs):
+        del query_start_loc  # one token per row
+        return paged_decode_attention_mgpu(q, k, v, block_tables, seq_lens, num_seqs, layer=layer, sm_scale=D**-0.5,
+                                           config=config, interpret=opts.interpret)
+
+    return attn, dataclasses.asdict(config)
+
+
+def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
     args = attention_inputs(case, opts.num_layers)
     nbytes, flops = attention_work(case)
     inner = pick_inner(opts.inner, nbytes)
@@ -170,6 +194,14 @@ def bench_attention(case, tuning, opts, *, with_reference=True):
         nbytes,
         flops,
     )
+    mgpu, mgpu_config = mgpu_attention(case, opts, args[4].shape[1]) if with_mgpu else (None, None)
+    if mgpu is not None:
+        out["mgpu_config"] = mgpu_config
+        out["mgpu"] = figures(
+            time_call(chained_attention(mgpu, inner), args, inner=inner, runs=opts.runs, warmup=opts.warmup),
+            nbytes,
+            flops,
+        )
     if with_reference:
         # The per-token/per-row reference materialises about 2-4 copies of the gathered KV.
         ref_gib = 4 * R * args[4].shape[1] * BS * HKV * D * 2 / 2**30
@@ -187,6 +219,9 @@ def bench_attention(case, tuning, opts, *, with_reference=True):
             got = chained_attention(attn, 1)(*args).astype(jnp.float32)
             want = chained_attention(ref, 1)(*args).astype(jnp.float32)
             out["max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            if mgpu is not None:
+                got = chained_attention(mgpu, 1)(*args).astype(jnp.float32)
+                out["mgpu_max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     return out
 
 
@@ -253,7 +288,7 @@ def run_sweep(name, case, opts):
     rows = []
     for cfg in sweep_configs(case):
         try:
-            r = bench_attention(case, cfg, opts, with_reference=False)
+            r = bench_attention(case, cfg, opts, with_reference=False, with_mgpu=False)
             rows.append(dict(config=cfg, **r["kernel"]))
             print(
                 f"  {fmt_cfg(cfg):44s} {r['kernel']['ms']:9.4f} ms  "
@@ -281,8 +316,9 @@ def run_sweep(name, case, opts):
 
 
 def fmt_cfg(cfg):
-    short = dict(block_m="m", block_n="n", num_kv_splits="s", num_warps="w", num_stages="st")
-    return " ".join(f"{short[k]}={cfg[k]}" for k in TUNING_KEYS if k in cfg)
+    short = dict(block_m="m", block_n="n", num_kv_splits="s", num_warps="w", num_stages="st", num_splits="s",
+                 max_concurrent_steps="st")
+    return " ".join(f"{short[k]}={v}" for k, v in cfg.items() if k in short)
 
 
 def fmt_row(name, impl, cfg, r):
@@ -314,6 +350,10 @@ def main(argv=None):
     p.add_argument("--max-kv-gib", type=float, default=40.0)
     p.add_argument("--ref-max-gib", type=float, default=48.0)
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--no-mgpu", action="store_true", help="decode cases: leave out the Mosaic GPU kernel")
+    p.add_argument("--mgpu-splits", type=int, default=None, help="Mosaic GPU decode kernel: num_splits override")
+    p.add_argument("--mgpu-stages", type=int, default=None,
+                   help="Mosaic GPU decode kernel: max_concurrent_steps override")
     p.add_argument(
         "--interpret",
         action="store_true",
@@ -370,11 +410,13 @@ def main(argv=None):
                 report["results"].append(dict(case=name, error=f"{type(e).__name__}: {e}"[:2000]))
                 continue
             report["results"].append(dict(case=name, **case, **r))
-            for impl in ("kernel", "reference"):
+            for impl, cfg in (("kernel", r["config"]), ("mgpu", r.get("mgpu_config")), ("reference", {})):
                 if impl in r:
-                    print(fmt_row(name, impl, r["config"] if impl == "kernel" else {}, r[impl]), flush=True)
+                    print(fmt_row(name, impl, cfg, r[impl]), flush=True)
             if "max_rel_err" in r:
                 print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}", flush=True)
+            if "mgpu_max_rel_err" in r:
+                print(f"{'':22s} max relative error mgpu vs reference: {r['mgpu_max_rel_err']:.2e}", flush=True)
             if "matches_reference" in r:
                 print(f"{'':22s} kernel's cache == reference's: {r['matches_reference']}", flush=True)
             jax.clear_caches()  # keep compiled executables (and their buffers) from piling up

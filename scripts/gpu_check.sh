@@ -17,7 +17,9 @@
 # parallelism on 2+ GPUs (tp: parity with one GPU, Qwen3-8B S1 at N = 1 and 2) and expert parallelism
 # (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2), the KV write on Mosaic GPU
 # against Triton (kv-write: its GPU tests and the benchmark's kv_write cases), the MoE grouped GEMM on
-# Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms).
+# Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms),
+# decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
+# benchmark's decode cases, both kernels).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -136,6 +138,14 @@ for s in $sections; do case $s in
     run_section moe-mgpu-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_grouped_gemm_mgpu.py
     run_section moe-mgpu python3 -m benchmarks.moe --tokens 128 256 4096 --backends pallas mgpu \
         --output-json "$OUT/moe_mgpu.json" ;;
+  # Issue 27: paged decode attention on Mosaic GPU beside the Triton kernel: the kernel file's GPU
+  # tests (256 and 32 rows x 4K context against the reference), then the attention benchmark's decode
+  # cases with both kernels (impls kernel and mgpu, each checked against the reference).
+  decode-attn-mgpu)
+    run_section decode-attn-mgpu-tests python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/kernels/test_paged_decode_attention_mgpu.py
+    run_section decode-attn-mgpu python3 -m benchmarks.attention_kernel --cases decode \
+        --output-json "$OUT/attention_decode_mgpu.json" ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
   moe-presets)
