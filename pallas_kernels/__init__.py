@@ -12,6 +12,8 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   engine).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
+- ``paged_decode_attention_mgpu``: ``paged_decode_attention_mgpu``, decode-only attention over the paged cache
+  on Mosaic GPU (issue 27; not yet used by the engine).
 - ``grouped_gemm``: ``grouped_gemm`` / ``grouped_gemm_reference`` (the MoE experts' GEMMs).
 - ``grouped_gemm_mgpu``: ``grouped_gemm_mgpu``, the same GEMMs on Mosaic GPU for decode's few rows per
   expert (issue 27; the engine's `moe_backend=mgpu`, not its default).
