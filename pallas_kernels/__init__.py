@@ -19,6 +19,7 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   expert (issue 27; the engine's `moe_backend=mgpu`, not its default).
 - ``logit_stats``: the sampler's one pass over the logits (``logit_stats``, ``count_above``).
 - ``noise_pass``: the sampler's whole-row noise pass; ``threshold_search``: its slow path.
+- ``mgpu_common``: what the Mosaic GPU kernels share (the SM count their configs plan for, wgmma tile rules).
 - ``sampler_common``, ``gumbel_hash``: the constants and jnp math the sampler kernels share with
   mrv2_jax/sample, so that both sides compute the same bits.
 

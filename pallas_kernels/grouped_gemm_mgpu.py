@@ -111,9 +111,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_common import check_weight_tile, device_sm_count
+
 __all__ = ["GroupedConfig", "default_config", "grouped_gemm_mgpu", "num_tiles", "tile_schedule"]
 
-H200_SMS = 132  # the SM count assumed when there is no GPU to ask
 _ROW_TILES = (8, 16, 32, 64)  # the default rule's row tiles (wgmma's N takes multiples of 8 up to 256)
 _ALIGN = 8  # a row tile's first row is a multiple of this (the shared-memory tile's row tiling)
 
@@ -129,17 +130,11 @@ class GroupedConfig:
     max_concurrent_steps: int = 4
 
 
-def _num_sms() -> int:
-    if jax.default_backend() == "gpu":
-        return jax.devices()[0].core_count
-    return H200_SMS
-
-
 def default_config(m: int, k: int, n: int, g: int, *, num_sms: int | None = None,
                    ctas_per_sm: int = 2) -> GroupedConfig:
     """The config for ``M = m`` rows over ``g`` groups of ``[k, n]`` weights (the rule in the module
     docstring); ``ctas_per_sm`` changes the rule's CTA target."""
-    target = (num_sms or _num_sms()) * ctas_per_sm
+    target = (num_sms or device_sm_count()) * ctas_per_sm
     want = -(-2 * max(m, 1) // max(g, 1)) + _ALIGN - 1
     row_tile = next((r for r in _ROW_TILES if r >= want), _ROW_TILES[-1])
     busy_groups = max(1, min(g, m))
@@ -201,10 +196,7 @@ def _check(lhs, rhs, group_sizes, rhs_scale, config: GroupedConfig, scale_block:
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be integers, got {group_sizes.dtype}")
     c = config
-    if c.tile_n <= 0 or c.tile_n % 64:
-        raise ValueError(f"tile_n = {c.tile_n} must be a positive multiple of 64 (wgmma's M)")
-    if c.tile_k <= 0 or c.tile_k % 16:
-        raise ValueError(f"tile_k = {c.tile_k} must be a positive multiple of 16 (wgmma's K for bf16)")
+    check_weight_tile(c.tile_n, c.tile_k)
     if not 8 <= c.row_tile <= 256 or c.row_tile % 8:
         raise ValueError(f"row_tile = {c.row_tile} must be a multiple of 8 in [8, 256] (wgmma's N)")
     if n % c.tile_n:

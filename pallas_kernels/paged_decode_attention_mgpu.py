@@ -93,9 +93,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_common import device_sm_count
+
 __all__ = ["DecodeConfig", "default_config", "paged_decode_attention_mgpu"]
 
-H200_SMS = 132  # the SM count assumed when there is no GPU to ask
 TILE = 64  # KV tokens per pipeline step: wgmma's M for S^T = K @ q^T
 _HEAD_PAD = 8  # wgmma's N takes multiples of 8: the G query heads of a KV head are padded to this
 _NEG = -1e30  # finite "minus infinity" (exp2(_NEG - _NEG) = 1, not NaN, for a split with no key yet)
@@ -112,16 +113,10 @@ class DecodeConfig:
     max_concurrent_steps: int = 3
 
 
-def _num_sms() -> int:
-    if jax.default_backend() == "gpu":
-        return jax.devices()[0].core_count
-    return H200_SMS
-
-
 def default_config(num_rows: int, num_kv_heads: int, max_context: int, *, num_sms: int | None = None) -> DecodeConfig:
     """The config for ``num_rows`` decode rows of up to ``max_context`` tokens (the module docstring's
     rule)."""
-    target = (num_sms or _num_sms()) * _TARGET_CTAS_PER_SM
+    target = (num_sms or device_sm_count()) * _TARGET_CTAS_PER_SM
     ctas = max(1, num_rows * num_kv_heads)
     tiles = max(1, -(-max_context // TILE))
     splits = 1

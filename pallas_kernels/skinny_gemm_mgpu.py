@@ -75,10 +75,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_common import check_weight_tile, device_sm_count
+
 __all__ = ["SkinnyConfig", "default_config", "skinny_matmul", "skinny_matmul_reference"]
 
 MAX_ROWS = 32  # the largest M the kernel takes (its accumulator is [tile_n, 32] at most)
-H200_SMS = 132  # the SM count assumed when there is no GPU to ask
 _ROW_PADS = (8, 16, 32)  # wgmma's N dimension takes multiples of 8
 
 
@@ -97,17 +98,11 @@ def padded_rows(m: int) -> int:
     return next(p for p in _ROW_PADS if p >= m)
 
 
-def _num_sms() -> int:
-    if jax.default_backend() == "gpu":
-        return jax.devices()[0].core_count
-    return H200_SMS
-
-
 def default_config(m: int, k: int, n: int, *, num_sms: int | None = None, ctas_per_sm: int = 2,
                    tile_k: int = 64, tile_n: int | None = None) -> SkinnyConfig:
     """The config for an ``[m, k] @ [k, n]`` product (the rule in the module docstring); the keyword
     arguments change the rule's constants (the benchmark's variants)."""
-    target = (num_sms or _num_sms()) * ctas_per_sm
+    target = (num_sms or device_sm_count()) * ctas_per_sm
     if tile_n is None:
         tile_n = 128 if n % 128 == 0 and n // 128 >= target else 64
     n_tiles, k_tiles = n // tile_n, k // tile_k
@@ -135,10 +130,7 @@ def _check(x, w, config: SkinnyConfig) -> None:
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"M = {m} rows: the skinny kernel takes 1 to {MAX_ROWS}")
     c = config
-    if c.tile_n <= 0 or c.tile_n % 64:
-        raise ValueError(f"tile_n = {c.tile_n} must be a positive multiple of 64 (wgmma's M)")
-    if c.tile_k <= 0 or c.tile_k % 16:
-        raise ValueError(f"tile_k = {c.tile_k} must be a positive multiple of 16 (wgmma's K for bf16)")
+    check_weight_tile(c.tile_n, c.tile_k)
     if n % c.tile_n:
         raise ValueError(f"N = {n} is not divisible by tile_n = {c.tile_n}")
     if k % c.tile_k:

@@ -177,7 +177,7 @@ def test_cuda_lowering_accepts_default_configs_at_qwen3_30b_shapes(tokens, weigh
     size) takes the default config of both GEMMs, lowered for CUDA on any backend with the H200's
     SM count: 128 tokens (the decode step of issue 27), 256 and a 4096-token prefill chunk; bf16
     and FP8 block-scaled weights."""
-    monkeypatch.setattr(gm, "_num_sms", lambda: 132)
+    monkeypatch.setattr(gm, "device_sm_count", lambda: 132)
     m = tokens * TOP_K
     sds = jax.ShapeDtypeStruct
     for k, n in QWEN3_30B.values():

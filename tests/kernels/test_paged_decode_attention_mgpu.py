@@ -145,7 +145,7 @@ def decode_shapes(rows, ctx=4096):
 def test_cuda_lowering_accepts_default_configs_at_qwen3_decode_shapes(rows, ctas, monkeypatch):
     """The real Mosaic GPU lowering (layouts, swizzles, wgmma shapes, TMA, shared memory) takes the
     default config at 256 and 32 rows of 4K context, with the H200's SM count."""
-    monkeypatch.setattr(pd, "_num_sms", lambda: 132)
+    monkeypatch.setattr(pd, "device_sm_count", lambda: 132)
     config = default_config(rows, HKV, 4096)
     assert rows * HKV * config.num_splits == ctas
     f = jax.jit(functools.partial(paged_decode_attention_mgpu, sm_scale=D**-0.5))

@@ -113,7 +113,7 @@ def test_default_configs_at_qwen3_shapes(m):
 def test_cuda_lowering_accepts_default_configs_at_qwen3_shapes(m, monkeypatch):
     """The real Mosaic GPU lowering (layouts, swizzles, wgmma shapes, shared memory size) takes the
     default config of every projection, lowered for CUDA on any backend with the H200's SM count."""
-    monkeypatch.setattr(sk, "_num_sms", lambda: 132)
+    monkeypatch.setattr(sk, "device_sm_count", lambda: 132)
     for name, (k, n) in QWEN3_06B.items():
         x, w = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
         jax.jit(skinny_matmul).trace(x, w).lower(lowering_platforms=("cuda",))
