@@ -81,6 +81,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
         return ModelRunnerV2(model_state, lm, max_fused_steps=config.max_fused_steps, tensor_parallel=tensor_parallel,
                              fused_unroll=config.fused_unroll, max_fused_rows=config.max_fused_rows,
                              unrolled_layers_max_tokens=resolve_unrolled_layers_max_tokens(config),
+                             unrolled_layers_max_rows=config.unrolled_layers_max_rows,
                              stream_in_call=config.stream_in_call and config.max_fused_steps > 1, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 

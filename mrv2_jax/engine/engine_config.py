@@ -55,6 +55,10 @@ class EngineConfig:
     # with the v2 runner and no speculative decoding, 0 elsewhere (the call's host cost it cuts is
     # a GPU matter, and XLA:CPU compiles unrolled programs slowly).
     unrolled_layers_max_tokens: int | None = None
+    # V2: with unrolled_layers_max_tokens, only buckets of at most this many rows unroll, and a
+    # bucket of this many rows at that token count is added (a step with few rows and a prompt
+    # unrolls; a full decode batch keeps the loop). None: no row limit.
+    unrolled_layers_max_rows: int | None = None
     # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
     # short stall then) or "background" (on threads while the engine serves; a step whose program
     # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
@@ -127,6 +131,11 @@ class EngineConfig:
             raise ValueError(f"unrolled_layers_max_tokens must be an int >= 0, got {unrolled!r}")
         if self.runner == "v1" and self.unrolled_layers_max_tokens:
             raise ValueError("unrolled_layers_max_tokens needs the v2 runner")
+        rows = self.unrolled_layers_max_rows
+        if rows is not None and (not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"unrolled_layers_max_rows must be an int >= 1, got {rows!r}")
+        if self.runner == "v1" and rows is not None:
+            raise ValueError("unrolled_layers_max_rows needs the v2 runner")
         if self.max_fused_steps is None:
             # Fused decode runs K plain decode steps per call with no draft verification, so
             # speculative decoding turns it off (docs/architecture.md, "Speculative decoding").

@@ -59,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="v2: step programs of buckets with at most this many tokens unroll every layer (a "
                         "cheaper call for the host at small batches; fused decode and larger buckets keep "
                         f"--layer-unroll); 0: none; default {DEFAULT_UNROLLED_LAYERS_MAX_TOKENS} on GPUs, 0 elsewhere")
+    g.add_argument("--unrolled-layers-max-rows", type=int, default=None, metavar="ROWS",
+                   help="v2: only buckets of at most this many rows unroll (--unrolled-layers-max-tokens), and a "
+                        "bucket of this many rows at that many tokens is added; default: no row limit")
     g.add_argument("--compile-mode", default=None, choices=["eager", "lazy", "background"],
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
                         "on threads beside the serving engine (background: it serves at once, a step whose "

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mrv2_jax.config import MAX_LOGIT_BIAS, MAX_STOP_IDS
-from mrv2_jax.runner.buckets import BucketPlan
+from mrv2_jax.runner.buckets import Bucket, BucketPlan
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from mrv2_jax.runner.lazy_programs import BackgroundCompile, LazyPrograms
 from mrv2_jax.runner.model_step import FlatParams
@@ -39,7 +39,7 @@ class RunnerBase:
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager",
-                 tensor_parallel=None):
+                 tensor_parallel=None, extra_buckets: tuple[Bucket, ...] = ()):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
@@ -48,7 +48,8 @@ class RunnerBase:
         `compile_mode`: when the step programs compile: "eager" (all at start-up), "lazy" (each at
         its first use) or "background" (on threads beside the engine, and at first use if that
         comes sooner: runner/lazy_programs.py). `tensor_parallel`: a runner.tensor_parallel.
-        TensorParallel whose mesh `lm` is already split over (the builder did it), or None."""
+        TensorParallel whose mesh `lm` is already split over (the builder did it), or None.
+        `extra_buckets`: buckets besides the plan's own (runner/buckets.py)."""
         self.tp = tensor_parallel
         self.params = FlatParams(lm)
         self.compile_mode = compile_mode
@@ -61,7 +62,7 @@ class RunnerBase:
         self.spec_params = spec_decoder.init_params() if spec_decoder else ()
         self.spec_state = spec_decoder.init_state() if spec_decoder else ()
         self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs,
-                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0))
+                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0), extra=extra_buckets)
         self.slots = SlotAllocator(max_num_seqs)
         self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
         self.vocab_size = model_state.vocab_size

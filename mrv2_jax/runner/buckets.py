@@ -30,7 +30,9 @@ class Bucket:
 
 class BucketPlan:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8,
-                 decode_width: int = 1):
+                 decode_width: int = 1, extra: tuple[Bucket, ...] = ()):
+        """`extra`: buckets besides the plan's own (a runner that wants a program for fewer rows
+        at some token count); each must fit the limits."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.max_num_seqs = max_num_seqs
@@ -40,6 +42,10 @@ class BucketPlan:
         if decode_width > 1:
             buckets |= {Bucket(r * decode_width, r) for r in _powers_of_two(1, max_num_seqs)
                         if r * decode_width <= max_num_batched_tokens}
+        for b in extra:
+            if not (1 <= b.num_reqs <= min(b.num_tokens, max_num_seqs) and b.num_tokens <= max_num_batched_tokens):
+                raise ValueError(f"{b} does not fit {max_num_batched_tokens} tokens / {max_num_seqs} rows")
+        buckets |= set(extra)
         # Smallest first, so `pick` takes the cheapest bucket that fits.
         self.buckets = tuple(sorted(buckets, key=lambda b: (b.num_tokens, b.num_reqs)))
 

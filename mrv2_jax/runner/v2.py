@@ -125,7 +125,8 @@ class ModelRunnerV2(RunnerBase):
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
-                 stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0):
+                 stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
+                 unrolled_layers_max_rows: int | None = None):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -133,7 +134,10 @@ class ModelRunnerV2(RunnerBase):
         `stream_in_call`: fused decode hands each step's tokens to `token_sink` (set by the
         server's engine process) during the call; not with tensor parallelism.
         `unrolled_layers_max_tokens`: the step programs of buckets with at most this many tokens
-        unroll every decoder layer (fused decode and larger buckets keep the model's loop).
+        unroll every decoder layer (fused decode and larger buckets keep the model's loop);
+        `unrolled_layers_max_rows` (None: no limit) keeps the loop in buckets of more rows, and adds
+        a bucket of that many rows at `unrolled_layers_max_tokens` tokens, so that a step with few
+        rows and a prompt still gets an unrolled program while a full decode batch keeps the loop.
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder."""
         if spec_decoder is not None and tensor_parallel is not None:
@@ -143,11 +147,14 @@ class ModelRunnerV2(RunnerBase):
         if stream_in_call and tensor_parallel is not None:
             raise ValueError("stream_in_call cannot run with tensor parallelism yet")
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
+        tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
+        few_rows = () if not tokens or max_rows is None or max_rows >= min(tokens, max_num_seqs) else (
+            Bucket(tokens, max_rows),)
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, automaton_pool=pool,
-                         compile_mode=compile_mode, tensor_parallel=tensor_parallel)
+                         compile_mode=compile_mode, tensor_parallel=tensor_parallel, extra_buckets=few_rows)
         # Structured outputs: the automata in the device pool, the writer that copies one in, and
         # the token a row whose state allows nothing gets (sample/automata.py).
         self.automaton_pool = AutomatonPool(*pool)
@@ -171,6 +178,7 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
+        self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
         for b in self.buckets:
             if max_fused_steps > 1 and b.num_reqs <= max_fused_rows:
@@ -269,8 +277,8 @@ class ModelRunnerV2(RunnerBase):
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
         K decode steps (the buckets in `fused_buckets`)."""
-        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=(
-            b.num_tokens <= self.unrolled_layers_max_tokens))) for b in self.buckets}
+        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self._unrolled(b)))
+                 for b in self.buckets}
         steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
                                  lambda layout, features, b=b: self._fused_fn(b, layout, features))
                   for b in self.fused_buckets}
@@ -280,6 +288,11 @@ class ModelRunnerV2(RunnerBase):
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
+
+    def _unrolled(self, bucket: Bucket) -> bool:
+        """Whether the step program of `bucket` unrolls the decoder layers."""
+        rows = self.unrolled_layers_max_rows
+        return bucket.num_tokens <= self.unrolled_layers_max_tokens and (rows is None or bucket.num_reqs <= rows)
 
     # --- one step -----------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> "PendingStep | StepResult":

@@ -206,6 +206,28 @@ def test_small_buckets_with_unrolled_layers_give_the_same_tokens():
         make_llm(runner="v1", unrolled_layers_max_tokens=8)
 
 
+def test_unrolled_layers_by_rows_add_a_bucket_of_few_rows():
+    """unrolled_layers_max_rows: a 16-token bucket of 4 rows is added and unrolls; the buckets of 8
+    rows keep the loop; a step picks the few-row bucket when its rows fit; greedy tokens equal the
+    looped engine's."""
+    from mrv2_jax.runner.buckets import Bucket
+
+    prompts = random_prompts(6, seed=7)
+    want = [o.outputs[0].token_ids for o in make_llm(runner="v2", max_num_batched_tokens=16).generate(
+        prompts, GREEDY, use_tqdm=False)]
+    llm = make_llm(runner="v2", max_num_batched_tokens=16, unrolled_layers_max_tokens=16, unrolled_layers_max_rows=4,
+                   max_fused_steps=1, sampler_variants="greedy,all")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    runner = llm.engine.runner
+    assert runner.buckets.pick(12, 3) == Bucket(16, 4) and runner.buckets.pick(12, 6) == Bucket(16, 8)
+    loops = {(b.num_tokens, b.num_reqs, "while" in programs[0].as_text())
+             for b, (_, programs) in runner.compiled.items()}
+    assert loops == {(8, 8, True), (16, 4, False), (16, 8, True)}
+    with pytest.raises(ValueError, match="unrolled_layers_max_rows must be an int >= 1"):
+        make_llm(runner="v2", unrolled_layers_max_rows=0)
+
+
 def test_unrolled_small_buckets_default_on_one_gpu_only(monkeypatch):
     """The default (None) unrolls buckets of up to DEFAULT_UNROLLED_LAYERS_MAX_TOKENS tokens on a GPU
     with the v2 runner, one device and no speculative decoding; 0 on the CPU and elsewhere; a set
