@@ -43,7 +43,8 @@ def analyse(unroll: int, args) -> list[dict]:
     """The step program and the fused-decode program of the `--rows` bucket, for one unroll value."""
     from mrv2_jax.llm import LLM
 
-    kwargs = engine_kwargs(args) | {"layer_unroll": unroll, "compile_mode": "lazy"}
+    # The step program follows --layer-unroll alone (no bucket unrolled by the GPU default).
+    kwargs = engine_kwargs(args) | {"layer_unroll": unroll, "unrolled_layers_max_tokens": 0, "compile_mode": "lazy"}
     # A cache just big enough for --rows full sequences: two engines (one per unroll value) must fit
     # on one device, and a serving-size cache takes most of it.
     if args.max_model_len and not args.num_gpu_blocks:
