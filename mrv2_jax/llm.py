@@ -11,7 +11,6 @@ from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.request_checks import check_request_fits
-from mrv2_jax.engine.tokenizer import load_tokenizer
 from mrv2_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -26,8 +25,10 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **engine_args)
-        self.engine, tokenizer_path, self.model_state = build_engine(self.config, loaded_model)
-        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.engine, _, self.model_state = build_engine(self.config, loaded_model)
+        # The engine's constraint compiler loads the tokenizer on first use; taking it from there
+        # loads it once for both (the compiler exists whenever the model has a tokenizer).
+        self.tokenizer = None if self.engine.compiler is None else self.engine.compiler.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

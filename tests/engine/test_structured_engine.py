@@ -109,6 +109,7 @@ def test_mixed_batch_leaves_unconstrained_rows_alone(llm, seeded):
     mixed = run(llm, prompts, params)
     assert [o.token_ids for o in mixed[::2]] == [o.token_ids for o in alone]
     check_outputs(llm, mixed, params)
+    assert llm.engine.compiler.tokenizer is llm.tokenizer  # one tokenizer for detokenizing and constraints
 
 
 def test_preemption_resumes_the_automaton(llm):
