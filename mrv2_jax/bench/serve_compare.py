@@ -102,7 +102,9 @@ def pooled_metrics(rows: list[dict], duration: float) -> dict:
     out_tokens = sum(r["output_tokens"] for r in rows)
     return {"completed": len(rows), "output_tokens": out_tokens, "duration_s": duration,
             "output_throughput": out_tokens / duration if duration else 0.0,
-            "mean_ttft_ms": float(ttft.mean()), "mean_tpot_ms": float(tpot.mean()),
+            "mean_ttft_ms": float(ttft.mean()), "median_ttft_ms": float(np.median(ttft)),
+            "p99_ttft_ms": float(np.percentile(ttft, 99)), "max_ttft_ms": float(ttft.max()),
+            "mean_tpot_ms": float(tpot.mean()),
             "mean_itl_ms": float(itl.mean()), "p99_itl_ms": float(np.percentile(itl, 99))}
 
 
@@ -160,7 +162,8 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
         for c in args.concurrency:
             levels.append(run_clients(args, client, s.url, c, work_dir))
             m = levels[-1]
-            print(f"{server:5} C={c:4}: {m['output_throughput']:9.0f} out tok/s, TTFT {m['mean_ttft_ms']:7.1f} ms, "
+            print(f"{server:5} C={c:4}: {m['output_throughput']:9.0f} out tok/s, TTFT {m['mean_ttft_ms']:7.1f} ms "
+                  f"(median {m['median_ttft_ms']:.1f}, max {m['max_ttft_ms']:.1f}), "
                   f"TPOT {m['mean_tpot_ms']:6.2f} ms, ITL {m['mean_itl_ms']:6.2f} / P99 {m['p99_itl_ms']:6.1f} ms, "
                   f"client busy {m['client_cpu_busy_max']:.2f}", flush=True)
         return {"startup_s": s.startup_s, "levels": levels}

@@ -67,6 +67,15 @@ def resolve_unrolled_layers_max_tokens(config: EngineConfig) -> int:
     return DEFAULT_UNROLLED_LAYERS_MAX_TOKENS if measured else 0
 
 
+def warms_up(config: EngineConfig) -> bool:
+    """Whether the engine runs every step program once before serving: on GPUs, where a program's
+    first run records its command buffers (CUDA graphs: slow for a program with unrolled layers),
+    when every program is compiled at start-up anyway (compile mode eager)."""
+    import jax
+
+    return resolve_compile_mode(config.compile_mode) == "eager" and jax.default_backend() == "gpu"
+
+
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
                 spec_decoder=None, tensor_parallel=None) -> Runner:
     variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
@@ -191,6 +200,9 @@ def build_engine(config: EngineConfig, loaded_model=None):
     with report.phase("runner (KV cache, tables, compile)"):
         spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
         runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder, tensor_parallel)
+    if warms_up(config):
+        with report.phase("warm-up (every program run once)"):
+            runner.warm_up()
     async_scheduling = runner.is_async_capable if config.async_scheduling is None else config.async_scheduling
     fused_rows = runner.max_fused_rows  # the largest batch the runner can fuse
     scheduler = Scheduler(

@@ -34,6 +34,8 @@ class RunnerBase:
     token_sink = None
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
     automaton_pool = None
+    # Packed fields in which -1 means "none" (every other field is empty at 0); each runner names its own.
+    _none_fields: tuple[str, ...] = ()
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
@@ -124,8 +126,34 @@ class RunnerBase:
                 # Every bucket's cheapest variant first, in bucket order, then the next variant.
                 todo = [(lazy, i) for i in range(num_variants) for _, lazy in programs.values()]
                 self.background_compile = BackgroundCompile(todo, compile_workers())
-            return programs
-        lowered = {(key, i): lower(layout, make_fn, i) for key, (layout, make_fn) in steps.items()
-                   for i in range(num_variants)}
-        compiled = compile_all(lowered, show_progress, compiler_options=options)
-        return {key: (layout, [compiled[key, i] for i in range(num_variants)]) for key, (layout, _) in steps.items()}
+        else:
+            lowered = {(key, i): lower(layout, make_fn, i) for key, (layout, make_fn) in steps.items()
+                       for i in range(num_variants)}
+            compiled = compile_all(lowered, show_progress, compiler_options=options)
+            programs = {key: (layout, [compiled[key, i] for i in range(num_variants)])
+                        for key, (layout, _) in steps.items()}
+        self._step_programs = programs  # what warm_up runs
+        return programs
+
+    def call_step(self, compiled, packed):
+        """Run one compiled step on the runner's state, which the call donates and replaces;
+        -> the step's device result."""
+        raise NotImplementedError
+
+    def empty_batch(self, layout) -> np.ndarray:
+        """A packed step input that holds no request: every row is padding."""
+        packed = layout.empty()
+        for name in self._none_fields:
+            if name in layout.shapes:
+                layout.view(packed, name)[...] = -1
+        return packed
+
+    def warm_up(self) -> None:
+        """Run every step program once on an empty batch, so that XLA records each program's command
+        buffers (its CUDA graphs) before the first request instead of in it; a program not compiled
+        yet compiles first. Padding rows change no request's state, and the KV they may write
+        belongs to no request yet."""
+        for layout, variants in self._step_programs.values():
+            for compiled in variants:
+                self.call_step(compiled, self.empty_batch(layout))
+        jax.block_until_ready(self.kv_cache)

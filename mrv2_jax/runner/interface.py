@@ -63,3 +63,7 @@ class Runner(Protocol):
     def execute(self, out: SchedulerOutput) -> StepOutcome:
         """Apply the scheduler's changes (finished, new and continuing requests) and run the step it
         scheduled. Called for every schedule, even one with no tokens (it may free slots)."""
+
+    def warm_up(self) -> None:
+        """Run every step program once on a batch with no requests (before the first request), so that
+        its first real use records no command buffers and loads no kernels."""

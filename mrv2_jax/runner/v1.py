@@ -46,6 +46,7 @@ from mrv2_jax.sample.tensors import (
 
 class ModelRunnerV1(RunnerBase):
     is_async_capable = False
+    _none_fields = ("slot_mapping", "table_row", "count_row")
 
     def __init__(self, model_state, lm, *, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
@@ -174,8 +175,7 @@ class ModelRunnerV1(RunnerBase):
                 raise RuntimeError("prompt_logprobs needs a sampler variant with prompt_logprobs=True")
         else:
             compiled = self._pick_variant(layout, packed, variants)
-        self.kv_cache, self.slot_state, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
+        result = self.call_step(compiled, packed)
         if self.spec:
             return self._finish_spec_step(req_ids, rows, counts, samples, num_draft, layout, packed, *result)
         tokens = np.asarray(result.tokens)  # the V1 sync point: the next step needs these values
@@ -194,6 +194,11 @@ class ModelRunnerV1(RunnerBase):
                 if want_logprobs[i]:
                     sampled_logprobs[req_id] = [LogprobRow(block, i, num_logprobs[i])]
         return StepResult(sampled, sampled_logprobs, prompt_token_logprobs(result, spans))
+
+    def call_step(self, compiled, packed):
+        self.kv_cache, self.slot_state, result, self.spec_state = compiled(
+            self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
+        return result
 
     def _prompt_targets(self, layout, packed, req_ids, rows, counts) -> dict:
         """Fill `prompt_targets` for rows asking for prompt logprobs -> their spans (see

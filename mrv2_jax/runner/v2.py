@@ -113,6 +113,7 @@ class PendingStep:
 
 class ModelRunnerV2(RunnerBase):
     is_async_capable = True
+    _none_fields = ("new_slot", "new_sampler_row", "append_slot")
 
     @property
     def automaton_capacity(self) -> tuple[int, int]:

@@ -107,7 +107,8 @@ def test_serve_compare_metrics_pool_requests_as_a_plain_loop_does():
     m = pooled_metrics(rows, duration=2.0)
     gaps = [0.002, 0.004, 0.001, 0.001, 0.001, 0.009]
     assert m["output_throughput"] == 8 / 2.0 and m["completed"] == 2
-    assert abs(m["mean_ttft_ms"] - 20.0) < 1e-9
+    assert abs(m["mean_ttft_ms"] - 20.0) < 1e-9 and abs(m["median_ttft_ms"] - 20.0) < 1e-9
+    assert abs(m["max_ttft_ms"] - 30.0) < 1e-9 and 29.0 < m["p99_ttft_ms"] <= 30.0 + 1e-9
     assert abs(m["mean_itl_ms"] - 1e3 * sum(gaps) / len(gaps)) < 1e-9
     assert abs(m["mean_tpot_ms"] - 1e3 * (0.006 / 2 + 0.012 / 4) / 2) < 1e-9
     assert m["p99_itl_ms"] <= 9.0 + 1e-9 and m["p99_itl_ms"] > 4.0

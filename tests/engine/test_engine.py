@@ -228,6 +228,27 @@ def test_unrolled_layers_by_rows_add_a_bucket_of_few_rows():
         make_llm(runner="v2", unrolled_layers_max_rows=0)
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_warm_up_runs_every_program_once_and_changes_no_output(runner):
+    """Runner.warm_up runs each step program (every bucket, sampler variant and fused decode bucket)
+    once on an empty batch; greedy and seeded outputs afterwards equal an engine's that did not warm up."""
+    prompts = random_prompts(5, seed=11)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    params = [GREEDY, seeded, GREEDY, seeded, GREEDY]
+    config = dict(runner=runner, max_num_batched_tokens=8, sampler_variants="greedy,all")
+    want = [o.outputs[0].token_ids for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
+    llm = make_llm(**config)
+    runner_ = llm.engine.runner
+    ran, call_step = [], runner_.call_step
+    runner_.call_step = lambda compiled, packed: ran.append(compiled) or call_step(compiled, packed)
+    runner_.warm_up()
+    programs = [p for _, variants in runner_._step_programs.values() for p in variants]
+    assert len(programs) == len(runner_.buckets) * 2 + (len(runner_.fused_buckets) * 2 if runner == "v2" else 0)
+    assert sorted(map(id, ran)) == sorted(map(id, programs))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
 def test_unrolled_small_buckets_default_on_one_gpu_only(monkeypatch):
     """The default (None) unrolls buckets of up to DEFAULT_UNROLLED_LAYERS_MAX_TOKENS tokens on a GPU
     with the v2 runner, one device and no speculative decoding; 0 on the CPU and elsewhere; a set
@@ -246,3 +267,18 @@ def test_unrolled_small_buckets_default_on_one_gpu_only(monkeypatch):
     spec = {"method": "draft_model", "k": 2, "model": "demo"}
     assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", speculative_config=spec, **demo)) == 0
     assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", unrolled_layers_max_tokens=64, **demo)) == 64
+
+
+def test_engine_warms_up_on_gpus_when_it_compiles_everything_first(monkeypatch):
+    import jax
+
+    from mrv2_jax.engine.builder import warms_up
+    from mrv2_jax.engine.engine_config import EngineConfig
+
+    demo = dict(model="demo", dtype="float32")
+    assert not warms_up(EngineConfig(**demo))  # this CPU (lazy compiles)
+    assert not warms_up(EngineConfig(compile_mode="eager", **demo))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert warms_up(EngineConfig(**demo)) and warms_up(EngineConfig(compile_mode="eager", **demo))
+    assert not warms_up(EngineConfig(compile_mode="background", **demo))
+    assert not warms_up(EngineConfig(compile_mode="lazy", **demo))
