@@ -208,6 +208,7 @@ class KernelConfig:
 
             backend = jax.default_backend()
         gpu = backend == "gpu"
+        from pallas_kernels.mgpu_common import has_wgmma
 
         def auto(value: str, on_gpu: str, elsewhere: str) -> str:
             return (on_gpu if gpu else elsewhere) if value == "auto" else value
@@ -219,4 +220,5 @@ class KernelConfig:
                             sampler_logit_stats=sampler(self.sampler_logit_stats),
                             sampler_noise_pass=sampler(self.sampler_noise_pass),
                             sampler_slow_path=sampler(self.sampler_slow_path),
-                            moe_backend=auto(self.moe_backend, "pallas", "ragged_dot"))
+                            moe_backend=auto(self.moe_backend, "mgpu" if gpu and has_wgmma() else "pallas",
+                                             "ragged_dot"))

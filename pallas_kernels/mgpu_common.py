@@ -1,9 +1,17 @@
-"""What the Mosaic GPU kernels here share: the SM count their default configs plan for, and the
-tile rules of a wgmma whose M side is a weight tile."""
+"""What the Mosaic GPU kernels here share: whether the GPU has wgmma, the SM count their default
+configs plan for, and the tile rules of a wgmma whose M side is a weight tile."""
 
 import jax
 
 H200_SMS = 132  # the SM count assumed when there is no GPU to ask
+
+
+def has_wgmma() -> bool:
+    """Whether JAX's default device is a Hopper-class GPU (compute capability 9.x: H100, H200), whose
+    wgmma and TMA the kernels here are built on."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
 
 def device_sm_count() -> int:

@@ -67,6 +67,23 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
     assert KernelConfig().resolved("gpu").attention == "pallas"
     assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
+    assert KernelConfig().resolved("gpu").moe_backend == "pallas"  # this CPU has no wgmma
+
+
+def test_moe_backend_defaults_to_mosaic_gpu_on_hopper_class_gpus(monkeypatch):
+    import types
+
+    import jax
+
+    from pallas_kernels import mgpu_common
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for capability, has in (("9.0", True), ("8.0", False), ("10.0", False)):
+        monkeypatch.setattr(jax, "devices", lambda c=capability: [types.SimpleNamespace(compute_capability=c)])
+        assert mgpu_common.has_wgmma() is has
+        assert KernelConfig().resolved("gpu").moe_backend == ("mgpu" if has else "pallas")
+        assert KernelConfig(moe_backend="pallas").resolved("gpu").moe_backend == "pallas"
+    assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
     assert KernelConfig.parse({"moe_backend": "pallas"}).moe_backend == "pallas"
     with pytest.raises(ValueError, match="KernelConfig.sampler_slow_path must be one of auto, kernel"):
         KernelConfig(sampler_slow_path="cond")

@@ -12,7 +12,7 @@ The grouped GEMM is chosen by `backend`:
   - "ragged_dot": `jax.lax.ragged_dot` (the reference; a dense expansion on CPU and GPU);
   - "dense": no sorting; every token through every expert, weighted by a dense [T, E]
     weight matrix (E/k times the work; the simplest correct fallback and a benchmark arm);
-  - "auto": "pallas" on GPU, "ragged_dot" elsewhere.
+  - "auto": "mgpu" on Hopper-class GPUs, "pallas" on other GPUs, "ragged_dot" elsewhere.
 An engine picks it once, in its KernelConfig (mrv2_jax/config.py: `--kernels moe_backend=...`,
 default from MRV2_MOE_BACKEND), and sets it on the model state (engine/builder.py).
 

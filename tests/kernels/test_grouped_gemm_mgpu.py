@@ -188,6 +188,18 @@ def test_cuda_lowering_accepts_default_configs_at_qwen3_30b_shapes(tokens, weigh
         jax.jit(grouped_gemm_mgpu).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("tokens", [1, 256, 4096])
+def test_cuda_lowering_accepts_default_configs_at_glm_45_air_fp8_shapes(tokens, monkeypatch):
+    """GLM-4.5-Air's experts (hidden 4096, intermediate 1408, 128 experts, top 8, FP8 weights in
+    128 x 128 blocks) lower for CUDA too: the preset the engine's default MoE backend runs it with."""
+    monkeypatch.setattr(gm, "device_sm_count", lambda: 132)
+    sds = jax.ShapeDtypeStruct
+    for k, n in ((4096, 2 * 1408), (1408, 4096)):
+        args = [sds((tokens * 8, k), jnp.bfloat16), sds((128, k, n), jnp.float8_e4m3fn), sds((128,), jnp.int32),
+                sds((128, k // 128, n // 128), jnp.float32)]
+        jax.jit(grouped_gemm_mgpu).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 def test_cuda_lowering_refuses_too_much_shared_memory():
     """Lowering checks the stages fit in shared memory (so the test above checks that too)."""
     args = (jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((8, 2048, 1024), jnp.bfloat16),
