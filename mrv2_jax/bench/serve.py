@@ -213,6 +213,8 @@ def engine_argv(args) -> list[str]:
             argv += [] if value else ["--no-async-scheduling"]
         elif name == "enable_prefix_caching":
             argv += [] if value else ["--no-prefix-caching"]
+        elif name == "program_store":  # on or off, default by device
+            argv += ["--program-store" if value else "--no-program-store"]
         elif isinstance(value, bool):  # a switch that is off unless given (--enable-expert-parallel)
             argv += [f"--{name.replace('_', '-')}"] if value else []
         else:

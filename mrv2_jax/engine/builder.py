@@ -1,7 +1,9 @@
 """Assembling an engine from its configuration (engine/engine_config.py): model, tokenizer, KV
 cache, scheduler, runner."""
 
+import dataclasses
 import functools
+import hashlib
 from pathlib import Path
 
 from mrv2_jax import envs
@@ -77,13 +79,14 @@ def warms_up(config: EngineConfig) -> bool:
 
 
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
-                spec_decoder=None, tensor_parallel=None) -> Runner:
+                spec_decoder=None, tensor_parallel=None, program_store=None) -> Runner:
     variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                   sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
-                  spec_decoder=spec_decoder, compile_mode=resolve_compile_mode(config.compile_mode))
+                  spec_decoder=spec_decoder, compile_mode=resolve_compile_mode(config.compile_mode),
+                  program_store=program_store)
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 
@@ -118,6 +121,27 @@ def enable_compilation_cache() -> None:
     # process can read an entry another process is still writing (the write is not atomic),
     # e.g. pytest -n 2 workers sharing this cache.
     jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
+
+
+def make_program_store(config: EngineConfig, model_path: Path, num_blocks: int, max_model_len: int):
+    """The runner's ProgramStore (runner/program_store.py), or None: off unless set, or by default on a
+    GPU with one device and the compilation cache on; keyed by the engine's configuration, the
+    model's config file and the KV cache's size."""
+    import jax
+
+    where = envs.read("MRV2_COMPILATION_CACHE")
+    wanted = (jax.default_backend() == "gpu" and config.tensor_parallel_size == 1
+              if config.program_store is None else config.program_store)
+    if not wanted or where.lower() == "off":
+        return None
+    from mrv2_jax.runner.program_store import ProgramStore, fingerprint
+
+    config_file = model_path / "config.json"
+    model_config = config_file.read_bytes() if config_file.is_file() else str(model_path).encode()
+    # Fields that change no program's trace stay out of the key (a lazy engine finds an eager one's).
+    same_programs = dataclasses.replace(config, compile_mode=None, program_store=None, show_progress=True)
+    key = fingerprint(same_programs, hashlib.sha256(model_config).hexdigest(), num_blocks, max_model_len)
+    return ProgramStore(Path(where).expanduser() / "programs", key)
 
 
 def config_cache_dir() -> Path | None:
@@ -199,7 +223,9 @@ def build_engine(config: EngineConfig, loaded_model=None):
         num_blocks = tensor_parallel.smallest(num_blocks)  # one cache size for every process
     with report.phase("runner (KV cache, tables, compile)"):
         spec_decoder = make_spec_decoder(config, model_state, lm, num_blocks, max_model_len, draft_model)
-        runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder, tensor_parallel)
+        store = make_program_store(config, model_path, num_blocks, max_model_len)
+        runner = make_runner(config, model_state, lm, num_blocks, max_model_len, spec_decoder, tensor_parallel,
+                             store)
     if warms_up(config):
         with report.phase("warm-up (every program run once)"):
             runner.warm_up()
@@ -221,5 +247,6 @@ def build_engine(config: EngineConfig, loaded_model=None):
         None, model_state.eos_token_ids or (), model_state.vocab_size,
         load_tokenizer=functools.partial(load_tokenizer, tokenizer_path))
     engine = EngineCore(scheduler, runner, async_scheduling, compiler)
+    report.from_program_store = store.loaded if store is not None else 0
     engine.startup = report.finish()
     return engine, tokenizer_path, model_state

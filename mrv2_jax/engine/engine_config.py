@@ -64,6 +64,10 @@ class EngineConfig:
     # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
     # ever run there), eager on GPUs (serving never stalls on a compile).
     compile_mode: str | None = None
+    # Keep compiled step programs on disk by what they are built from (runner/program_store.py), so
+    # that a warm start loads them without tracing; None: on GPUs with one device and the
+    # compilation cache on.
+    program_store: bool | None = None
     # V2: up to this many decode steps in one compiled call for small, stable batches
     # (runner/fused.py); default DEFAULT_MAX_FUSED_STEPS; v1 and speculative decoding need 1.
     max_fused_steps: int | None = None

@@ -28,6 +28,7 @@ class StartupReport:
         self._made_at_start = executables_made()
         self.total_s = 0.0
         self.compiled = self.cache_hits = 0
+        self.from_program_store = 0  # step programs loaded from the engine's program store
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -50,10 +51,10 @@ class StartupReport:
         return {"total_s": self.total_s, "process_age_at_start_s": self.process_age_at_start_s,
                 "phases_s": dict(self.phases),
                 "phases_compile_s": dict(self.phase_compile_s), "executables_compiled": self.compiled,
-                "executables_from_cache": self.cache_hits}
+                "executables_from_cache": self.cache_hits, "programs_from_store": self.from_program_store}
 
     def __str__(self) -> str:
         parts = ", ".join(f"{name} {s:.1f} s ({self.phase_compile_s.get(name, 0.0):.1f} s compiling)"
                           for name, s in self.phases.items())
         return (f"{self.total_s:.1f} s ({parts}; {self.compiled} executables compiled, "
-                f"{self.cache_hits} from the compilation cache)")
+                f"{self.cache_hits} from the compilation cache, {self.from_program_store} from the program store)")

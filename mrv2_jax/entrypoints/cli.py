@@ -66,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
                         "on threads beside the serving engine (background: it serves at once, a step whose "
                         "program is not ready yet compiles or waits for it); default: lazy on CPUs, eager on GPUs")
+    g.add_argument("--program-store", default=None, action=argparse.BooleanOptionalAction,
+                   help="keep compiled step programs on disk by what they are built from, beside the compilation "
+                        "cache, so that a warm start loads them without tracing; default: on GPUs with one device")
     g.add_argument("--tensor-parallel-size", type=int, default=EngineConfig.tensor_parallel_size, metavar="N",
                    help="split the decoder layers and the KV cache over the first N devices of this host "
                         "(dense Qwen3, Qwen3-MoE with --enable-expert-parallel; v2 runner; docs/parallelism.md; "

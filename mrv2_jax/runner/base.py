@@ -6,6 +6,7 @@ persistent device tables), so each keeps its own step function, packed layout an
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ class RunnerBase:
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager",
-                 tensor_parallel=None, extra_buckets: tuple[Bucket, ...] = ()):
+                 tensor_parallel=None, extra_buckets: tuple[Bucket, ...] = (), program_store=None):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
@@ -51,7 +52,12 @@ class RunnerBase:
         its first use) or "background" (on threads beside the engine, and at first use if that
         comes sooner: runner/lazy_programs.py). `tensor_parallel`: a runner.tensor_parallel.
         TensorParallel whose mesh `lm` is already split over (the builder did it), or None.
-        `extra_buckets`: buckets besides the plan's own (runner/buckets.py)."""
+        `extra_buckets`: buckets besides the plan's own (runner/buckets.py). `program_store`: a
+        runner.program_store.ProgramStore that compiled step programs are loaded from and saved to
+        (one device only), or None."""
+        if program_store is not None and tensor_parallel is not None:
+            raise ValueError("a program store keeps programs of one device; not with tensor parallelism")
+        self.program_store = program_store
         self.tp = tensor_parallel
         self.params = FlatParams(lm)
         self.compile_mode = compile_mode
@@ -116,20 +122,34 @@ class RunnerBase:
                 self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
 
         num_variants = len(self.sampler_variants)
-        if self.compile_mode in ("lazy", "background"):
-            def make(layout, make_fn):
-                return LazyPrograms(lambda i: lower(layout, make_fn, i), num_variants,
-                                    compile=lambda lowered: lowered.compile(options or None))
+        store = self.program_store
 
-            programs = {key: (layout, make(layout, make_fn)) for key, (layout, make_fn) in steps.items()}
+        def name(key, i):  # a program's name in the store: its step key and variant
+            return f"{key!r}/{i}"
+
+        if self.compile_mode in ("lazy", "background"):
+            def make(key, layout, make_fn):
+                saved = None if store is None else (lambda i: store.load(name(key, i)),
+                                                    lambda i, program: store.save(name(key, i), program))
+                return LazyPrograms(lambda i: lower(layout, make_fn, i), num_variants,
+                                    compile=lambda lowered: lowered.compile(options or None), store=saved)
+
+            programs = {key: (layout, make(key, layout, make_fn)) for key, (layout, make_fn) in steps.items()}
             if self.compile_mode == "background":
                 # Every bucket's cheapest variant first, in bucket order, then the next variant.
                 todo = [(lazy, i) for i in range(num_variants) for _, lazy in programs.values()]
                 self.background_compile = BackgroundCompile(todo, compile_workers())
         else:
-            lowered = {(key, i): lower(layout, make_fn, i) for key, (layout, make_fn) in steps.items()
-                       for i in range(num_variants)}
-            compiled = compile_all(lowered, show_progress, compiler_options=options)
+            wanted = [(key, i) for key in steps for i in range(num_variants)]
+            compiled = {}
+            if store is not None:  # loading releases the GIL: on GPUs several at once, like compiles
+                with ThreadPoolExecutor(compile_workers()) as pool:
+                    compiled = dict(zip(wanted, pool.map(lambda k: store.load(name(*k)), wanted)))
+            missing = [k for k in wanted if compiled.get(k) is None]
+            lowered = {(key, i): lower(*steps[key], i) for key, i in missing}
+            compiled |= compile_all(lowered, show_progress, compiler_options=options) if lowered else {}
+            for k in missing if store is not None else ():
+                store.save(name(*k), compiled[k])
             programs = {key: (layout, [compiled[key, i] for i in range(num_variants)])
                         for key, (layout, _) in steps.items()}
         self._step_programs = programs  # what warm_up runs

@@ -63,11 +63,15 @@ def _until_no_foreground_waits() -> None:
 
 class LazyPrograms(Sequence):
     """One bucket's programs, one per sampler variant: `compile(lower(i))` is variant i, or
-    `lower(i)` itself without `compile`. Safe to index from several threads."""
+    `lower(i)` itself without `compile`. With `store` (a pair of callables `load(i)` -> program or
+    None, `save(i, program)`), a stored program is used as it is, and a compiled one is saved.
+    Safe to index from several threads."""
 
-    def __init__(self, lower: Callable[[int], object], count: int, compile: Callable[[object], object] | None = None):
+    def __init__(self, lower: Callable[[int], object], count: int, compile: Callable[[object], object] | None = None,
+                 store: tuple[Callable[[int], object], Callable[[int, object], None]] | None = None):
         self._lower = lower
         self._compile = compile
+        self._store = store if compile is not None else None
         self._programs: list = [None] * count
         self._compiling: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -89,10 +93,18 @@ class LazyPrograms(Sequence):
             return self.ensure(index)
 
     def _make(self, index: int):
+        stored = self._store[0](index) if self._store else None
+        if stored is not None:
+            return stored
         trace_lock = _BACKGROUND_TRACE_LOCK if _in_background() else contextlib.nullcontext()
         with trace_lock:
             lowered = self._lower(index)
-        return lowered if self._compile is None else self._compile(lowered)
+        if self._compile is None:
+            return lowered
+        program = self._compile(lowered)
+        if self._store:
+            self._store[1](index, program)
+        return program
 
     def ensure(self, index: int):
         """Program `index`, compiled now by this thread unless another one is compiling it (then

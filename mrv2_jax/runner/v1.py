@@ -52,13 +52,13 @@ class ModelRunnerV1(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, show_progress: bool = True,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, spec_decoder=None,
-                 compile_mode: str = "eager"):
+                 compile_mode: str = "eager", program_store=None):
         """Arguments as RunnerBase's; per step the first sampler variant that covers the batch
         runs (by default greedy, plain sampling, then every feature behind runtime skips)."""
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
-                         spec_decoder=spec_decoder, compile_mode=compile_mode)
+                         spec_decoder=spec_decoder, compile_mode=compile_mode, program_store=program_store)
         # Persistent CPU tables, one row per slot.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)

@@ -57,13 +57,15 @@ def test_bench_serve_poisson_rate_counts_failures(server):
     assert "HTTP 400" in report["errors"][0]
 
 
-def test_engine_argv_round_trips_through_the_serve_parser():
+@pytest.mark.parametrize("store", [[], ["--program-store"], ["--no-program-store"]])
+def test_engine_argv_round_trips_through_the_serve_parser(store):
     args = serve.build_parser().parse_args(["--model", "demo", "--max-num-seqs", "4", "--no-prefix-caching",
-                                            "--no-async-scheduling", "--runner", "v2"])
+                                            "--no-async-scheduling", "--runner", "v2", *store])
     argv = serve.engine_argv(args)
     assert "--no-prefix-caching" in argv and "--no-async-scheduling" in argv
     again = cli.build_parser().parse_args(["serve", *argv])
     assert cli.engine_kwargs(again) | {"show_progress": None} == cli.engine_kwargs(args) | {"show_progress": None}
+    assert cli.engine_kwargs(again)["program_store"] == {(): None, ("--program-store",): True}.get(tuple(store), False)
 
 
 def test_bench_serve_launches_and_stops_its_own_server(tmp_path):

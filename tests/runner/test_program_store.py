@@ -1,0 +1,92 @@
+"""The program store: compiled step programs saved and loaded by a key of what builds them."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mrv2_jax.llm import LLM
+from mrv2_jax.runner.program_store import ProgramStore, source_digest
+from mrv2_jax.sampling_params import SamplingParams
+from tests.engine_reference import greedy_reference
+from tests.parity import FIXTURES
+
+MODEL = FIXTURES / "qwen3-tiny"
+
+
+def double_and_count():
+    return jax.jit(lambda x, tree: (x * 2, tree["n"] + 1), donate_argnums=(0,)).lower(
+        jnp.ones(4), {"n": jnp.ones(2)}).compile()
+
+
+def test_a_saved_program_loads_and_runs_as_compiled(tmp_path):
+    store = ProgramStore(tmp_path, "a" * 64)
+    assert store.load("step/0") is None
+    store.save("step/0", double_and_count())
+    again = ProgramStore(tmp_path, "a" * 64)
+    program = again.load("step/0")
+    x = jnp.arange(4.0)
+    doubled, counted = program(x, {"n": jnp.zeros(2)})
+    np.testing.assert_array_equal(doubled, [0.0, 2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(counted, [1.0, 1.0])
+    assert x.is_deleted()  # the donation travels with the program
+    assert again.loaded == 1
+    assert ProgramStore(tmp_path, "b" * 64).load("step/0") is None  # another fingerprint: nothing
+    with pytest.raises(TypeError):  # a call with another argument tree fails loudly
+        program(jnp.ones(4), [jnp.zeros(2)])
+
+
+def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path):
+    store = ProgramStore(tmp_path, "c" * 64)
+    store.save("p", double_and_count())
+    (saved,) = store.folder.glob("*.xla")
+    saved.write_bytes(b"not a program")
+    assert store.load("p") is None and not saved.exists()
+
+
+def test_only_the_most_recently_used_fingerprints_are_kept(tmp_path):
+    for i in range(4):
+        ProgramStore(tmp_path, f"{i}" * 64, max_fingerprints=3)
+        os.utime(tmp_path / (f"{i}" * 32), (1000 + i, 1000 + i))
+    ProgramStore(tmp_path, "0" * 64, max_fingerprints=3)  # used again: now the newest
+    ProgramStore(tmp_path, "9" * 64, max_fingerprints=3)  # a new one evicts the oldest beyond 3
+    assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["0", "3", "9"]
+
+
+def test_source_digest_follows_every_python_file(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("ignored")
+    before = source_digest([tmp_path / "pkg"])
+    (tmp_path / "pkg" / "notes.txt").write_text("still ignored")
+    assert source_digest([tmp_path / "pkg"]) == before
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert source_digest([tmp_path / "pkg"]) != before
+
+
+def test_a_second_engine_loads_every_program_and_gives_the_same_tokens(tmp_path, monkeypatch):
+    """Eager: the first engine compiles and saves its 2 programs (one bucket x greedy, all), the
+    second loads both; a lazy engine of the same configuration finds them too;
+    greedy tokens equal a plain loop's."""
+    monkeypatch.setenv("MRV2_COMPILATION_CACHE", str(tmp_path))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 96, n)] for n in (5, 11, 3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    config = dict(dtype="float32", runner="v2", max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+                  num_gpu_blocks=64, block_size=4, show_progress=False, max_fused_steps=1,
+                  sampler_variants="greedy,all", program_store=True)
+    first = LLM(str(MODEL), compile_mode="eager", **config)
+    assert first.engine.runner.program_store.loaded == 0
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+    assert want == [greedy_reference(MODEL, p, 6) for p in prompts]
+
+    second = LLM(str(MODEL), compile_mode="eager", **config)
+    assert second.engine.runner.program_store.loaded == 2 and second.engine.startup.from_program_store == 2
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == want
+    lazy = LLM(str(MODEL), compile_mode="lazy", **config)
+    assert [o.outputs[0].token_ids for o in lazy.generate(prompts, params, use_tqdm=False)] == want
+    assert lazy.engine.runner.program_store.loaded >= 1
+    other = LLM(str(MODEL), compile_mode="eager", **(config | {"max_num_seqs": 2}))  # another key
+    assert other.engine.runner.program_store.loaded == 0
