@@ -146,6 +146,15 @@ for s in $sections; do case $s in
         tests/kernels/test_paged_decode_attention_mgpu.py
     run_section decode-attn-mgpu python3 -m benchmarks.attention_kernel --cases decode \
         --output-json "$OUT/attention_decode_mgpu.json" ;;
+  # Issue 27: fused decode's attention through the Mosaic GPU decode kernel in the engine: S1@256
+  # v2-async with --kernels decode_attention=mgpu beside the default (the ragged Triton kernel).
+  decode-attn-engine)
+    for k in pallas mgpu; do
+      run_section decode-attn-engine-$k python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+          --arms v2-async --input-len 128 --output-len 512 --num-prompts 256 --max-num-seqs 256 \
+          --max-num-batched-tokens 8192 --max-model-len 1024 --kernels decode_attention=$k \
+          --output-json "$OUT/ab_s1_decode_attention_$k.json"
+    done ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
   moe-presets)

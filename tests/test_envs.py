@@ -61,13 +61,17 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     monkeypatch.delenv("MRV2_SAMPLER_SLOW_PATH", raising=False)
     config = KernelConfig.parse("attention=reference")
     assert config == KernelConfig(attention="reference", sampler_noise_pass="interpret", moe_backend="dense")
-    assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense")
-    assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense")
+    assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense", "pallas")
+    assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense", "pallas")
     # "kernel" for a sampler pass: the kernel where it runs, the jnp reference elsewhere.
     assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
     assert KernelConfig().resolved("gpu").attention == "pallas"
     assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
     assert KernelConfig().resolved("gpu").moe_backend == "pallas"  # this CPU has no wgmma
+    assert KernelConfig().resolved("gpu").decode_attention == "pallas"
+    assert KernelConfig.parse("decode_attention=mgpu").resolved("gpu").decode_attention == "mgpu"
+    with pytest.raises(ValueError, match="decode_attention must be one of auto, pallas, mgpu"):
+        KernelConfig(decode_attention="triton")
 
 
 def test_moe_backend_defaults_to_mosaic_gpu_on_hopper_class_gpus(monkeypatch):

@@ -46,6 +46,10 @@ class PagedAttention:
     num_seqs: jax.Array  # int32[]
     use_kernels: bool = True
     interpret: bool = False
+    # Fused decode: every row holds at most one query token, so with `decode_kernel` "mgpu" the
+    # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i].
+    one_token_rows: bool = False
+    decode_kernel: str = "pallas"
     # Tensor parallelism: the jax.sharding.Mesh whose AXIS splits the heads of q, k, v and of the
     # KV cache; each device then writes and attends its own heads (shard_map), with the same
     # kernels. None: one device, no shard_map.
@@ -77,9 +81,34 @@ class PagedAttention:
             k_cache, v_cache = kv_write.write_kv(k_cache, v_cache, k, v, self.slot_mapping, layer,
                                                  interpret=self.interpret)
             attend = functools.partial(rpa.ragged_paged_attention, interpret=self.interpret)
+            if self.one_token_rows and self.decode_kernel == "mgpu":
+                attend = functools.partial(_one_token_rows_mgpu, interpret=self.interpret)
         else:
             k_cache, v_cache = kv_write.write_kv_reference(k_cache, v_cache, k, v, self.slot_mapping, layer)
             attend = rpa.ragged_paged_attention_reference
         out = attend(q, k_cache, v_cache, layer, self.block_tables, self.seq_lens,
                      self.query_start_loc, self.num_seqs, sm_scale=scale)
         return out, (k_cache, v_cache)
+
+
+def _one_token_rows_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
+                         sm_scale, interpret=False):
+    """ragged_paged_attention for a step whose rows hold at most one query token each, through the
+    Mosaic GPU decode kernel (row i's token at q[i]): tokens go to their rows, a row without one
+    gets no keys, and the rows' outputs come back in token order (padding tokens 0)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
+
+    num_rows, num_tokens = block_tables.shape[0], q.shape[0]
+    if num_rows < num_tokens:
+        raise ValueError(f"one token per row: {num_tokens} tokens for {num_rows} rows")
+    starts = query_start_loc[:num_rows]
+    has_token = (query_start_loc[1:] > starts) & (jnp.arange(num_rows) < num_seqs)
+    q_rows = jnp.where(has_token[:, None, None], q[jnp.minimum(starts, num_tokens - 1)], 0)
+    out_rows = paged_decode_attention_mgpu(q_rows, k_cache, v_cache, block_tables, jnp.where(has_token, seq_lens, 0),
+                                           num_seqs, layer=layer, sm_scale=sm_scale, interpret=interpret)
+    tokens = jnp.arange(num_tokens)
+    row_of_token = jnp.searchsorted(query_start_loc[1:], tokens, side="right", method="compare_all")
+    real = tokens < query_start_loc[num_seqs]
+    return jnp.where(real[:, None, None], out_rows[jnp.minimum(row_of_token, num_rows - 1)], 0)

@@ -127,7 +127,7 @@ class ModelRunnerV2(RunnerBase):
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
                  stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
-                 unrolled_layers_max_rows: int | None = None, program_store=None):
+                 unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas"):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -140,7 +140,8 @@ class ModelRunnerV2(RunnerBase):
         a bucket of that many rows at `unrolled_layers_max_tokens` tokens, so that a step with few
         rows and a prompt still gets an unrolled program while a full decode batch keeps the loop.
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
-        over; the device state is replicated on it; not with a spec decoder."""
+        over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
+        attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention)."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -179,6 +180,7 @@ class ModelRunnerV2(RunnerBase):
         # smallest bucket with that many rows.
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
+        self.decode_attention = decode_attention
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -266,7 +268,8 @@ class ModelRunnerV2(RunnerBase):
                                   block_size=self.block_size, use_kernels=self.use_kernels,
                                   max_steps=self.max_fused_steps, unroll=self.fused_unroll,
                                   eos_for_masks=self.eos_for_masks, mesh=None if self.tp is None else self.tp.mesh,
-                                  on_step=self._on_fused_step if self.stream_in_call else None)
+                                  on_step=self._on_fused_step if self.stream_in_call else None,
+                                  decode_kernel=self.decode_attention)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec

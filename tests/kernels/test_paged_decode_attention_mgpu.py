@@ -101,6 +101,31 @@ def test_interpreted_kernel_matches_reference(case):
     check(batch, config)
 
 
+def test_fused_decode_attention_through_the_decode_kernel_matches_the_reference_path():
+    """PagedAttention as fused decode builds it (`one_token_rows`, `decode_kernel="mgpu"`): rows 0
+    and 2 decode one token, row 1 is paused (no token this step), row 3 is padding; the KV write and
+    the attention equal the jnp reference path's, the padding tokens' outputs are 0."""
+    from mrv2_jax.models.attention import PagedAttention
+
+    batch = make_batch([37, 20, 70], rows=4, hq=4, hkv=2, d=64, bs=16, max_blocks=6, poison=None)
+    q_rows, bt, lens = batch["q"], batch["block_tables"], np.asarray(batch["seq_lens"])
+    q = jnp.concatenate([q_rows[0:1], q_rows[2:3], jnp.zeros((2, 4, 64), jnp.bfloat16)])  # tokens, padded to 4
+    k_new, v_new = (jax.random.normal(jax.random.key(s), (4, 2, 64), jnp.bfloat16) for s in (7, 8))
+    table = np.asarray(bt)
+    slots = [table[r, (lens[r] - 1) // 16] * 16 + (lens[r] - 1) % 16 for r in (0, 2)]
+    meta = dict(slot_mapping=jnp.asarray(slots + [-1, -1], jnp.int32), block_tables=bt, seq_lens=batch["seq_lens"],
+                query_start_loc=jnp.asarray([0, 1, 1, 2, 2], jnp.int32), num_seqs=batch["num_seqs"])
+    cache = (batch["k_cache"], batch["v_cache"])
+    want, want_cache = PagedAttention(**meta, use_kernels=False)(q, k_new, v_new, batch["layer"], cache, 0.125)
+    got, got_cache = PagedAttention(**meta, use_kernels=True, interpret=not on_gpu, one_token_rows=True,
+                                    decode_kernel="mgpu")(q, k_new, v_new, batch["layer"], cache, 0.125)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(got[2:], 0.0)
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-2
+    for g, w in zip(got_cache, want_cache):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_interpreted_kernel_g8_head_dim_128_default_config():
     """G = 8 (no padding head), head_dim 128, the default rule's split, all rows real."""
     batch = make_batch([70, 256, 3], hq=16, hkv=2, d=128, bs=16, max_blocks=16, seed=3)
