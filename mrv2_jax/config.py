@@ -33,6 +33,11 @@ def _require_bool(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}.{name} must be a bool, got {value!r}")
 
 
+# Prompt tokens a step capped by SchedulerConfig.max_tokens_while_decoding must still have room for;
+# with less the cap is not applied (a prompt would trickle in a few tokens per step).
+MIN_PREFILL_CHUNK = 32
+
+
 @dataclass
 class SchedulerConfig:
     """Limits of one engine step and of one sequence.
@@ -51,6 +56,10 @@ class SchedulerConfig:
     of them (what the runner compiled); 1 turns fused decode off.
     ``stream_interval``: while any running request is streaming, a fused call runs at most this
     many steps, so a stream waits at most this many decode steps between chunks.
+    ``max_tokens_while_decoding``: while requests are running, a step holds at most this many
+    tokens (a new prompt is prefilled in chunks that fit) when that leaves room for at least
+    ``MIN_PREFILL_CHUNK`` prompt tokens beside one token per running request, so that a step which
+    admits a prompt stays in a small bucket and the running streams' gap stays short; 0: off.
     """
 
     max_num_seqs: int = 256
@@ -63,6 +72,7 @@ class SchedulerConfig:
     max_fused_steps: int = 1
     max_fused_rows: int = 0
     stream_interval: int = 1
+    max_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         _require_positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
@@ -79,6 +89,9 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 0, got {value!r}")
         _require_positive_int("SchedulerConfig", "max_fused_steps", self.max_fused_steps)
         _require_positive_int("SchedulerConfig", "stream_interval", self.stream_interval)
+        cap = self.max_tokens_while_decoding
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            raise ValueError(f"SchedulerConfig.max_tokens_while_decoding must be an int >= 0, got {cap!r}")
         if not isinstance(self.max_fused_rows, int) or self.max_fused_rows < 0:
             raise ValueError(f"SchedulerConfig.max_fused_rows must be an int >= 0, got {self.max_fused_rows!r}")
         # A fused call runs K plain decode steps with no draft verification, so the scheduler

@@ -78,6 +78,9 @@ class EngineConfig:
     # While a streaming request runs, fused decode runs at most this many steps per call, which
     # bounds the wait between a stream's chunks (in decode steps); non-streaming requests keep K.
     stream_interval: int = DEFAULT_STREAM_INTERVAL
+    # While a request decodes, a step holds at most this many tokens (prompts chunked to fit) when
+    # that leaves room for a prompt chunk: SchedulerConfig.max_tokens_while_decoding; 0: off.
+    max_tokens_while_decoding: int = 0
     # V2, the server's engine process: fused decode hands each step's tokens to the streams from
     # inside the call (runner/fused.py), so streaming requests keep max_fused_steps and still get
     # a chunk per token; requests with logprobs, or more stop ids than the device checks, keep

@@ -58,7 +58,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from mrv2_jax.config import CacheConfig, SchedulerConfig
+from mrv2_jax.config import MIN_PREFILL_CHUNK, CacheConfig, SchedulerConfig
 from mrv2_jax.engine.kv_cache_manager import KVCacheManager
 from mrv2_jax.engine.request import Request, RequestStatus
 from mrv2_jax.engine.scheduler_output import EngineCoreOutput, SchedulerStats
@@ -196,7 +196,7 @@ class Scheduler:
         num_fused_steps = self._num_fused_steps()
         if num_fused_steps > 1:
             return self._schedule_fused(num_fused_steps)
-        budget = self.config.max_num_batched_tokens
+        budget = step_budget = self._token_budget()
         num_scheduled: dict[str, int] = {}
         scheduled: dict[str, Request] = {}
         new_reqs: list[NewRequestData] = []
@@ -250,7 +250,7 @@ class Scheduler:
             new_reqs=new_reqs,
             cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=step_budget - budget,
             finished_req_ids=finished_req_ids,
             sampling_req_ids=sampling_req_ids,
             preempted_req_ids=preempted,
@@ -322,6 +322,16 @@ class Scheduler:
             scheduled_requests=scheduled,
             num_fused_steps=num_steps,
         )
+
+    def _token_budget(self) -> int:
+        """This step's tokens: max_num_batched_tokens, or max_tokens_while_decoding while a request
+        decodes if that leaves MIN_PREFILL_CHUNK tokens beside one per running request (SchedulerConfig)."""
+        budget = self.config.max_num_batched_tokens
+        cap = self.config.max_tokens_while_decoding
+        if (cap and len(self.running) + MIN_PREFILL_CHUNK <= cap
+                and any(r.num_computed_tokens >= r.num_prefill_tokens for r in self.running)):
+            budget = min(budget, cap)
+        return budget
 
     def _num_running_tokens_to_schedule(self, request: Request, budget: int) -> int:
         """Tokens to compute for a running request this step (0: skip it this step)."""

@@ -42,6 +42,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most decode steps a streaming request waits between chunks: while one streams, fused "
                         f"decode runs at most this many steps per call (default {EngineConfig.stream_interval}: "
                         "a chunk per step; non-streaming requests keep --max-fused-steps)")
+    g.add_argument("--max-tokens-while-decoding", type=int, default=0, metavar="TOKENS",
+                   help="while a request decodes, a step holds at most this many tokens (a new prompt is "
+                        "prefilled in chunks that fit) if that leaves room for a 32-token chunk, so a step that "
+                        "admits a prompt stays in a small bucket; 0: off (default)")
     g.add_argument("--stream-in-call", action="store_true",
                    help="serve: fused decode hands each step's tokens to the streams from inside the call, so "
                         "streaming requests keep --max-fused-steps and still get a chunk per token")

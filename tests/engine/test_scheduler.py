@@ -169,10 +169,11 @@ class Driver:
 
 
 def make_scheduler(num_blocks=1024, max_num_seqs=8, budget=16, max_model_len=96,
-                   chunked=True, prefix_caching=True) -> Scheduler:
+                   chunked=True, prefix_caching=True, cap_while_decoding=0) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                        max_model_len=max_model_len, enable_chunked_prefill=chunked),
+                        max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                        max_tokens_while_decoding=cap_while_decoding),
         CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks,
                     enable_prefix_caching=prefix_caching),
         eos_token_id=EOS,
@@ -392,6 +393,42 @@ def test_decode_first_then_fcfs_and_chunked_prefill():
     assert list(third.num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
     with pytest.raises(RuntimeError, match="did not sample"):
         scheduler.update_from_output(second, {"a": [12], "b": [1]})
+
+
+def test_steps_while_a_request_decodes_hold_at_most_the_cap():
+    """max_tokens_while_decoding: a prompt alone is prefilled whole; one arriving while another
+    request decodes is chunked so that each step holds at most the cap; with too many running rows
+    to leave a 32-token chunk the cap is not applied."""
+    scheduler = make_scheduler(budget=64, cap_while_decoding=40)
+    scheduler.add_request(Request("a", list(range(1, 51)), SamplingParams(max_tokens=20)))
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"a": 50}  # nothing decodes yet: the full budget
+    scheduler.update_from_output(first, {"a": [5]})
+    scheduler.add_request(Request("b", list(range(2, 52)), SamplingParams(max_tokens=20)))  # no prefix hit
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"a": 1, "b": 39} and second.total_num_scheduled_tokens == 40
+    scheduler.update_from_output(second, {"a": [6]})
+    third = scheduler.schedule()
+    assert third.num_scheduled_tokens == {"a": 1, "b": 11}
+
+    wide = make_scheduler(budget=64, cap_while_decoding=36)
+    for i in range(5):
+        wide.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20)))
+    step = wide.schedule()
+    wide.update_from_output(step, {f"r{i}": [5] for i in range(5)})
+    wide.add_request(Request("long", list(range(1, 51)), SamplingParams(max_tokens=20)))
+    step = wide.schedule()  # 5 decode rows + 32 > 36: the whole budget, 5 + 50 tokens
+    assert step.total_num_scheduled_tokens == 55 and step.num_scheduled_tokens["long"] == 50
+    with pytest.raises(ValueError, match="max_tokens_while_decoding must be an int >= 0"):
+        SchedulerConfig(max_tokens_while_decoding=-1)
+
+
+@pytest.mark.parametrize("steps_in_flight", [0, 1], ids=["sync", "async"])
+def test_cap_while_decoding_keeps_outputs(steps_in_flight):
+    workload = random_workload(seed=4)
+    driver, results = run_workload(workload, steps_in_flight, budget=64, max_num_seqs=4, cap_while_decoding=36)
+    assert_matches_reference(results, workload)
+    assert_all_blocks_free(driver)
 
 
 def test_prefill_without_chunking_waits_for_a_step_that_fits():
