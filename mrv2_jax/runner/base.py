@@ -142,7 +142,7 @@ class RunnerBase:
         else:
             wanted = [(key, i) for key in steps for i in range(num_variants)]
             compiled = {}
-            if store is not None:  # loading releases the GIL: on GPUs several at once, like compiles
+            if store is not None:  # on the compile threads: several at once on GPUs
                 with ThreadPoolExecutor(compile_workers()) as pool:
                     compiled = dict(zip(wanted, pool.map(lambda k: store.load(name(*k)), wanted)))
             missing = [k for k in wanted if compiled.get(k) is None]
