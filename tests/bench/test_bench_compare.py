@@ -12,11 +12,12 @@ MODEL = str(Path(__file__).parents[1] / "fixtures" / "qwen3-tiny")
 
 def test_compare_runs_mrv2_arms_and_skips_vllm(tmp_path):
     out = tmp_path / "c.json"
-    # An 8-token budget: the prompts prefill in chunks through one step bucket, one program less to compile.
+    # An 8-token budget: the prompts prefill in chunks through one step bucket, one program less to compile;
+    # the plain sampler variant first (as on GPUs): it covers temperature-1 batches and compiles faster than `all`.
     report = compare.main(["--settings", "custom", "--custom", "8,6,6,4", "--arms", "vllm-mrv2,mrv2-v2-async",
                            "--model", MODEL, "--max-num-batched-tokens", "8", "--warmup-prompts", "2",
                            "--vllm-python", "/nonexistent/python", "--mrv2-arg=--num-gpu-blocks", "--mrv2-arg=256",
-                           "--output-json", str(out)])
+                           "--mrv2-arg=--sampler-variants", "--mrv2-arg=plain,all", "--output-json", str(out)])
     saved = json.loads(out.read_text())
     assert saved["table"] == json.loads(json.dumps(report["table"]))
     assert {"date", "git_sha", "jax_version", "device"} <= saved.keys() and saved["notes"]

@@ -62,8 +62,8 @@ def _metrics(client: httpx.Client) -> dict:
     return {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
 
 
-def _reference(prompts: list[str], params: dict) -> list[str]:
-    outs = make_llm().generate(prompts, SamplingParams(**params), use_tqdm=False)
+def _reference(llm, prompts: list[str], params: dict) -> list[str]:
+    outs = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 
 
@@ -78,8 +78,9 @@ def test_two_api_processes_stream_their_own_requests_and_drain_together(tmp_path
                                  "--port", str(port), "--api-server-count", "2", "--log-level", "warning",
                                  "--shutdown-timeout", "60", *ENGINE_FLAGS], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    reference = _reference(PROMPTS[0] + PROMPTS[1] + ["Once upon a time,"], GREEDY)
-    reference_long = _reference(["Once upon a time,"], LONG)[0]
+    llm = make_llm()  # one offline engine for both references
+    reference = _reference(llm, PROMPTS[0] + PROMPTS[1] + ["Once upon a time,"], GREEDY)
+    reference_long = _reference(llm, ["Once upon a time,"], LONG)[0]
     try:
         wait_until(lambda: proc.poll() is not None or _healthy(url), timeout=300, what="the server to come up")
         assert proc.poll() is None, log.read_text()
