@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
     greedy = args.temperature == 0 and args.repetition_penalty == 1.0
     if greedy and kwargs.get("sampler_variants") is None:
         # The one request is greedy: list the greedy variant first, so that (compiled at first use) it
-        # is the only one compiled; on CPUs the default is `all` alone, about three times its compile.
+        # is the only one compiled (on CPUs the default is `all` alone, a larger program to compile).
         kwargs["sampler_variants"] = "greedy,all"
     llm = LLM(**kwargs, show_progress=False)
     prompt = args.prompt
