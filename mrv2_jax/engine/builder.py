@@ -130,10 +130,10 @@ def make_program_store(config: EngineConfig, model_path: Path, num_blocks: int, 
     model's config file and the KV cache's size."""
     import jax
 
-    where = envs.read("MRV2_COMPILATION_CACHE")
+    root = cache_root()
     wanted = (jax.default_backend() == "gpu" and config.tensor_parallel_size == 1
               if config.program_store is None else config.program_store)
-    if not wanted or where.lower() == "off":
+    if not wanted or root is None:
         return None
     from mrv2_jax.runner.program_store import ProgramStore, fingerprint
 
@@ -142,14 +142,20 @@ def make_program_store(config: EngineConfig, model_path: Path, num_blocks: int, 
     # Fields that change no program's trace stay out of the key (a lazy engine finds an eager one's).
     same_programs = dataclasses.replace(config, compile_mode=None, program_store=None, show_progress=True)
     key = fingerprint(same_programs, hashlib.sha256(model_config).hexdigest(), num_blocks, max_model_len)
-    return ProgramStore(Path(where).expanduser() / "programs", key)
+    return ProgramStore(root / "programs", key)
 
 
 def config_cache_dir() -> Path | None:
     """Where model configs are kept for warm starts (models/config_cache.py): beside the compiled
     programs, and off with them."""
+    root = cache_root()
+    return None if root is None else root / "hf_configs"
+
+
+def cache_root() -> Path | None:
+    """MRV2_COMPILATION_CACHE as a folder, or None when it is off."""
     where = envs.read("MRV2_COMPILATION_CACHE")
-    return None if where.lower() == "off" else Path(where).expanduser() / "hf_configs"
+    return None if where.lower() == "off" else Path(where).expanduser()
 
 
 def use_moe_backend(model_state, kernels: KernelConfig) -> None:

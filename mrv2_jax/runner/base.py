@@ -148,8 +148,9 @@ class RunnerBase:
             missing = [k for k in wanted if compiled.get(k) is None]
             lowered = {(key, i): lower(*steps[key], i) for key, i in missing}
             compiled |= compile_all(lowered, show_progress, compiler_options=options) if lowered else {}
-            for k in missing if store is not None else ():
-                store.save(name(*k), compiled[k])
+            if store is not None:
+                for k in missing:
+                    store.save(name(*k), compiled[k])
             programs = {key: (layout, [compiled[key, i] for i in range(num_variants)])
                         for key, (layout, _) in steps.items()}
         self._step_programs = programs  # what warm_up runs
