@@ -168,16 +168,16 @@ def run_if_used(runtime_skip: bool, used, compute, skip):
 
 
 def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
-    """greedy, plain, full, all on GPUs; all alone elsewhere (default: JAX's default backend).
+    """greedy, plain, full, all on GPUs; greedy, all elsewhere (default: JAX's default backend).
     On GPUs a conditional inside the step costs far more than its microbenchmark (docs/benchmarks.md):
     plain and full hold none (prompt logprobs' is the last, in all). Elsewhere (CPUs: development,
-    tests, notebooks) each variant is one more compile per bucket, which costs more than the steps
-    it would speed up; greedy alone compiles in a third of all's time but is one compile more."""
+    tests, notebooks) programs compile lazily, when a step first needs one: greedy work compiles the
+    greedy step, a third of all's compile time, and anything else compiles all."""
     if backend is None:
         import jax
 
         backend = jax.default_backend()
-    return ("greedy", "plain", "full", "all") if backend == "gpu" else ("all",)
+    return ("greedy", "plain", "full", "all") if backend == "gpu" else ("greedy", "all")
 
 
 def variants_by_name(names, kernels: SamplerKernels | None = None) -> tuple[SamplerFeatures, ...]:

@@ -181,7 +181,7 @@ def test_sampler_variant_names_are_checked():
     from mrv2_jax.sample.features import default_variant_names, variants_by_name
 
     assert default_variant_names("gpu") == ("greedy", "plain", "full", "all")
-    assert default_variant_names("cpu") == ("all",)
+    assert default_variant_names("cpu") == ("greedy", "all")
 
     assert variants_by_name("plain, all") == (SamplerFeatures.plain_sampling(), SamplerFeatures.all())
     full = variants_by_name("greedy,full,all")[1]
