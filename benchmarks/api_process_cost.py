@@ -94,7 +94,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--output-json", default=None)
-    add_engine_args(p)
+    add_engine_args(p, compile_mode="eager")
     args = p.parse_args(argv)
     runs = [measure(args, count) for _ in range(args.repeats) for count in args.api_server_count]
     print(f"{'API procs':>9} {'tok/s':>8} {'API µs/tok':>11} {'engine µs/tok':>14} {'busiest API load':>17}")

@@ -148,6 +148,7 @@ def main(argv=None, prog=None):
     kwargs = engine_kwargs(args)
     kwargs["max_fused_steps"] = 1
     llm = LLM(**kwargs)
+    llm.wait_for_compiles()
     compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
     on_device = jax.device_put(packed)
     runner = llm.engine.runner

@@ -158,6 +158,7 @@ def main(argv=None, prog=None):
     kwargs = engine_kwargs(args)
     kwargs["max_fused_steps"] = 1
     llm = LLM(**kwargs)
+    llm.wait_for_compiles()
     runner = llm.engine.runner
     results = {}
     for rows in args.rows:

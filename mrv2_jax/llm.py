@@ -5,7 +5,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from mrv2_jax.engine.builder import build_engine
+from mrv2_jax.engine.builder import build_engine, warms_up
 from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
@@ -60,6 +60,21 @@ class LLM:
     def abort(self, request_ids: Sequence[str]) -> None:
         self.engine.abort_requests(request_ids)
         self.output_processor.remove(request_ids)
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Block until every planned step program is compiled (compile mode background compiles
+        them beside the engine; other modes return at once), then, on GPUs, run them once as
+        start-up does with the ones it had (Runner.warm_up), so that timed steps neither share the
+        host with a compile nor record command buffers. Only while no request runs.
+        -> False if `timeout` seconds passed first."""
+        if self.engine.has_work():
+            raise RuntimeError("wait_for_compiles: requests are running; call it before adding any")
+        compiles = self.engine.runner.background_compile
+        if compiles is not None and not compiles.wait(timeout):
+            return False
+        if compiles is not None and warms_up(self.config):
+            self.engine.runner.warm_up()
+        return True
 
     # --- running ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -66,6 +66,7 @@ def run_arm(name, args, loaded, prompts):
     # bench/fused_decode.py measures it.
     llm = LLM(loaded_model=loaded, **(engine_kwargs(args) | {"runner": runner, "async_scheduling": async_scheduling,
                                                              "max_fused_steps": 1}))
+    llm.wait_for_compiles()  # no compile beside the timed steps
     startup = time.perf_counter() - t0
     params = sampling_params(args.sampling, args.output_len, loaded[0].vocab_size)
     llm.generate(prompts[: min(len(prompts), args.max_num_seqs)][:64], params, use_tqdm=False)  # warm-up

@@ -126,6 +126,7 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         llm = LLM(loaded_model=loaded, **(kwargs | {"max_fused_steps": k, "show_progress": False,
                                                     "stream_in_call": in_call}))
+        llm.wait_for_compiles()
         startup_s = time.perf_counter() - t0
         # Warm-up: every batch size once, short, on prompts the measured runs do not share.
         warm = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -326,7 +326,7 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     report.add_argument("--output-json", default=None)
     report.add_argument("--save-detailed", action="store_true", help="also store every request's timings")
     report.add_argument("--disable-tqdm", action="store_true")
-    add_engine_args(p)
+    add_engine_args(p, compile_mode="eager")
     return p
 
 

@@ -220,7 +220,7 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None)
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None)
-    add_engine_args(p)
+    add_engine_args(p, compile_mode="eager")
     return p
 
 

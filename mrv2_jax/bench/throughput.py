@@ -23,6 +23,7 @@ def run(args) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
+    llm.wait_for_compiles()  # no compile beside the timed steps
     startup = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, args.random_range_ratio,
                              llm.model_state.vocab_size, args.dataset_seed, args.random_prefix_len)

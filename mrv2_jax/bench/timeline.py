@@ -232,6 +232,7 @@ def run(args) -> dict:
     kwargs = engine_kwargs(args)
     kwargs["max_fused_steps"] = kwargs.get("max_fused_steps") or 1
     llm = LLM(**kwargs)
+    llm.wait_for_compiles()  # no compile beside the timed steps
     startup = time.perf_counter() - t0
     prompts = random_prompts(args.num_prompts, args.input_len, 0.0, llm.model_state.vocab_size, args.dataset_seed)
     constraint = json.loads(args.structured_outputs) if args.structured_outputs else None

@@ -49,12 +49,12 @@ def sampler_kernels(kernels: KernelConfig) -> SamplerKernels:
 
 
 def resolve_compile_mode(mode: str | None) -> str:
-    """EngineConfig.compile_mode for this backend: lazy on CPUs, eager elsewhere, unless set."""
+    """EngineConfig.compile_mode for this backend: lazy on CPUs, background elsewhere, unless set."""
     if mode is not None:
         return mode
     import jax
 
-    return "lazy" if jax.default_backend() == "cpu" else "eager"
+    return "lazy" if jax.default_backend() == "cpu" else "background"
 
 
 def resolve_unrolled_layers_max_tokens(config: EngineConfig) -> int:
@@ -70,12 +70,12 @@ def resolve_unrolled_layers_max_tokens(config: EngineConfig) -> int:
 
 
 def warms_up(config: EngineConfig) -> bool:
-    """Whether the engine runs every step program once before serving: on GPUs, where a program's
-    first run records its command buffers (CUDA graphs: slow for a program with unrolled layers),
-    when every program is compiled at start-up anyway (compile mode eager)."""
+    """Whether the engine runs its ready step programs once before serving: on GPUs, where a
+    program's first run records its command buffers (CUDA graphs: slow for a program with unrolled
+    layers), with compile mode eager (every program) or background (those loaded from the store)."""
     import jax
 
-    return resolve_compile_mode(config.compile_mode) == "eager" and jax.default_backend() == "gpu"
+    return resolve_compile_mode(config.compile_mode) in ("eager", "background") and jax.default_backend() == "gpu"
 
 
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,

@@ -60,9 +60,11 @@ class EngineConfig:
     # unrolls; a full decode batch keeps the loop). None: no row limit.
     unrolled_layers_max_rows: int | None = None
     # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
-    # short stall then) or "background" (on threads while the engine serves; a step whose program
-    # is not ready compiles it or waits for it); default lazy on CPUs (a few of the planned programs
-    # ever run there), eager on GPUs (serving never stalls on a compile).
+    # short stall then) or "background" (what the program store holds is loaded at start-up, the
+    # rest compiles on threads while the engine serves; a step whose program is not ready compiles
+    # it or waits for it); default lazy on CPUs (a few of the planned programs ever run there),
+    # background on GPUs (a cold start serves in seconds, a warm one loads every program first).
+    # Benchmarks that time steps default to eager (entrypoints/cli.py add_engine_args).
     compile_mode: str | None = None
     # Keep compiled step programs on disk by what they are built from (runner/program_store.py), so
     # that a warm start loads them without tracing; None: on GPUs with one device and the

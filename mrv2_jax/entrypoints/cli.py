@@ -14,8 +14,10 @@ KERNELS_HELP = ("kernel or reference per piece, as field=value,...; fields (valu
                   "variable (docs/switches.md)")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine arguments shared by every subcommand that runs a model."""
+def add_engine_args(parser: argparse.ArgumentParser, compile_mode: str | None = None) -> None:
+    """The engine arguments shared by every subcommand that runs a model. `compile_mode`: this
+    command's default for --compile-mode ("eager" for benchmarks that time steps, so that no
+    compile runs beside them; None: the engine's own default)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="preset (qwen3-0.6b, qwen3-8b, glm-4-9b-0414), "
                    "a model directory, or 'demo' (default: the small model shipped in checkpoints/)")
@@ -66,10 +68,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--unrolled-layers-max-rows", type=int, default=None, metavar="ROWS",
                    help="v2: only buckets of at most this many rows unroll (--unrolled-layers-max-tokens), and a "
                         "bucket of this many rows at that many tokens is added; default: no row limit")
-    g.add_argument("--compile-mode", default=None, choices=["eager", "lazy", "background"],
+    g.add_argument("--compile-mode", default=compile_mode, choices=["eager", "lazy", "background"],
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
-                        "on threads beside the serving engine (background: it serves at once, a step whose "
-                        "program is not ready yet compiles or waits for it); default: lazy on CPUs, eager on GPUs")
+                        "on threads beside the serving engine (background: the program store's programs load "
+                        "at start-up, the engine serves at once, a step whose program is not ready yet compiles "
+                        "or waits for it); default: " + (compile_mode or "lazy on CPUs, background on GPUs"))
     g.add_argument("--program-store", default=None, action=argparse.BooleanOptionalAction,
                    help="keep compiled step programs on disk by what they are built from, beside the compilation "
                         "cache, so that a warm start loads them without tracing; default: on GPUs with one device")

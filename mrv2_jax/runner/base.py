@@ -136,8 +136,13 @@ class RunnerBase:
 
             programs = {key: (layout, make(key, layout, make_fn)) for key, (layout, make_fn) in steps.items()}
             if self.compile_mode == "background":
-                # Every bucket's cheapest variant first, in bucket order, then the next variant.
+                # Every bucket's cheapest variant first, in bucket order, then the next variant; what
+                # the store holds is loaded now (on the compile threads), the rest compiles beside the engine.
                 todo = [(lazy, i) for i in range(num_variants) for _, lazy in programs.values()]
+                if store is not None:
+                    with ThreadPoolExecutor(compile_workers()) as pool:
+                        loaded = list(pool.map(lambda item: item[0].load_stored(item[1]), todo))
+                    todo = [item for item, ready in zip(todo, loaded) if not ready]
                 self.background_compile = BackgroundCompile(todo, compile_workers())
         else:
             wanted = [(key, i) for key in steps for i in range(num_variants)]
@@ -171,10 +176,11 @@ class RunnerBase:
 
     def warm_up(self) -> None:
         """Run every step program once on an empty batch, so that XLA records each program's command
-        buffers (its CUDA graphs) before the first request instead of in it; a program not compiled
-        yet compiles first. Padding rows change no request's state, and the KV they may write
-        belongs to no request yet."""
+        buffers (its CUDA graphs) before the first request instead of in it. Compile mode lazy or
+        background: only the programs ready now (loaded from the store); the others record theirs at
+        first use. Padding rows change no request's state, and the KV they may write belongs to no
+        request yet."""
         for layout, variants in self._step_programs.values():
-            for compiled in variants:
+            for compiled in variants.ready() if isinstance(variants, LazyPrograms) else variants:
                 self.call_step(compiled, self.empty_batch(layout))
         jax.block_until_ready(self.kv_cache)

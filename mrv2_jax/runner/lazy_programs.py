@@ -5,10 +5,10 @@ runs a few of them: compiling all of them first is most of its start-up. `LazyPr
 for the list of one bucket's compiled variants; indexing it compiles that variant once (lowering
 included), as a planned compile that the compile guard does not count.
 
-`BackgroundCompile` (compile mode "background") compiles every program on threads of its own
-while the engine already serves: a step that needs a program nobody has compiled yet compiles it
-itself, and one that needs a program a thread is compiling waits for that compile, so each
-program is compiled exactly once. The engine's own compiles come first: tracing a program is
+`BackgroundCompile` (compile mode "background") compiles every program the program store did not
+hold on threads of its own while the engine already serves: a step that needs a program nobody
+has compiled yet compiles it itself, and one that needs a program a thread is compiling waits for
+that compile, so each program is compiled exactly once. The engine's own compiles come first: tracing a program is
 Python work that holds the GIL, so the background threads trace one at a time (their XLA compiles,
 which release it, still run side by side) and start nothing new while the engine waits for a
 program; otherwise a step's trace would share the GIL with every compile thread. On CPUs the
@@ -131,6 +131,19 @@ class LazyPrograms(Sequence):
             del self._compiling[index]
         future.set_result(program)
         return program
+
+    def load_stored(self, index: int) -> bool:
+        """Variant `index` from the store when it holds it, without compiling anything;
+        -> whether the variant is ready now."""
+        program = self._store[0](index) if self._store and self._programs[index] is None else None
+        with self._lock:
+            if program is not None and self._programs[index] is None:
+                self._programs[index] = program
+            return self._programs[index] is not None
+
+    def ready(self) -> list:
+        """The variants compiled (or loaded) so far."""
+        return [p for p in self._programs if p is not None]
 
     @property
     def num_compiled(self) -> int:

@@ -76,7 +76,7 @@ def test_bench_serve_launches_and_stops_its_own_server(tmp_path):
     report = serve.main(["--launch-server", "--model", "demo", "--dtype", "float32", "--max-num-seqs", "16",
                          "--max-num-batched-tokens", "32", "--max-model-len", "256", "--num-gpu-blocks", "160",
                          "--num-prompts", "6", "--input-len", "10", "--output-len", "4", "--ignore-eos",
-                         "--disable-tqdm", "--server-log", str(log)])
+                         "--disable-tqdm", "--server-log", str(log), "--compile-mode", "lazy"])
     assert report["metrics"]["completed"] == 6 and report["metrics"]["total_output_tokens"] == 24
     assert report["server_startup_s"] > 0 and report["metrics"]["max_concurrent_requests"] <= 6
 

@@ -235,7 +235,7 @@ def test_warm_up_runs_every_program_once_and_changes_no_output(runner):
     prompts = random_prompts(5, seed=11)
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     params = [GREEDY, seeded, GREEDY, seeded, GREEDY]
-    config = dict(runner=runner, max_num_batched_tokens=8, sampler_variants="greedy,all")
+    config = dict(runner=runner, max_num_batched_tokens=8, sampler_variants="greedy,all", compile_mode="eager")
     want = [o.outputs[0].token_ids for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
     llm = make_llm(**config)
     runner_ = llm.engine.runner
@@ -269,16 +269,19 @@ def test_unrolled_small_buckets_default_on_one_gpu_only(monkeypatch):
     assert resolve_unrolled_layers_max_tokens(EngineConfig(runner="v2", unrolled_layers_max_tokens=64, **demo)) == 64
 
 
-def test_engine_warms_up_on_gpus_when_it_compiles_everything_first(monkeypatch):
+def test_engine_compiles_in_the_background_and_warms_up_on_gpus(monkeypatch):
+    """GPUs: compile mode background by default, and a warm-up of the programs ready at start-up
+    in eager and background mode; CPUs: lazy, no warm-up."""
     import jax
 
-    from mrv2_jax.engine.builder import warms_up
+    from mrv2_jax.engine.builder import resolve_compile_mode, warms_up
     from mrv2_jax.engine.engine_config import EngineConfig
 
     demo = dict(model="demo", dtype="float32")
-    assert not warms_up(EngineConfig(**demo))  # this CPU (lazy compiles)
+    assert resolve_compile_mode(None) == "lazy" and not warms_up(EngineConfig(**demo))  # this CPU
     assert not warms_up(EngineConfig(compile_mode="eager", **demo))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_compile_mode(None) == "background" and resolve_compile_mode("eager") == "eager"
     assert warms_up(EngineConfig(**demo)) and warms_up(EngineConfig(compile_mode="eager", **demo))
-    assert not warms_up(EngineConfig(compile_mode="background", **demo))
+    assert warms_up(EngineConfig(compile_mode="background", **demo))
     assert not warms_up(EngineConfig(compile_mode="lazy", **demo))

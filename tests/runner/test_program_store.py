@@ -68,8 +68,9 @@ def test_source_digest_follows_every_python_file(tmp_path):
 
 def test_a_second_engine_loads_every_program_and_gives_the_same_tokens(tmp_path, monkeypatch):
     """Eager: the first engine compiles and saves its 2 programs (one bucket x greedy, all), the
-    second loads both; a lazy engine of the same configuration finds them too;
-    greedy tokens equal a plain loop's."""
+    second loads both; a lazy engine of the same configuration finds them too; a background one
+    loads both before its first step (warm_up runs both), and with one missing from the store loads
+    the other and compiles that one beside the engine; greedy tokens equal a plain loop's."""
     monkeypatch.setenv("MRV2_COMPILATION_CACHE", str(tmp_path))
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(3, 96, n)] for n in (5, 11, 3)]
@@ -88,5 +89,23 @@ def test_a_second_engine_loads_every_program_and_gives_the_same_tokens(tmp_path,
     lazy = LLM(str(MODEL), compile_mode="lazy", **config)
     assert [o.outputs[0].token_ids for o in lazy.generate(prompts, params, use_tqdm=False)] == want
     assert lazy.engine.runner.program_store.loaded >= 1
+
+    background = LLM(str(MODEL), compile_mode="background", **config)
+    runner = background.engine.runner
+    assert runner.program_store.loaded == 2
+    assert all(programs.num_compiled == 2 for _, programs in runner._step_programs.values())
+    ran, call_step = [], runner.call_step
+    runner.call_step = lambda compiled, packed: ran.append(compiled) or call_step(compiled, packed)
+    runner.warm_up()
+    assert len(ran) == 2 and background.wait_for_compiles(60)
+    assert [o.outputs[0].token_ids for o in background.generate(prompts, params, use_tqdm=False)] == want
+    background.add_request(prompts[0], params)
+    with pytest.raises(RuntimeError, match="requests are running"):
+        background.wait_for_compiles()
+    next(runner.program_store.folder.glob("*.xla")).unlink()
+    partial = LLM(str(MODEL), compile_mode="background", **config)
+    assert partial.engine.runner.program_store.loaded == 1 and partial.wait_for_compiles(600)
+    assert all(programs.num_compiled == 2 for _, programs in partial.engine.runner._step_programs.values())
+    assert [o.outputs[0].token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == want
     other = LLM(str(MODEL), compile_mode="eager", **(config | {"max_num_seqs": 2}))  # another key
     assert other.engine.runner.program_store.loaded == 0
