@@ -5,7 +5,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from mrv2_jax.engine.builder import build_engine, warms_up
+from mrv2_jax.engine.builder import build_engine, resolve_compile_mode, warms_up
 from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
@@ -69,10 +69,9 @@ class LLM:
         -> False if `timeout` seconds passed first."""
         if self.engine.has_work():
             raise RuntimeError("wait_for_compiles: requests are running; call it before adding any")
-        compiles = self.engine.runner.background_compile
-        if compiles is not None and not compiles.wait(timeout):
+        if not self.engine.runner.wait_for_compiles(timeout):
             return False
-        if compiles is not None and warms_up(self.config):
+        if warms_up(self.config) and resolve_compile_mode(self.config.compile_mode) == "background":
             self.engine.runner.warm_up()
         return True
 

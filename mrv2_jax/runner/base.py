@@ -174,6 +174,9 @@ class RunnerBase:
                 layout.view(packed, name)[...] = -1
         return packed
 
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        return self.background_compile is None or self.background_compile.wait(timeout)
+
     def warm_up(self) -> None:
         """Run every step program once on an empty batch, so that XLA records each program's command
         buffers (its CUDA graphs) before the first request instead of in it. Compile mode lazy or

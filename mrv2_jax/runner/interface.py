@@ -65,5 +65,9 @@ class Runner(Protocol):
         scheduled. Called for every schedule, even one with no tokens (it may free slots)."""
 
     def warm_up(self) -> None:
-        """Run every step program once on a batch with no requests (before the first request), so that
-        its first real use records no command buffers and loads no kernels."""
+        """Run every step program ready now once on a batch with no requests (before the first
+        request), so that its first real use records no command buffers and loads no kernels."""
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Block until every planned step program is compiled (compile mode background compiles
+        them beside the engine; other modes return at once); False if `timeout` seconds passed."""
