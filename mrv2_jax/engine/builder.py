@@ -227,8 +227,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
     use_moe_backend(model_state, config.kernels)
     # The runner takes either kind of mesh as its `tensor_parallel` (the same interface); the config
     # allows at most one of them.
-    tensor_parallel = (make_tensor_parallel(config.tensor_parallel_size, model_state, lm, config.enable_expert_parallel)
-                       or make_pipeline_parallel(config.pipeline_parallel_size, model_state, lm))
+    tensor_parallel = make_tensor_parallel(config.tensor_parallel_size, model_state, lm, config.enable_expert_parallel)
+    tensor_parallel = tensor_parallel or make_pipeline_parallel(config.pipeline_parallel_size, model_state, lm)
     max_model_len = config.max_model_len or model_state.max_model_len
     if max_model_len > model_state.max_model_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -244,7 +244,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
                                                     draft_model and draft_model[0], kv_dtype)
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
-        extra_kv_bytes_per_token=proposer_kv_bytes, kv_shards=config.tensor_parallel_size * config.pipeline_parallel_size)
+        extra_kv_bytes_per_token=proposer_kv_bytes,
+        kv_shards=config.tensor_parallel_size * config.pipeline_parallel_size)
     if tensor_parallel is not None and not config.num_gpu_blocks:
         num_blocks = tensor_parallel.smallest(num_blocks)  # one cache size for every process
     with report.phase("runner (KV cache, tables, compile)"):

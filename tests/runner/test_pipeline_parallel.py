@@ -1,0 +1,109 @@
+"""Pipeline parallelism (--pipeline-parallel-size): greedy tokens at 2 stages equal one device's and the
+independent dense reference's, the layer weights and the KV cache are split on their layer axis,
+a step passes the hidden states between the stages, and what is not supported yet is refused by name.
+
+The engines run in a child process with 4 virtual CPU devices (tests/runner/pipeline_parallel_run.py):
+the rest of the suite keeps one CPU device, and XLA_FLAGS is read once per process."""
+
+import functools
+
+import pytest
+
+from mrv2_jax.engine.engine_config import EngineConfig
+from tests.parity import FIXTURES, fixture_model_state, run_on_virtual_devices
+
+
+@functools.cache
+def child() -> dict:
+    return run_on_virtual_devices("tests.runner.pipeline_parallel_run")
+
+
+@pytest.mark.parametrize("model", ["tiny", "moe"])
+def test_greedy_tokens_equal_one_device(model):
+    runs = child()[model]
+    assert runs["1"]["preemptions"] > 0  # the prompts were sized to preempt
+    assert runs["2"]["tokens"] == runs["1"]["tokens"]
+    assert runs["2"]["preemptions"] == runs["1"]["preemptions"]
+
+
+def test_greedy_tokens_equal_the_dense_reference():
+    assert child()["tiny"]["2"]["tokens"] == child()["reference"]
+    assert child()["tiny"]["2"]["fused_calls"] > 0  # fused decode ran in stages too
+
+
+def test_sampled_tokens_equal_one_device():
+    tiny = child()["tiny"]
+    assert tiny["2"]["sampled"] == tiny["1"]["sampled"]
+
+
+def test_layers_and_kv_cache_are_split_on_the_layer_axis():
+    placement = child()["tiny"]["2"]["placement"]
+    for name, (shape, spec, shard) in placement["params"].items():
+        if name.startswith("layers."):
+            assert spec == "P('pp',)" and shard == [shape[0] // 2, *shape[1:]], name
+        else:
+            assert spec == "P()" and shard == shape, name
+    assert placement["kv"] == [[2, 26, 2, 4, 16], "P('pp',)", [1, 26, 2, 4, 16]]
+    assert placement["state"] == "P()"
+    assert child()["moe"]["2"]["placement"]["kv"][2][0] == 1
+
+
+def test_one_hand_over_and_one_broadcast_per_step():
+    """Stage 0 hands its hidden states to stage 1 (a collective permute); the last stage's output
+    reaches every device by one all-reduce of it and zeros."""
+    for model in ("tiny", "moe"):
+        programs = child()[model]["2"]["collectives"]
+        assert programs, model
+        for program, ops in programs.items():
+            assert ops["collective-permute"] == 1 and ops["all-reduce"] == 1, (model, program)
+            assert ops["all-gather"] == ops["all-to-all"] == ops["reduce-scatter"] == 0, (model, program)
+
+
+# --- what is refused, named by the flag ------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be an int >= 1"),
+    (dict(pipeline_parallel_size="2"), "pipeline_parallel_size must be an int >= 1"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 with tensor_parallel_size=2"),
+    (dict(pipeline_parallel_size=2, runner="v1"), "pipeline_parallel_size=2 needs the v2 runner"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "pipeline_parallel_size=2 with speculative_config"),
+    (dict(pipeline_parallel_size=2, stream_in_call=True), "pipeline_parallel_size=2: stream_in_call"),
+    (dict(pipeline_parallel_size=2, program_store=True), "pipeline_parallel_size=2 with program_store"),
+    (dict(pipeline_parallel_size=2, num_processes=2), "pipeline_parallel_size=2 over several processes"),
+])
+def test_engine_config_refuses(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("fixture,n,config,message", [
+    ("qwen3-tiny", 4, {}, r"pipeline_parallel_size=4 must divide the model's num_hidden_layers \(2\)"),
+    ("qwen3-tiny", 2, dict(num_hidden_layers=3), r"must divide the model's num_hidden_layers \(3\)"),
+    ("qwen3-moe-tiny", 2, {}, "pipeline_parallel_size=2: models with several layer groups"),
+    ("glm4-moe-tiny", 2, {}, "pipeline_parallel_size=2: MTP layers"),
+])
+def test_models_it_cannot_split_are_refused(fixture, n, config, message):
+    with pytest.raises(ValueError, match=message):
+        fixture_model_state(fixture, **config).check_pipeline_parallel(n)
+
+
+def test_more_devices_than_the_host_has_is_refused():
+    from mrv2_jax.llm import LLM
+
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 exceeds the 1 local device\(s\)"):
+        LLM(str(FIXTURES / "qwen3-tiny"), pipeline_parallel_size=2, dtype="float32", max_model_len=32,
+            num_gpu_blocks=8, show_progress=False)
+
+
+def test_cli_flag_and_data_parallel():
+    from mrv2_jax.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--pipeline-parallel-size", "2"])
+    assert engine_kwargs(args)["pipeline_parallel_size"] == 2
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).pipeline_parallel_size == 1
+    pytest.importorskip("zmq")
+    from mrv2_jax.data_parallel import EngineReplicas
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported yet"):
+        EngineReplicas({"pipeline_parallel_size": 2}, 2)
