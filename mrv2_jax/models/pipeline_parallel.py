@@ -1,13 +1,18 @@
 """Pipeline parallelism, the model's side: the decoder layers run as stages over the devices of a
 mesh axis, each stage holding a contiguous slice of the layers and of the KV cache's layer axis.
 
-Under `jax.shard_map` over PP_AXIS, stage s runs its layers on the hidden states at iteration s
-(a `lax.cond` on the stage index, so the others idle), then `lax.ppermute` hands them to stage
-s + 1; the last stage's output is summed with the others' zeros, so every device ends with it.
-The attention's `layer` is the stage's local layer index: its KV cache holds only its own layers.
+Under `jax.shard_map` over PP_AXIS the step's tokens are cut into micro-batches (as many as there
+are stages, when they divide the token count; else one). At iteration i stage s runs its layers on
+micro-batch i - s (a `lax.cond` on the stage index: a stage with none idles), then `lax.ppermute`
+hands the result to stage s + 1; so from the second iteration on, the stages work at once. Each
+micro-batch attends with its own metadata (PagedAttention.micro_batch): a row cut by the boundary
+finds its earlier tokens' K/V already in the stage's cache. The last stage's outputs are summed
+with the others' zeros, so every device ends with them. The attention's `layer` is the stage's
+local layer index: its KV cache holds only its own layers.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,32 +31,48 @@ def check_pipeline(flag: str, n: int, num_layers: int, runs: list) -> None:
         raise ValueError(f"{flag}={n} must divide the model's num_hidden_layers ({num_layers})")
 
 
+def num_micro_batches(n: int, num_tokens: int, attention) -> int:
+    """n micro-batches when n divides the step's tokens and the attention can be cut; else one."""
+    return n if num_tokens % n == 0 and hasattr(attention, "micro_batch") else 1
+
+
 def pipeline_layers(mesh, run_layers, x, stack, kv_cache, rope, attention):
     """`run_layers(stack, layer_ids, x, rope, attention, kv_cache) -> (x, kv_cache)` over the
     stages of `mesh`'s PP_AXIS: `stack` and `kv_cache` are split on their leading (layer) axis,
-    everything else replicated. -> (x after every layer, on every device; kv_cache)."""
+    everything else replicated; `rope`'s leaves are per token. -> (x after every layer, on every
+    device; kv_cache)."""
     n = mesh.shape[PP_AXIS]
+    micro = num_micro_batches(n, x.shape[0], attention)
+    size = x.shape[0] // micro
     arrays = _array_fields(attention)
     layers = P(PP_AXIS)
 
-    attention_static = attention
-
     def stages(x, stack, kv_cache, rope, arrays):
-        attention = dataclasses.replace(attention_static, **arrays)
+        whole = dataclasses.replace(attention, **arrays)
         stage = jax.lax.axis_index(PP_AXIS)
         local_ids = jnp.arange(jax.tree.leaves(stack)[0].shape[0], dtype=jnp.int32)
 
-        def run(x, kv):
-            return run_layers(stack, local_ids, x, rope, attention, kv)
+        def run(m, inp, kv):
+            piece = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=m * size, slice_size=size)
+            part = whole if micro == 1 else whole.micro_batch(m * size, size)
+            return run_layers(stack, local_ids, inp, jax.tree.map(piece, rope), part, kv)
 
-        for i in range(n):
-            # Only stage i runs at iteration i: the others carry their values through unchanged.
-            x, kv_cache = jax.lax.cond(stage == i, run, lambda x, kv: (x, kv), x, kv_cache)
-            if i < n - 1:
-                x = jax.lax.ppermute(x, PP_AXIS, [(i, i + 1)])
-        # Every device gets the last stage's output: the others add zeros, which is exact.
-        x = jax.lax.psum(jnp.where(stage == n - 1, x, jnp.zeros_like(x)), PP_AXIS)
-        return x, kv_cache
+        received = jnp.zeros((size, *x.shape[1:]), x.dtype)
+        outs = jnp.zeros((micro, size, *x.shape[1:]), x.dtype)
+        for i in range(n + micro - 1):
+            m = jnp.clip(i - stage, 0, micro - 1)
+            active = (i - stage >= 0) & (i - stage < micro)
+            inp = jnp.where(stage == 0, jax.lax.dynamic_slice_in_dim(x, m * size, size), received)
+            y, kv_cache = jax.lax.cond(active, functools.partial(run, m), lambda inp, kv: (inp, kv), inp, kv_cache)
+            keep = active & (stage == n - 1)
+            outs = jax.lax.dynamic_update_index_in_dim(outs, jnp.where(keep, y, outs[m]), m, 0)
+            # The stages that ran this iteration hand their micro-batch on (static: i and micro are).
+            senders = range(max(0, i - micro + 1), min(i, n - 2) + 1)
+            if i < n + micro - 2 and senders:
+                received = jax.lax.ppermute(y, PP_AXIS, [(s, s + 1) for s in senders])
+        # Every device gets the last stage's outputs: the others add zeros, which is exact.
+        out = outs.reshape(x.shape)
+        return jax.lax.psum(jnp.where(stage == n - 1, out, jnp.zeros_like(out)), PP_AXIS), kv_cache
 
     # check_vma off: the stages' values differ per device by design (cond on the stage index).
     return jax.shard_map(stages, mesh=mesh, in_specs=(P(), layers, layers, P(), P()),

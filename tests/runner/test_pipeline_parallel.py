@@ -48,15 +48,54 @@ def test_layers_and_kv_cache_are_split_on_the_layer_axis():
     assert child()["moe"]["2"]["placement"]["kv"][2][0] == 1
 
 
-def test_one_hand_over_and_one_broadcast_per_step():
-    """Stage 0 hands its hidden states to stage 1 (a collective permute); the last stage's output
-    reaches every device by one all-reduce of it and zeros."""
+def test_micro_batches_hand_over_and_one_broadcast_per_step():
+    """The step's 8 tokens run as 2 micro-batches: stage 0 hands each to stage 1 (a collective
+    permute each); the last stage's outputs reach every device by one all-reduce of them and zeros."""
     for model in ("tiny", "moe"):
         programs = child()[model]["2"]["collectives"]
         assert programs, model
         for program, ops in programs.items():
-            assert ops["collective-permute"] == 1 and ops["all-reduce"] == 1, (model, program)
+            assert ops["collective-permute"] == 2 and ops["all-reduce"] == 1, (model, program)
             assert ops["all-gather"] == ops["all-to-all"] == ops["reduce-scatter"] == 0, (model, program)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_micro_batch_attention_equals_the_whole_batch(kernels):
+    """Two micro-batches attended one after the other (the second finding the first's K/V in the
+    cache) give the whole batch's output and cache, with a row cut by the boundary and a row wholly
+    in each half; `kernels`: the Pallas kernels in interpret mode."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mrv2_jax.models.attention import PagedAttention
+
+    rng = np.random.default_rng(0)
+    layers, blocks, kv_heads, block_size, dim, heads, tokens = 2, 8, 2, 4, 16, 4, 8
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    caches = (rand(layers, blocks, kv_heads, block_size, dim), rand(layers, blocks, kv_heads, block_size, dim))
+    q, k, v = rand(tokens, heads, dim), rand(tokens, kv_heads, dim), rand(tokens, kv_heads, dim)
+    i32 = lambda values: jnp.asarray(values, jnp.int32)  # noqa: E731
+    # Row 0: a decode token at position 6 (blocks 1, 2); row 1: a 5-token chunk at positions 4..8 of 9
+    # (blocks 3, 4, 6: cut 3 | 2 by the boundary); row 2: a 2-token prompt in block 5.
+    whole = PagedAttention(i32([10, 16, 17, 18, 19, 24, 20, 21]), i32([[1, 2, 0], [3, 4, 6], [5, 0, 0]]),
+                           i32([7, 9, 2]), i32([0, 1, 6, 8]), i32(3), use_kernels=kernels, interpret=kernels)
+
+    @jax.jit
+    def both(q, k, v, caches):
+        out, caches_whole = whole(q, k, v, jnp.int32(1), caches, 0.25)
+        parts = []
+        for start in (0, tokens // 2):
+            piece = slice(start, start + tokens // 2)
+            part, caches = whole.micro_batch(start, tokens // 2)(q[piece], k[piece], v[piece], jnp.int32(1),
+                                                                 caches, 0.25)
+            parts.append(part)
+        return out, caches_whole, jnp.concatenate(parts), caches
+
+    out, caches_whole, out_parts, caches_parts = both(q, k, v, caches)
+    np.testing.assert_allclose(np.asarray(out_parts), np.asarray(out), atol=1e-5)
+    for a, b in zip(caches_parts, caches_whole):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # --- what is refused, named by the flag ------------------------------------------------------------
