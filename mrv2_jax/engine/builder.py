@@ -189,11 +189,11 @@ def make_tensor_parallel(size: int, model_state, lm, expert_parallel: bool = Fal
 def make_pipeline_parallel(size: int, model_state, lm):
     """None for one device; else the stages' mesh of `size` devices (runner/pipeline_parallel.py) with
     `lm`'s layers split over it (the model's limits checked first: ValueError naming the flag)."""
-    if size == 1:
-        return None
-    if lm.pipeline_mesh is not None:
+    if lm.pipeline_mesh is not None:  # `build_engine`'s `loaded_model`, split by an earlier engine
         raise ValueError(f"pipeline_parallel_size={size}: the loaded weights are split into stages already; "
                          "load the model again")
+    if size == 1:
+        return None
     from mrv2_jax.runner.pipeline_parallel import PipelineParallel
 
     model_state.check_pipeline_parallel(size)  # the model's limits before the devices'

@@ -146,3 +146,16 @@ def test_cli_flag_and_data_parallel():
 
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported yet"):
         EngineReplicas({"pipeline_parallel_size": 2}, 2)
+
+
+def test_weights_split_into_stages_are_refused():
+    """An engine built over a loaded model that another engine split into stages (benchmarks reuse
+    one) is refused, whatever its size: its weights and decoder are set up for that mesh."""
+    from types import SimpleNamespace
+
+    from mrv2_jax.engine.builder import make_pipeline_parallel
+
+    split = SimpleNamespace(pipeline_mesh=object())
+    for n in (1, 2):
+        with pytest.raises(ValueError, match=f"pipeline_parallel_size={n}: the loaded weights are split into stages"):
+            make_pipeline_parallel(n, fixture_model_state("qwen3-tiny"), split)
