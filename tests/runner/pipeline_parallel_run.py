@@ -1,7 +1,8 @@
 """The child process of tests/runner/test_pipeline_parallel.py: started with 4 virtual CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=4), it runs tensor_parallel_run's requests at
-pipeline_parallel_size 1 and 2 and prints one JSON line: the tokens of each, the independent
-reference's, and at 2 where the arrays live and what the compiled steps communicate."""
+pipeline_parallel_size 1 and 2 (and at 2 with a token count it does not divide) and prints one JSON
+line: the tokens of each, the independent reference's, and at 2 where the arrays live and what the
+compiled steps communicate."""
 
 import json
 import sys
@@ -42,6 +43,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         moe = moe_model(Path(tmp))
         result = {"tiny": {n: run(tiny, n, sample=True) for n in (1, 2)},
+                  # 7 tokens a step: 2 does not divide them, so each step runs as one micro-batch.
+                  "odd": run(tiny, 2, max_num_batched_tokens=7, max_num_seqs=7),
                   "moe": {n: run(moe, n, load_format="dummy", max_fused_steps=1) for n in (1, 2)},
                   "reference": [greedy_reference(tiny, p, GREEDY.max_tokens) for p in PROMPTS]}
     print(json.dumps(result), file=sys.stdout)

@@ -31,6 +31,13 @@ def test_greedy_tokens_equal_the_dense_reference():
     assert child()["tiny"]["2"]["fused_calls"] > 0  # fused decode ran in stages too
 
 
+def test_steps_of_a_token_count_the_stages_do_not_divide_run_as_one_micro_batch():
+    odd = child()["odd"]
+    assert odd["tokens"] == child()["reference"]
+    for program, ops in odd["collectives"].items():
+        assert ops["collective-permute"] == 1 and ops["all-reduce"] == 1, program
+
+
 def test_sampled_tokens_equal_one_device():
     tiny = child()["tiny"]
     assert tiny["2"]["sampled"] == tiny["1"]["sampled"]
