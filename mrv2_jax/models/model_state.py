@@ -157,7 +157,8 @@ class ModelState(ABC):
     # --- pipeline parallelism -----------------------------------------------------------
     def check_pipeline_parallel(self, n: int) -> None:
         """ValueError naming the flag unless the decoder layers split into n equal stages: one layer
-        group, no MTP layers (models/pipeline_parallel.py)."""
+        group, no MTP layers (models/pipeline_parallel.py). Under stages a layer's `layer` argument is
+        its index in the stage's own KV cache, so the layer math may use it for the attention only."""
         if self.has_mtp:
             raise ValueError(f"pipeline_parallel_size={n}: MTP layers are not supported with pipeline parallelism yet")
         check_pipeline("pipeline_parallel_size", n, self.num_layers, layer_runs(self.layer_groups()))
