@@ -150,6 +150,8 @@ class EngineReplicas(_Replicas):
             raise ValueError(f"EngineReplicas is for 2 or more replicas, got {count}")
         if engine_args.get("tensor_parallel_size", 1) > 1:  # each replica sees one device
             raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
+        if engine_args.get("pipeline_parallel_size", 1) > 1:
+            raise ValueError("data_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet")
         self.replicas: list[CoreClient] = []
         try:
             for i in range(count):  # one after another: each start-up reads the compile cache the first filled

@@ -65,7 +65,7 @@ def resolve_unrolled_layers_max_tokens(config: EngineConfig) -> int:
     import jax
 
     measured = (config.runner == "v2" and config.speculative_config is None and config.tensor_parallel_size == 1
-                and jax.default_backend() == "gpu")
+                and config.pipeline_parallel_size == 1 and jax.default_backend() == "gpu")
     return DEFAULT_UNROLLED_LAYERS_MAX_TOKENS if measured else 0
 
 
@@ -131,7 +131,7 @@ def make_program_store(config: EngineConfig, model_path: Path, num_blocks: int, 
     import jax
 
     root = cache_root()
-    wanted = (jax.default_backend() == "gpu" and config.tensor_parallel_size == 1
+    wanted = (jax.default_backend() == "gpu" and config.tensor_parallel_size == config.pipeline_parallel_size == 1
               if config.program_store is None else config.program_store)
     if not wanted or root is None:
         return None
@@ -186,6 +186,22 @@ def make_tensor_parallel(size: int, model_state, lm, expert_parallel: bool = Fal
     return tensor_parallel
 
 
+def make_pipeline_parallel(size: int, model_state, lm):
+    """None for one device; else the stages' mesh of `size` devices (runner/pipeline_parallel.py) with
+    `lm`'s layers split over it (the model's limits checked first: ValueError naming the flag)."""
+    if lm.pipeline_mesh is not None:  # `build_engine`'s `loaded_model`, split by an earlier engine
+        raise ValueError(f"pipeline_parallel_size={size}: the loaded weights are split into stages already; "
+                         "load the model again")
+    if size == 1:
+        return None
+    from mrv2_jax.runner.pipeline_parallel import PipelineParallel
+
+    model_state.check_pipeline_parallel(size)  # the model's limits before the devices'
+    pipeline = PipelineParallel(size)
+    pipeline.shard_model(model_state, lm)
+    return pipeline
+
+
 def build_engine(config: EngineConfig, loaded_model=None):
     """-> (EngineCore, tokenizer path or None, model_state); the engine's `startup` says where the
     time went. The engine loads the tokenizer only when a structured-output request first needs it.
@@ -209,7 +225,10 @@ def build_engine(config: EngineConfig, loaded_model=None):
                                                            hf_config=hf_config)
     lm.layer_unroll = config.layer_unroll or True  # read when the steps are traced
     use_moe_backend(model_state, config.kernels)
+    # The runner takes either kind of mesh as its `tensor_parallel` (the same interface); the config
+    # allows at most one of them.
     tensor_parallel = make_tensor_parallel(config.tensor_parallel_size, model_state, lm, config.enable_expert_parallel)
+    tensor_parallel = tensor_parallel or make_pipeline_parallel(config.pipeline_parallel_size, model_state, lm)
     max_model_len = config.max_model_len or model_state.max_model_len
     if max_model_len > model_state.max_model_len:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -225,7 +244,8 @@ def build_engine(config: EngineConfig, loaded_model=None):
                                                     draft_model and draft_model[0], kv_dtype)
     num_blocks = config.num_gpu_blocks or num_blocks_for_budget(
         model_state, config.block_size, kv_dtype, config.gpu_memory_utilization,
-        extra_kv_bytes_per_token=proposer_kv_bytes, kv_shards=config.tensor_parallel_size)
+        extra_kv_bytes_per_token=proposer_kv_bytes,
+        kv_shards=config.tensor_parallel_size * config.pipeline_parallel_size)
     if tensor_parallel is not None and not config.num_gpu_blocks:
         num_blocks = tensor_parallel.smallest(num_blocks)  # one cache size for every process
     with report.phase("runner (KV cache, tables, compile)"):

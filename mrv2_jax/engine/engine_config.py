@@ -108,6 +108,10 @@ class EngineConfig:
     # MoE families (Qwen3-MoE): split the experts whole over the tensor_parallel_size devices (each
     # holds num_experts / N of them), attention split as above; needs tensor_parallel_size > 1.
     enable_expert_parallel: bool = False
+    # Devices the decoder layers and the KV cache's layer axis are split over as pipeline stages,
+    # each holding num_hidden_layers / N consecutive layers (models/pipeline_parallel.py); one
+    # process, not with tensor parallelism; 1: no stages.
+    pipeline_parallel_size: int = 1
     # A run over several processes (hosts), each running the same offline program on the same
     # requests (engine/distributed.py); unset: $MRV2_NUM_PROCESSES, $MRV2_COORDINATOR_ADDRESS,
     # $MRV2_PROCESS_ID, then JAX's own cluster detection for the address and id. After the
@@ -161,6 +165,7 @@ class EngineConfig:
         if self.stream_in_call and self.tensor_parallel_size > 1:
             raise ValueError("stream_in_call cannot run with tensor parallelism yet (tensor_parallel_size > 1)")
         self._check_tensor_parallel()
+        self._check_pipeline_parallel()
         if self.speculative_config is not None and self.max_fused_steps > 1:
             raise ValueError(
                 f"max_fused_steps={self.max_fused_steps} with speculative_config: speculative decoding "
@@ -198,6 +203,31 @@ class EngineConfig:
         if self.speculative_config is not None:
             raise ValueError(f"{flag} with speculative_config: speculative decoding is not "
                              "supported with tensor parallelism yet")
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline parallelism does not cover yet, refused here (the model's own limits, such
+        as a layer count that N does not divide, when it is loaded)."""
+        n = self.pipeline_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"pipeline_parallel_size must be an int >= 1, got {n!r}")
+        if n == 1:
+            return
+        flag = f"pipeline_parallel_size={n}"
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"{flag} with tensor_parallel_size={self.tensor_parallel_size}: combining them is not "
+                             "supported yet")
+        if self.runner != "v2":
+            raise ValueError(f"{flag} needs the v2 runner, got runner={self.runner!r}")
+        if self.speculative_config is not None:
+            raise ValueError(f"{flag} with speculative_config: speculative decoding is not supported with pipeline "
+                             "parallelism yet")
+        if self.stream_in_call:
+            raise ValueError(f"{flag}: stream_in_call cannot run with pipeline parallelism yet")
+        if self.program_store:
+            raise ValueError(f"{flag} with program_store: the program store keeps programs of one device")
+        processes = distributed.requested_processes(self.num_processes)
+        if isinstance(processes, int) and processes > 1:
+            raise ValueError(f"{flag} over several processes is not supported yet (num_processes > 1)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mrv2_jax.models.layers import dense_causal_attention
@@ -72,6 +73,17 @@ class PagedAttention:
         return jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, P(), (cache, cache), P()),
                              out_specs=(heads, (cache, cache)), check_vma=False)(q, k, v, layer, kv_cache, meta)
 
+    def micro_batch(self, start, size: int) -> "PagedAttention":
+        """The metadata of tokens [start, start + size) alone (a pipeline micro-batch,
+        models/pipeline_parallel.py): each row keeps its query tokens in that range, and its context
+        ends after the last of them (its later tokens are not in the cache yet). One-token-row
+        kernels do not apply: rows no longer line up with tokens."""
+        qsl = self.query_start_loc
+        after = jnp.maximum(qsl[1:] - jnp.maximum(qsl[:-1], start + size), 0)
+        return dataclasses.replace(self, slot_mapping=jax.lax.dynamic_slice_in_dim(self.slot_mapping, start, size),
+                                   query_start_loc=jnp.clip(qsl - start, 0, size), seq_lens=self.seq_lens - after,
+                                   one_token_rows=False)
+
     def _attend(self, q, k, v, layer, kv_cache, scale):
         from pallas_kernels import kv_write
         from pallas_kernels import ragged_paged_attention as rpa
@@ -96,8 +108,6 @@ def _one_token_rows_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, que
     """ragged_paged_attention for a step whose rows hold at most one query token each, through the
     Mosaic GPU decode kernel (row i's token at q[i]): tokens go to their rows, a row without one
     gets no keys, and the rows' outputs come back in token order (padding tokens 0)."""
-    import jax.numpy as jnp
-
     from pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
 
     num_rows, num_tokens = block_tables.shape[0], q.shape[0]

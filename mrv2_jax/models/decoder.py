@@ -7,6 +7,7 @@ cheap; and the scan carries the stacked KV cache, which XLA then updates in plac
 The family-specific math (norm placement, rotary variant, ...) comes from the `ModelState`.
 """
 
+import functools
 import math
 
 import jax
@@ -15,6 +16,7 @@ from flax import nnx
 
 from mrv2_jax.models.attention import DenseAttention
 from mrv2_jax.models.layers import rms_norm
+from mrv2_jax.models.pipeline_parallel import pipeline_layers
 
 
 class StackedLayers(nnx.Module):
@@ -91,6 +93,9 @@ class CausalLM(nnx.Module):
     def __init__(self, spec, dtype, rngs: nnx.Rngs, layer_unroll: int | bool = 1):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
+        # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
+        # split over, set when the weights are placed there; None: all layers on every device.
+        self.pipeline_mesh = None
         h, v = spec.hidden_size, spec.vocab_size
         self.embed_tokens = nnx.Param(init_weight("embed_tokens", (v, h), dtype, rngs.params()))
         for name, group in spec.layer_groups().items():
@@ -107,27 +112,40 @@ class CausalLM(nnx.Module):
         x = self.embed_tokens[...][input_ids]
         rope = self.spec.rope(positions)
         groups = self.spec.layer_groups()
+        if self.pipeline_mesh is not None:  # one group, its layers split into stages over the mesh
+            (name, _, _), = layer_runs(groups)
+            x, kv_cache = pipeline_layers(self.pipeline_mesh, functools.partial(self._run, groups[name].forward, None),
+                                          x, getattr(self, name).arrays(), kv_cache, rope, attention)
+            return rms_norm(x, self.final_norm[...], self.spec.rms_norm_eps), kv_cache
         for name, start, count in layer_runs(groups):
             group = groups[name]
             stack = getattr(self, name).arrays()
             layer_ids = jnp.asarray(group.layers[start:start + count], dtype=jnp.int32)
             if count == len(group.layers):  # the usual case: the scan walks the whole stack
-                xs = (stack, layer_ids)
-                take = lambda xs_params: xs_params
+                x, kv_cache = self._run(group.forward, None, stack, layer_ids, x, rope, attention, kv_cache)
             else:
                 # Part of a stack: index it inside the loop (a dynamic slice of one layer)
                 # rather than slicing the run out first, which XLA would copy.
-                xs = (jnp.arange(start, start + count, dtype=jnp.int32), layer_ids)
-                take = lambda j, stack=stack: {k: v[j] for k, v in stack.items()}
-
-            def one_layer(carry, xs, forward=group.forward, take=take):
-                x, kv = carry
-                params, layer = xs
-                x, kv = forward(take(params), x, rope, attention, layer, kv)
-                return (x, kv), None
-
-            (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), xs, unroll=self.layer_unroll)
+                x, kv_cache = self._run(group.forward, jnp.arange(start, start + count, dtype=jnp.int32), stack,
+                                        layer_ids, x, rope, attention, kv_cache)
         return rms_norm(x, self.final_norm[...], self.spec.rms_norm_eps), kv_cache
+
+    def _run(self, forward, indices, stack, layer_ids, x, rope, attention, kv_cache):
+        """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
+        layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
+        if indices is None:
+            xs, take = (stack, layer_ids), lambda params: params
+        else:
+            xs, take = (indices, layer_ids), lambda j: {k: v[j] for k, v in stack.items()}
+
+        def one_layer(carry, xs):
+            x, kv = carry
+            params, layer = xs
+            x, kv = forward(take(params), x, rope, attention, layer, kv)
+            return (x, kv), None
+
+        (x, kv_cache), _ = jax.lax.scan(one_layer, (x, kv_cache), xs, unroll=self.layer_unroll)
+        return x, kv_cache
 
     def compute_logits(self, hidden: jax.Array, dtype=jnp.float32) -> jax.Array:
         """[N, H] -> [N, vocab] in `dtype` (None: the model dtype, for readers that convert

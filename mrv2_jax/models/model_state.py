@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 from flax import nnx
 
-from mrv2_jax.models.decoder import CausalLM
+from mrv2_jax.models.decoder import CausalLM, layer_runs
+from mrv2_jax.models.pipeline_parallel import check_pipeline
 from mrv2_jax.models.tensor_parallel import ShardRule
 
 
@@ -152,6 +153,15 @@ class ModelState(ABC):
         self.tp_size = n
         self.expert_mesh = expert_mesh if n > 1 else None
         return rules
+
+    # --- pipeline parallelism -----------------------------------------------------------
+    def check_pipeline_parallel(self, n: int) -> None:
+        """ValueError naming the flag unless the decoder layers split into n equal stages: one layer
+        group, no MTP layers (models/pipeline_parallel.py). Under stages a layer's `layer` argument is
+        its index in the stage's own KV cache, so the layer math may use it for the attention only."""
+        if self.has_mtp:
+            raise ValueError(f"pipeline_parallel_size={n}: MTP layers are not supported with pipeline parallelism yet")
+        check_pipeline("pipeline_parallel_size", n, self.num_layers, layer_runs(self.layer_groups()))
 
     # --- the math --------------------------------------------------------------------
     @abstractmethod

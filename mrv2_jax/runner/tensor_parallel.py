@@ -36,6 +36,7 @@ class TensorParallel:
         self.expert_parallel = expert_parallel
         self.multi_process = jax.process_count() > 1
         self.mesh = Mesh(np.array(mesh_devices(size)), (AXIS,))
+        self.attention_mesh = self.mesh  # PagedAttention splits the heads over it
         self.replicated = NamedSharding(self.mesh, P())
         # [layers, blocks, KV heads, block_size, head_dim]: each device holds its heads' pages.
         self.kv = NamedSharding(self.mesh, P(None, None, AXIS, None, None))
@@ -109,12 +110,13 @@ class TensorParallel:
         return self.replicated, (*state, self.replicated, self.replicated)
 
 
-def mesh_devices(size: int) -> list:
-    """The mesh's devices: the first `size` of this host's, or size / P of each of P processes'."""
+def mesh_devices(size: int, flag: str = FLAG) -> list:
+    """The mesh's devices: the first `size` of this host's, or size / P of each of P processes';
+    errors name `flag`."""
     processes, local = jax.process_count(), jax.local_devices()
     if processes == 1:
         if size > len(local):
-            raise ValueError(f"{FLAG}={size} exceeds the {len(local)} local device(s) ({local[0].platform}); "
+            raise ValueError(f"{flag}={size} exceeds the {len(local)} local device(s) ({local[0].platform}); "
                              "several hosts take num_processes (docs/parallelism.md)")
         return local[:size]
     per = size // processes
@@ -122,6 +124,6 @@ def mesh_devices(size: int) -> list:
     for device in jax.devices():
         by_process.setdefault(device.process_index, []).append(device)
     if size % processes or any(len(devices) < per for devices in by_process.values()):
-        raise ValueError(f"{FLAG}={size} over {processes} processes needs {per} device(s) from each; they have "
+        raise ValueError(f"{flag}={size} over {processes} processes needs {per} device(s) from each; they have "
                          f"{sorted(len(d) for d in by_process.values())}")
     return [device for p in sorted(by_process) for device in by_process[p][:per]]

@@ -219,7 +219,7 @@ class ModelRunnerV2(RunnerBase):
 
     def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False):
         block_size, use_kernels = self.block_size, self.use_kernels
-        mesh = None if self.tp is None else self.tp.mesh
+        mesh = None if self.tp is None else self.tp.attention_mesh
 
         def model(param_leaves):
             lm = self.params.merge(param_leaves)
@@ -267,7 +267,8 @@ class ModelRunnerV2(RunnerBase):
         fused = make_fused_decode(layout, features, params=self.params, num_tokens=bucket.num_tokens,
                                   block_size=self.block_size, use_kernels=self.use_kernels,
                                   max_steps=self.max_fused_steps, unroll=self.fused_unroll,
-                                  eos_for_masks=self.eos_for_masks, mesh=None if self.tp is None else self.tp.mesh,
+                                  eos_for_masks=self.eos_for_masks,
+                                  mesh=None if self.tp is None else self.tp.attention_mesh,
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention)
 

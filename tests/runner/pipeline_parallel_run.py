@@ -1,0 +1,54 @@
+"""The child process of tests/runner/test_pipeline_parallel.py: started with 4 virtual CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=4), it runs tensor_parallel_run's requests at
+pipeline_parallel_size 1 and 2 (and at 2 with a token count it does not divide) and prints one JSON
+line: the tokens of each, the independent reference's, and at 2 where the arrays live and what the
+compiled steps communicate."""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from mrv2_jax.llm import LLM
+from tests.engine_reference import greedy_reference
+from tests.parity import FIXTURES
+from tests.runner.tensor_parallel_run import ENGINE, GREEDY, PROMPTS, SAMPLED, collectives, placement
+
+
+def moe_model(root: Path) -> Path:
+    """qwen3-moe-tiny with 2 layers, both MoE (one layer group, so it splits into 2 stages); dummy
+    weights."""
+    config = json.loads((FIXTURES / "qwen3-moe-tiny" / "config.json").read_text())
+    config |= {"num_hidden_layers": 2, "mlp_only_layers": [], "vocab_size": 96}  # 96: room for the prompts
+    path = root / "qwen3-moe-tiny-2"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def run(model, n: int, sample: bool = False, **extra) -> dict:
+    llm = LLM(str(model), pipeline_parallel_size=n, **(ENGINE | extra))
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
+    sampled = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], SAMPLED)] if sample else None
+    runner = llm.engine.runner
+    out = {"tokens": tokens, "sampled": sampled, "fused_calls": runner.num_fused_calls,
+           "preemptions": llm.engine.scheduler.num_preemptions}
+    if n > 1:
+        out |= {"placement": placement(runner), "collectives": collectives(runner)}
+    return out
+
+
+def main() -> None:
+    tiny = FIXTURES / "qwen3-tiny"
+    with tempfile.TemporaryDirectory() as tmp:
+        moe = moe_model(Path(tmp))
+        result = {"tiny": {n: run(tiny, n, sample=True) for n in (1, 2)},
+                  # 7 tokens a step: 2 does not divide them, so each step runs as one micro-batch.
+                  "odd": run(tiny, 2, max_num_batched_tokens=7, max_num_seqs=7),
+                  "moe": {n: run(moe, n, load_format="dummy", max_fused_steps=1) for n in (1, 2)},
+                  "reference": [greedy_reference(tiny, p, GREEDY.max_tokens) for p in PROMPTS]}
+    print(json.dumps(result), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
