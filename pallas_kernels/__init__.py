@@ -13,10 +13,10 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``paged_decode_attention_mgpu``: ``paged_decode_attention_mgpu``, decode-only attention over the paged cache
-  on Mosaic GPU (issue 27; not yet used by the engine).
+  on Mosaic GPU (issue 27; fused decode's attention with ``--kernels decode_attention=mgpu``, not the default).
 - ``grouped_gemm``: ``grouped_gemm`` / ``grouped_gemm_reference`` (the MoE experts' GEMMs).
 - ``grouped_gemm_mgpu``: ``grouped_gemm_mgpu``, the same GEMMs on Mosaic GPU for decode's few rows per
-  expert (issue 27; the engine's `moe_backend=mgpu`, not its default).
+  expert (issue 27; the engine's ``moe_backend=mgpu``, its default on Hopper-class GPUs).
 - ``logit_stats``: the sampler's one pass over the logits (``logit_stats``, ``count_above``).
 - ``noise_pass``: the sampler's whole-row noise pass; ``threshold_search``: its slow path.
 - ``mgpu_common``: what the Mosaic GPU kernels share (the SM count their configs plan for, wgmma tile rules).
