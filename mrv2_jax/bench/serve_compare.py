@@ -95,17 +95,21 @@ def read_client_result(client: str, path: str) -> tuple[list[dict], float]:
 
 
 def pooled_metrics(rows: list[dict], duration: float) -> dict:
-    """Metrics over the pooled requests of all client processes (milliseconds)."""
+    """Metrics over the pooled requests of all client processes (milliseconds). `tokens_per_chunk`:
+    output tokens per streamed chunk (a request's chunks: its ITL gaps + 1); above 1 when the server
+    sent some tokens together, each such chunk after a gap of several steps (what lifts P99 ITL)."""
     ttft = np.asarray([r["ttft"] for r in rows] or [0.0]) * 1e3
     itl = np.asarray([x for r in rows for x in r["itl"]] or [0.0]) * 1e3
     tpot = np.asarray([sum(r["itl"]) / (r["output_tokens"] - 1) for r in rows if r["output_tokens"] > 1] or [0.0]) * 1e3
     out_tokens = sum(r["output_tokens"] for r in rows)
+    chunks = sum(len(r["itl"]) + 1 for r in rows)
     return {"completed": len(rows), "output_tokens": out_tokens, "duration_s": duration,
             "output_throughput": out_tokens / duration if duration else 0.0,
             "mean_ttft_ms": float(ttft.mean()), "median_ttft_ms": float(np.median(ttft)),
             "p99_ttft_ms": float(np.percentile(ttft, 99)), "max_ttft_ms": float(ttft.max()),
             "mean_tpot_ms": float(tpot.mean()),
-            "mean_itl_ms": float(itl.mean()), "p99_itl_ms": float(np.percentile(itl, 99))}
+            "mean_itl_ms": float(itl.mean()), "p99_itl_ms": float(np.percentile(itl, 99)),
+            "tokens_per_chunk": out_tokens / chunks if chunks else 0.0}
 
 
 def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) -> dict:
@@ -165,7 +169,7 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
             print(f"{server:5} C={c:4}: {m['output_throughput']:9.0f} out tok/s, TTFT {m['mean_ttft_ms']:7.1f} ms "
                   f"(median {m['median_ttft_ms']:.1f}, max {m['max_ttft_ms']:.1f}), "
                   f"TPOT {m['mean_tpot_ms']:6.2f} ms, ITL {m['mean_itl_ms']:6.2f} / P99 {m['p99_itl_ms']:6.1f} ms, "
-                  f"client busy {m['client_cpu_busy_max']:.2f}", flush=True)
+                  f"tokens/chunk {m['tokens_per_chunk']:.3f}, client busy {m['client_cpu_busy_max']:.2f}", flush=True)
         return {"startup_s": s.startup_s, "levels": levels}
 
 

@@ -114,6 +114,9 @@ def test_serve_compare_metrics_pool_requests_as_a_plain_loop_does():
     assert abs(m["mean_itl_ms"] - 1e3 * sum(gaps) / len(gaps)) < 1e-9
     assert abs(m["mean_tpot_ms"] - 1e3 * (0.006 / 2 + 0.012 / 4) / 2) < 1e-9
     assert m["p99_itl_ms"] <= 9.0 + 1e-9 and m["p99_itl_ms"] > 4.0
+    assert m["tokens_per_chunk"] == 1.0  # 3 and 5 tokens in 3 and 5 chunks
+    merged = pooled_metrics([{"ttft": 0.01, "itl": [0.004], "output_tokens": 3}], duration=1.0)
+    assert merged["tokens_per_chunk"] == 3 / 2  # two of the tokens came in one chunk
 
 
 def test_serve_compare_without_vllm_says_so():
