@@ -15,7 +15,8 @@
 # sampler's logit pass by tile size (logit-stats), the whole-row passes as kernels (ab-s1-kernels), the
 # slow path's search kernel (threshold-search), the batch-1 kernel split (timeline-b1) and tensor
 # parallelism on 2+ GPUs (tp: parity with one GPU, Qwen3-8B S1 at N = 1 and 2) and expert parallelism
-# (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2) and pipeline parallelism (pp: parity, Qwen3-30B-A3B S1 at PP = 1 and 2, async and not), the KV write on Mosaic GPU
+# (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2) and pipeline parallelism
+# (pp: parity, Qwen3-30B-A3B S1 at PP = 1 and 2, async and not), the KV write on Mosaic GPU
 # against Triton (kv-write: its GPU tests and the benchmark's kv_write cases), the MoE grouped GEMM on
 # Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms),
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
