@@ -16,7 +16,7 @@
 # slow path's search kernel (threshold-search), the batch-1 kernel split (timeline-b1) and tensor
 # parallelism on 2+ GPUs (tp: parity with one GPU, Qwen3-8B S1 at N = 1 and 2) and expert parallelism
 # (ep: parity with one GPU, Qwen3-30B-A3B S1 at N = 1 and, experts split, 2) and pipeline parallelism
-# (pp: parity, Qwen3-30B-A3B S1 at PP = 1 and 2, async and not), the KV write on Mosaic GPU
+# (pp: parity, Qwen3-30B-A3B S1 at PP = 1 and 2, v2 and v1), the KV write on Mosaic GPU
 # against Triton (kv-write: its GPU tests and the benchmark's kv_write cases), the MoE grouped GEMM on
 # Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms),
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
@@ -375,13 +375,13 @@ unrolled||--unroll}" ;;
           --output-json "$OUT/throughput_ep$n.json"
       done ;;
   # Pipeline parallelism: the CPU test's engines on the GPUs (tokens at PP = 2 against one device), then
-  # Qwen3-30B-A3B (dummy weights) S1 throughput at PP = 1 and 2, v2 with async scheduling and without.
+  # Qwen3-30B-A3B (dummy weights) S1 throughput at PP = 1 and 2, v2 (async scheduling) and v1.
   pp) export NCCL_NVLS_ENABLE=0
       run_section pp-parity python3 -m tests.runner.pipeline_parallel_run
-      for n in 1 2; do for a in async sync; do
-        run_section pp-throughput-$n-$a python3 -m mrv2_jax.bench.throughput --model qwen3-30b-a3b --load-format dummy \
-          --pipeline-parallel-size $n $([ $a = sync ] && echo --no-async-scheduling) --input-len 128 --output-len 512 --num-prompts 1000 \
-          --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_pp${n}_$a.json"
+      for n in 1 2; do for r in v2 v1; do
+        run_section pp-throughput-$n-$r python3 -m mrv2_jax.bench.throughput --model qwen3-30b-a3b --load-format dummy \
+          --pipeline-parallel-size $n --runner $r --input-len 128 --output-len 512 --num-prompts 1000 \
+          --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_pp${n}_$r.json"
       done; done ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \

@@ -98,7 +98,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                              stream_in_call=config.stream_in_call and config.max_fused_steps > 1, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
-    return ModelRunnerV1(model_state, lm, **kwargs)
+    return ModelRunnerV1(model_state, lm, tensor_parallel=tensor_parallel, **kwargs)
 
 
 COMPILATION_CACHE_MAX_BYTES = 8 << 30  # least recently used entries go beyond this

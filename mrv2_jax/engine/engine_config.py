@@ -216,8 +216,6 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             raise ValueError(f"{flag} with tensor_parallel_size={self.tensor_parallel_size}: combining them is not "
                              "supported yet")
-        if self.runner != "v2":
-            raise ValueError(f"{flag} needs the v2 runner, got runner={self.runner!r}")
         if self.speculative_config is not None:
             raise ValueError(f"{flag} with speculative_config: speculative decoding is not supported with pipeline "
                              "parallelism yet")

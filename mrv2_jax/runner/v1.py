@@ -52,13 +52,16 @@ class ModelRunnerV1(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, show_progress: bool = True,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, spec_decoder=None,
-                 compile_mode: str = "eager", program_store=None):
+                 compile_mode: str = "eager", program_store=None, tensor_parallel=None):
         """Arguments as RunnerBase's; per step the first sampler variant that covers the batch
-        runs (by default greedy, plain sampling, then every feature behind runtime skips)."""
+        runs (by default greedy, plain sampling, then every feature behind runtime skips).
+        `tensor_parallel`: only a runner.pipeline_parallel.PipelineParallel (the attention runs
+        whole on each stage); tensor parallelism needs the v2 runner."""
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
-                         spec_decoder=spec_decoder, compile_mode=compile_mode, program_store=program_store)
+                         spec_decoder=spec_decoder, compile_mode=compile_mode, program_store=program_store,
+                         tensor_parallel=tensor_parallel)
         # Persistent CPU tables, one row per slot.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)

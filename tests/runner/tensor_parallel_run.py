@@ -59,7 +59,7 @@ def placement(runner) -> dict:
 def collectives(runner) -> dict:
     """Collective ops in every compiled step program, by kind."""
     counts = {}
-    for kind, programs in (("step", runner.compiled), ("fused", runner.fused)):
+    for kind, programs in (("step", runner.compiled), ("fused", getattr(runner, "fused", {}))):  # v1: no fused
         for bucket, (_, variants) in programs.items():
             for i, program in enumerate(variants._programs):
                 if program is not None:

@@ -31,6 +31,14 @@ def test_greedy_tokens_equal_the_dense_reference():
     assert child()["tiny"]["2"]["fused_calls"] > 0  # fused decode ran in stages too
 
 
+def test_the_v1_runner_runs_in_stages_too():
+    """v1 (host-built inputs, no fused decode) at PP = 2: the dense reference's tokens, with the
+    sampler's widest variant as on one device."""
+    v1 = child()["v1"]
+    assert v1["tokens"] == child()["reference"] and v1["sampled"] == child()["tiny"]["1"]["sampled"]
+    assert v1["collectives"]  # the step ran in stages
+
+
 def test_steps_of_a_token_count_the_stages_do_not_divide_run_as_one_micro_batch():
     odd = child()["odd"]
     assert odd["tokens"] == child()["reference"]
@@ -111,7 +119,6 @@ def test_micro_batch_attention_equals_the_whole_batch(kernels):
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be an int >= 1"),
     (dict(pipeline_parallel_size="2"), "pipeline_parallel_size must be an int >= 1"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size=2 with tensor_parallel_size=2"),
-    (dict(pipeline_parallel_size=2, runner="v1"), "pipeline_parallel_size=2 needs the v2 runner"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "pipeline_parallel_size=2 with speculative_config"),
     (dict(pipeline_parallel_size=2, stream_in_call=True), "pipeline_parallel_size=2: stream_in_call"),
