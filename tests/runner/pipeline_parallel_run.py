@@ -48,6 +48,8 @@ def main() -> None:
                   # 7 tokens a step: 2 does not divide them, so each step runs as one micro-batch.
                   "odd": run(tiny, 2, max_num_batched_tokens=7, max_num_seqs=7),
                   "v1": run(tiny, 2, sample=True, runner="v1", max_fused_steps=1),
+                  "glm": {n: run(FIXTURES / "glm4-tiny", n) for n in (1, 2)},
+                  "glm_reference": [greedy_reference(FIXTURES / "glm4-tiny", p, GREEDY.max_tokens) for p in PROMPTS],
                   "moe": {n: run(moe, n, load_format="dummy", max_fused_steps=1) for n in (1, 2)},
                   "reference": [greedy_reference(tiny, p, GREEDY.max_tokens) for p in PROMPTS]}
     print(json.dumps(result), file=sys.stdout)

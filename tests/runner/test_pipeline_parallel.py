@@ -18,7 +18,7 @@ def child() -> dict:
     return run_on_virtual_devices("tests.runner.pipeline_parallel_run")
 
 
-@pytest.mark.parametrize("model", ["tiny", "moe"])
+@pytest.mark.parametrize("model", ["tiny", "moe", "glm"])
 def test_greedy_tokens_equal_one_device(model):
     runs = child()[model]
     assert runs["1"]["preemptions"] > 0  # the prompts were sized to preempt
@@ -28,6 +28,7 @@ def test_greedy_tokens_equal_one_device(model):
 
 def test_greedy_tokens_equal_the_dense_reference():
     assert child()["tiny"]["2"]["tokens"] == child()["reference"]
+    assert child()["glm"]["2"]["tokens"] == child()["glm_reference"]  # GLM-4: partial rotary, extra norms
     assert child()["tiny"]["2"]["fused_calls"] > 0  # fused decode ran in stages too
 
 
