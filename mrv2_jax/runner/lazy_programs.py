@@ -8,10 +8,11 @@ included), as a planned compile that the compile guard does not count.
 `BackgroundCompile` (compile mode "background") compiles every program the program store did not
 hold on threads of its own while the engine already serves: a step that needs a program nobody
 has compiled yet compiles it itself, and one that needs a program a thread is compiling waits for
-that compile, so each program is compiled exactly once. The engine's own compiles come first: tracing a program is
-Python work that holds the GIL, so the background threads trace one at a time (their XLA compiles,
-which release it, still run side by side) and start nothing new while the engine waits for a
-program; otherwise a step's trace would share the GIL with every compile thread. On CPUs the
+that compile, so each program is compiled exactly once. The engine's own compiles come first:
+tracing a program is Python work that holds the GIL, so the background threads trace one at a
+time (their XLA compiles, which release it, still run side by side) and start nothing new while
+the engine waits for a program; otherwise a step's trace would share the GIL with every compile
+thread. On CPUs the
 compiles of these programs take turns (one lock): XLA:CPU can crash writing one executable to the
 persistent cache while another thread compiles (runner/precompile.py).
 """
