@@ -12,9 +12,8 @@ that compile, so each program is compiled exactly once. The engine's own compile
 tracing a program is Python work that holds the GIL, so the background threads trace one at a
 time (their XLA compiles, which release it, still run side by side) and start nothing new while
 the engine waits for a program; otherwise a step's trace would share the GIL with every compile
-thread. On CPUs the
-compiles of these programs take turns (one lock): XLA:CPU can crash writing one executable to the
-persistent cache while another thread compiles (runner/precompile.py).
+thread. On CPUs the compiles of these programs take turns (one lock): XLA:CPU can crash writing
+one executable to the persistent cache while another thread compiles (runner/precompile.py).
 """
 
 import atexit
