@@ -1,5 +1,8 @@
 """Grouped GEMM for mixture-of-experts layers (Pallas, Triton backend).
 
+Why the Triton backend: this is the MoE path on GPUs without wgmma (compute capability below 9);
+Hopper-class GPUs run grouped_gemm_mgpu.py by default (`moe_backend=auto`).
+
 ``grouped_gemm(lhs[M, K], rhs[G, K, N], group_sizes[G]) -> out[M, N]`` has the semantics of
 ``jax.lax.ragged_dot``: the rows of ``lhs`` are sorted by group, rows
 ``[off_g, off_g + group_sizes[g])`` are multiplied by ``rhs[g]``, and rows past

@@ -1,5 +1,9 @@
 """Write this step's K/V into the stacked paged KV cache (Pallas, Triton backend).
 
+Why the Triton backend: the Mosaic GPU port (kv_write_mgpu.py) is correct but measured slower at
+decode sizes and no faster at prefill sizes (docs/benchmarks.md, "KV write on Mosaic GPU"), so the
+engine keeps this kernel.
+
 Layout (docs/architecture.md): each cache is ``[num_layers, num_blocks, num_kv_heads,
 block_size, head_dim]``. Token ``t`` with ``slot = slot_mapping[t] >= 0`` goes to block
 ``slot // block_size``, offset ``slot % block_size``; ``slot == -1`` is a padding token and

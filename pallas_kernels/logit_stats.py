@@ -2,6 +2,8 @@
 pure-jnp reference of the same signature; mrv2_jax/sample/logit_stats.py adapts the engine's
 types to them and says what each output is for.
 
+Why the Triton backend: not ported to Mosaic GPU yet (issue 27).
+
 ``logit_stats``: grid (R, cdiv(NB, tile_blocks)); program (r, c) reads ids of blocks
 [c * tile_blocks, (c + 1) * tile_blocks) of row r as one tile (or, with tiles_per_program > 1,
 that many consecutive tiles in a loop): the raw

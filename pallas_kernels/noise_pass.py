@@ -1,6 +1,8 @@
 """The sampler's whole-row noise pass as a Pallas kernel (Triton backend) whose rows can be
 skipped one by one, next to its pure-jnp reference; mrv2_jax/sample/noise_pass.py says why.
 
+Why the Triton backend: not ported to Mosaic GPU yet (issue 27).
+
 The pass: argmax over each row of (processed / divisor, cut below keep_from, plus the row's
 Gumbel noise); greedy rows take the argmax of the processed logits.
 

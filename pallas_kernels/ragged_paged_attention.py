@@ -1,5 +1,9 @@
 """Ragged paged attention over the stacked paged KV cache (Pallas, Triton backend).
 
+Why the Triton backend: no Mosaic GPU kernel covers mixed prefill and decode rows yet; the
+decode-only one (paged_decode_attention_mgpu.py) measured even with this kernel inside fused
+decode at S1@256 (docs/benchmarks.md), so this stays the default.
+
 One call serves a whole step's batch: prefill chunks (many query tokens of a row, causal
 within the chunk and over the row's earlier cached context) mixed with decodes (one query
 token, or a few for speculative decoding). The metadata is the step's (docs/architecture.md):

@@ -2,6 +2,8 @@
 one; mrv2_jax/sample/slow_path.py says why, and its jnp counterparts are the k-ary searches of
 mrv2_jax/sample/topk_topp.py (same thresholds: the tests compare them).
 
+Why the Triton backend: not ported to Mosaic GPU yet (issue 27).
+
 Both kernels have one program per row (grid (R,)), which does nothing but write a neutral value
 when its row is not `needed`, and otherwise loops over the row in tiles of `tile_blocks` blocks:
 
