@@ -82,7 +82,7 @@ def add_engine_args(parser: argparse.ArgumentParser, compile_mode: str | None = 
                         "default 1)")
     g.add_argument("--pipeline-parallel-size", type=int, default=EngineConfig.pipeline_parallel_size, metavar="N",
                    help="split the decoder layers and the KV cache into N pipeline stages over the first N devices "
-                        "of this host (one layer group, e.g. dense Qwen3; v2 runner; not with "
+                        "of this host (one layer group, e.g. dense Qwen3 or GLM-4; v1 or v2 runner; not with "
                         "--tensor-parallel-size; default 1)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE (Qwen3-MoE): split the experts whole over the --tensor-parallel-size devices, "

@@ -38,7 +38,6 @@ class PipelineParallel(TensorParallel):
     def shard_model(self, model_state, lm) -> None:
         """Split `lm`'s stacked layer weights on their layer axis over the stages and replicate the
         rest, in place; from now on the decoder runs its layers as stages (CausalLM.pipeline_mesh)."""
-        model_state.check_pipeline_parallel(self.size)
         groups = model_state.layer_groups()
         layers = NamedSharding(self.mesh, P(PP_AXIS))
         for path, param in nnx.iter_graph(lm):

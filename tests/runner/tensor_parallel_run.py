@@ -102,17 +102,26 @@ def run(model, n: int, sample: bool = False, prompts=PROMPTS, **extra) -> dict:
     return out
 
 
+def random_attention_case(seed: int = 0):
+    """A random paged-attention call's arrays: (K cache, V cache) of 2 layers x 8 blocks x 2 KV heads
+    x 4 slots x 16 dims, and q, k, v for 8 tokens (4 query heads) -> (caches, q, k, v)."""
+    rng = np.random.default_rng(seed)
+    layers, blocks, kv_heads, block_size, dim, heads, tokens = 2, 8, 2, 4, 16, 4, 8
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    caches = (rand(layers, blocks, kv_heads, block_size, dim), rand(layers, blocks, kv_heads, block_size, dim))
+    return caches, rand(tokens, heads, dim), rand(tokens, kv_heads, dim), rand(tokens, kv_heads, dim)
+
+
+def i32(values):
+    return jnp.asarray(values, jnp.int32)
+
+
 def kernels_under_shard_map() -> dict:
     """One paged attention call (KV write + ragged paged attention) with the Pallas kernels in
     interpret mode, over 2 devices and over one: -> the largest difference of (out, K, V) from the
     jnp references on one device."""
-    rng = np.random.default_rng(0)
-    layers, blocks, kv_heads, block_size, dim, heads, tokens = 2, 8, 2, 4, 16, 4, 8
-    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    caches = (rand(layers, blocks, kv_heads, block_size, dim), rand(layers, blocks, kv_heads, block_size, dim))
-    q, k, v = rand(tokens, heads, dim), rand(tokens, kv_heads, dim), rand(tokens, kv_heads, dim)
+    caches, q, k, v = random_attention_case()
     # Row 0: positions 4..8 of a 9-token context in blocks 1, 2, 3; row 1: a 3-token prompt in block 5.
-    i32 = lambda values: jnp.asarray(values, jnp.int32)  # noqa: E731
     meta = (i32([8, 9, 10, 11, 12, 20, 21, 22]), i32([[1, 2, 3, 0], [5, 0, 0, 0]]), i32([9, 3]), i32([0, 5, 8]),
             i32(2))
 

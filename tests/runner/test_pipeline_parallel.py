@@ -85,13 +85,10 @@ def test_micro_batch_attention_equals_the_whole_batch(kernels):
     import numpy as np
 
     from mrv2_jax.models.attention import PagedAttention
+    from tests.runner.tensor_parallel_run import i32, random_attention_case
 
-    rng = np.random.default_rng(0)
-    layers, blocks, kv_heads, block_size, dim, heads, tokens = 2, 8, 2, 4, 16, 4, 8
-    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    caches = (rand(layers, blocks, kv_heads, block_size, dim), rand(layers, blocks, kv_heads, block_size, dim))
-    q, k, v = rand(tokens, heads, dim), rand(tokens, kv_heads, dim), rand(tokens, kv_heads, dim)
-    i32 = lambda values: jnp.asarray(values, jnp.int32)  # noqa: E731
+    caches, q, k, v = random_attention_case()
+    half = q.shape[0] // 2
     # Row 0: a decode token at position 6 (blocks 1, 2); row 1: a 5-token chunk at positions 4..8 of 9
     # (blocks 3, 4, 6: cut 3 | 2 by the boundary); row 2: a 2-token prompt in block 5.
     whole = PagedAttention(i32([10, 16, 17, 18, 19, 24, 20, 21]), i32([[1, 2, 0], [3, 4, 6], [5, 0, 0]]),
@@ -101,10 +98,9 @@ def test_micro_batch_attention_equals_the_whole_batch(kernels):
     def both(q, k, v, caches):
         out, caches_whole = whole(q, k, v, jnp.int32(1), caches, 0.25)
         parts = []
-        for start in (0, tokens // 2):
-            piece = slice(start, start + tokens // 2)
-            part, caches = whole.micro_batch(start, tokens // 2)(q[piece], k[piece], v[piece], jnp.int32(1),
-                                                                 caches, 0.25)
+        for start in (0, half):
+            piece = slice(start, start + half)
+            part, caches = whole.micro_batch(start, half)(q[piece], k[piece], v[piece], jnp.int32(1), caches, 0.25)
             parts.append(part)
         return out, caches_whole, jnp.concatenate(parts), caches
 
