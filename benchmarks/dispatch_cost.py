@@ -13,6 +13,11 @@ packed input buffer), then calls that step again and again on the runner's live 
                   transfer of call N+1 is under way while call N is made
   pinned          numpy packed, copied into pinned host memory first, then onto the device
                   (GPUs only: a DMA from page-locked memory need not wait for the device)
+  stable io       numpy packed, through benchmarks/stable_addresses.py: the step recompiled so
+                  that its packed input and result live in a donated buffer tree, fed and read
+                  by a small exchange call before each step (two calls per step)
+  stable, no input  that step alone, again and again on what its io tree holds: no buffer
+                  the step program uses moves at all
   twins (GPUs)    numpy packed, calls alternating between two loaded copies of the same
                   executable: each copy keeps its own recorded command buffers, and the result
                   buffers it sees recur from its own call before (the engine's results alternate
@@ -40,6 +45,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 
+from benchmarks.stable_addresses import StableStep
 from mrv2_jax import envs
 from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.dataset import random_prompts
@@ -84,12 +90,13 @@ def phase_mark(name: str) -> None:
     print(f"=== phase {name}", file=sys.stderr, flush=True)
 
 
-def time_calls(runner, programs: list, make_packed, calls: int) -> dict:
+def alternating(runner, programs: list):
+    """A call of the step that takes `programs` in turn."""
     turn = iter(range(10**9))
+    return lambda packed: runner.call_step(programs[next(turn) % len(programs)], packed)
 
-    def call(packed):
-        return runner.call_step(programs[next(turn) % len(programs)], packed)
 
+def time_calls(call, make_packed, calls: int) -> dict:
     jax.block_until_ready(call(make_packed()))
     host = []
     for _ in range(calls):
@@ -152,20 +159,24 @@ def main(argv=None, prog=None):
     compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
     on_device = jax.device_put(packed)
     runner = llm.engine.runner
-    ways = [("numpy packed", [compiled], lambda: np.array(packed)),
-            ("device packed", [compiled], lambda: on_device),
-            ("prefetched", [compiled], prefetching(lambda: jax.device_put(np.array(packed))))]
+    step = alternating(runner, [compiled])
+    stable = StableStep(runner, compiled, packed)
+    ways = [("numpy packed", step, lambda: np.array(packed)),
+            ("device packed", step, lambda: on_device),
+            ("prefetched", step, prefetching(lambda: jax.device_put(np.array(packed)))),
+            ("stable io", stable.call, lambda: np.array(packed)),
+            ("stable, no input", lambda _: stable.call_step_only(), lambda: None)]
     if jax.default_backend() == "gpu":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         on_gpu = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-        ways.append(("pinned", [compiled], lambda: jax.device_put(jax.device_put(np.array(packed), pinned), on_gpu)))
+        ways.append(("pinned", step, lambda: jax.device_put(jax.device_put(np.array(packed), pinned), on_gpu)))
         # (XLA:CPU cannot serialize the step's executables, so no twin there)
-        ways.append(("twins", [compiled, twin_of(compiled)], lambda: np.array(packed)))
+        ways.append(("twins", alternating(runner, [compiled, twin_of(compiled)]), lambda: np.array(packed)))
     results = {}
-    for name, programs, make_packed in ways:
+    for name, call, make_packed in ways:
         phase_mark(name)
-        results[name] = time_calls(runner, programs, make_packed, args.calls)
+        results[name] = time_calls(call, make_packed, args.calls)
     phase_mark("moved buffers")
     print(f"rows {args.rows}, XLA_FLAGS={envs.get_xla_flags()}")
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
