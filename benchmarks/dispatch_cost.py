@@ -5,19 +5,14 @@
 Runs `--rows` requests into steady decode, keeps one decode dispatch (the compiled step and its
 packed input buffer), then calls that step again and again on the runner's live state:
 
-  numpy packed    a fresh host buffer per call, as the engine sends it (a host->device copy and
-                  a new device allocation every call)
-  device packed   the same device-resident buffer every call (no copy; the argument's address
-                  never changes, so XLA's command buffers need no update for it)
+  numpy packed    a fresh host buffer per call, as the engine sends it (copied into the runner's
+                  staging buffer of its size by a small call first: runner/staging.py)
+  device packed   the same device-resident buffer every call (copied into the staging buffer
+                  device to device)
   prefetched      numpy packed, put on the device one call ahead (`jax.device_put`), so the
                   transfer of call N+1 is under way while call N is made
   pinned          numpy packed, copied into pinned host memory first, then onto the device
                   (GPUs only: a DMA from page-locked memory need not wait for the device)
-  stable io       numpy packed, through benchmarks/stable_addresses.py: the step recompiled so
-                  that its packed input and result live in a donated buffer tree, fed and read
-                  by a small exchange call before each step (two calls per step)
-  stable, no input  that step alone, again and again on what its io tree holds: no buffer
-                  the step program uses moves at all
   twins (GPUs)    numpy packed, calls alternating between two loaded copies of the same
                   executable: each copy keeps its own recorded command buffers, and the result
                   buffers it sees recur from its own call before (the engine's results alternate
@@ -45,7 +40,6 @@ from collections import defaultdict
 import jax
 import numpy as np
 
-from benchmarks.stable_addresses import StableStep
 from mrv2_jax import envs
 from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.dataset import random_prompts
@@ -127,12 +121,13 @@ def moved_buffers(runner, compiled, packed, calls: int) -> dict:
     for _ in range(calls + 1):
         fresh = jax.device_put(packed)
         args = addresses({"params": runner.params.leaves, "kv_cache": runner.kv_cache, "state": runner.state,
-                          "slot_state": runner.slot_state, "packed input": fresh,
+                          "slot_state": runner.slot_state, "staged packed input": runner.staging.buffers(),
                           "spec_params": runner.spec_params, "spec_state": runner.spec_state})
         result = runner.call_step(compiled, fresh)
         jax.block_until_ready(result)
         results = addresses({"kv_cache": runner.kv_cache, "state": runner.state, "slot_state": runner.slot_state,
-                             "result": result, "spec_state": runner.spec_state})
+                             "result": result, "spec_state": runner.spec_state,
+                             "staged packed input": runner.staging.buffers()})
         if before is not None:
             for kind, now in (("arguments", args), ("results", results)):
                 for name, n in moved(now, before[kind]).items():
@@ -160,12 +155,9 @@ def main(argv=None, prog=None):
     on_device = jax.device_put(packed)
     runner = llm.engine.runner
     step = alternating(runner, [compiled])
-    stable = StableStep(runner, compiled, packed)
     ways = [("numpy packed", step, lambda: np.array(packed)),
             ("device packed", step, lambda: on_device),
-            ("prefetched", step, prefetching(lambda: jax.device_put(np.array(packed)))),
-            ("stable io", stable.call, lambda: np.array(packed)),
-            ("stable, no input", lambda _: stable.call_step_only(), lambda: None)]
+            ("prefetched", step, prefetching(lambda: jax.device_put(np.array(packed))))]
     if jax.default_backend() == "gpu":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")

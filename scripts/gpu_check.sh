@@ -221,7 +221,10 @@ for s in $sections; do case $s in
     done; done ;;
   # Issue 24: mrv2-jax serve vs vllm serve, the same vLLM client, concurrency 1..256 (needs the vLLM payload).
   # SERVE_COMPARE_ARGS adds flags (e.g. --servers vllm); TAG suffixes the file names.
-  serve-compare) run_section serve-compare${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
+  # SERVE_TREE: a folder holding an older commit's mrv2_jax/ + pallas_kernels/ (`git archive`, carried),
+  # put first on the path of the benchmark and the servers it launches (a same-machine before/after).
+  serve-compare) run_section serve-compare${TAG:-} env PYTHONPATH=${SERVE_TREE:+$SERVE_TREE:}$SITE:$PYTHONPATH \
+      python3 -m mrv2_jax.bench.serve_compare \
       --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
       --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \
