@@ -64,9 +64,6 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("MRV2_DEFAULT_XLA_FLAGS", "bool", True,
            "`0`: leave XLA_FLAGS and the step compile options as they are (xla_flags.py)."),
     Switch("MRV2_API_KEY", "str", None, "API key the server requires when `--api-key` is not given."),
-    Switch("MRV2_API_SWITCH_INTERVAL_US", "int", None,
-           "API server processes: the GIL switch interval in microseconds (`sys.setswitchinterval`; "
-           "default Python's 5000), how long a waking thread may wait for a busy one."),
     _choice("MRV2_SAMPLER_KERNELS", "auto", SAMPLER_PASS_MODES,
             "Default of KernelConfig.sampler_logit_stats: the sampler's pass over the logits and rank count."),
     _choice("MRV2_SAMPLER_NOISE_PASS", "auto", SAMPLER_PASS_MODES,

@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import socket
-import sys
 import threading
 import time
 
@@ -27,7 +26,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from mrv2_jax import envs
 from mrv2_jax.async_llm import AsyncLLM, EngineDeadError
 from mrv2_jax.config import ENGINE_STARTUP_TIMEOUT, SERVER_SHUTDOWN_TIMEOUT
 from mrv2_jax.entrypoints import openai_responses as R
@@ -315,9 +313,6 @@ def run_http_server(engine: AsyncLLM, host: str = "127.0.0.1", port: int = 8000,
     the server does; `on_signal(signum)` runs in the signal handler."""
     import signal
 
-    switch_interval_us = envs.read("MRV2_API_SWITCH_INTERVAL_US")
-    if switch_interval_us is not None:  # the ZMQ reader thread and the event loop share the GIL
-        sys.setswitchinterval(switch_interval_us / 1e6)
     server = _Server(_uvicorn_config(create_app(engine, **app_kwargs), host, port, log_level, shutdown_timeout),
                      on_signal)
     # uvicorn handles SIGTERM itself and raises it again once drained: without a handler of ours
