@@ -67,13 +67,16 @@ for s in $sections; do case $s in
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
   # Same-machine before/after of a refactor: S1@256 v2-async, alternating the tree in .ab_old (an
   # older commit's mrv2_jax/ + pallas_kernels/, `git archive`, carried) and this one, ROUNDS times
-  # for each sampling in SAMPLINGS (greedy, all).
+  # for each sampling in SAMPLINGS (greedy, all). `python3 -P`: plain `-m` puts the working directory
+  # (this tree) ahead of PYTHONPATH, so .ab_old would never be imported; the old tree finds the
+  # presets through MRV2_CHECKPOINTS (it looks beside its own package otherwise).
   ab-s1-before-after)
     for sampling in ${SAMPLINGS:-greedy}; do
       for round in $(seq ${ROUNDS:-2}); do
         for tree in old new; do
           path=.; [ $tree = old ] && path=.ab_old:.
-          PYTHONPATH=$path:$PYTHONPATH run_section ab-s1-$sampling-$tree-$round python3 -m mrv2_jax.bench.ab \
+          PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section ab-s1-$sampling-$tree-$round \
+            python3 -P -m mrv2_jax.bench.ab \
             --model qwen3-0.6b --load-format dummy --arms v2-async --sampling $sampling --input-len 128 \
             --output-len 512 --num-prompts 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
             --max-model-len 1024 --output-json "$OUT/ab_s1_256_${sampling}_${tree}_$round.json"
@@ -221,10 +224,7 @@ for s in $sections; do case $s in
     done; done ;;
   # Issue 24: mrv2-jax serve vs vllm serve, the same vLLM client, concurrency 1..256 (needs the vLLM payload).
   # SERVE_COMPARE_ARGS adds flags (e.g. --servers vllm); TAG suffixes the file names.
-  # SERVE_TREE: a folder holding an older commit's mrv2_jax/ + pallas_kernels/ (`git archive`, carried),
-  # put first on the path of the benchmark and the servers it launches (a same-machine before/after).
-  serve-compare) run_section serve-compare${TAG:-} env PYTHONPATH=${SERVE_TREE:+$SERVE_TREE:}$SITE:$PYTHONPATH \
-      python3 -m mrv2_jax.bench.serve_compare \
+  serve-compare) run_section serve-compare${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
       --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
       --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \

@@ -20,7 +20,6 @@ from mrv2_jax.runner.model_step import FlatParams
 from mrv2_jax.runner.precompile import compile_all, compile_workers
 from mrv2_jax.runner.scheduler_output import NewRequestData
 from mrv2_jax.runner.slots import SlotAllocator
-from mrv2_jax.runner.staging import PackedStaging
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.tensors import SamplingRow, sampling_row
@@ -108,27 +107,18 @@ class RunnerBase:
             fn(param_leaves, *device_state, packed, spec_params, spec_state)
                 -> (*device_state, sampler output, spec_state);
         `device_state`: the arrays the step updates (donated, like the spec state).
-        The compiled programs also take the packed input donated (a staging buffer: runner/staging.py)
-        and return it last, unchanged, so that it keeps its device address.
         -> {key: (layout, the compiled programs of its sampler variants, in order)}."""
         num_state = len(device_state)
-        donate = (*range(1, 2 + num_state), num_state + 3)
+        donate = (*range(1, 1 + num_state), num_state + 3)
         options = step_compiler_options(self.params.leaves)
         # Tensor parallelism: the packed input is replicated and every output keeps its place, so
         # that the donated state comes back where the next call expects it.
         packed_sharding, out = self.tp.step_shardings(device_state) if self.tp else (None, None)
-        sharded = {} if self.tp is None else {"out_shardings": (*out, packed_sharding)}
-        place = jax.device_put if self.tp is None else (lambda host: self.tp.put(host, packed_sharding))
-        self.staging = PackedStaging({layout.capacity for layout, _ in steps.values()}, place)
-
-        def staged(fn):
-            def step(*args):
-                return (*fn(*args), args[num_state + 1])
-            return step
+        sharded = {} if self.tp is None else {"out_shardings": out}
 
         def lower(layout, make_fn, i):
-            packed = jax.ShapeDtypeStruct((layout.capacity,), jnp.int32, sharding=packed_sharding)
-            return jax.jit(staged(make_fn(layout, self.sampler_variants[i])), donate_argnums=donate, **sharded).lower(
+            packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=packed_sharding)
+            return jax.jit(make_fn(layout, self.sampler_variants[i]), donate_argnums=donate, **sharded).lower(
                 self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
 
         num_variants = len(self.sampler_variants)

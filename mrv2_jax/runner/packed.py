@@ -12,22 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MIN_CAPACITY = 256
-
 
 @dataclass
 class PackedLayout:
     """Named fields of fixed shapes, packed back to back in one int32 buffer. Fields named
-    in `float_fields` hold float32 values stored bit for bit (bitcast, not converted). The buffer
-    is `capacity` long, `size` rounded up to a power of two (at least MIN_CAPACITY), so that the
-    many layouts of a runner share a few buffer sizes (runner/staging.py keeps one device buffer
-    per size); the tail is never read."""
+    in `float_fields` hold float32 values stored bit for bit (bitcast, not converted)."""
 
     shapes: dict[str, tuple[int, ...]]
     float_fields: frozenset[str] = frozenset()
     offsets: dict[str, int] = field(init=False)
     size: int = field(init=False)
-    capacity: int = field(init=False)
 
     def __post_init__(self):
         self.offsets, self._spans, pos = {}, {}, 0
@@ -37,10 +31,9 @@ class PackedLayout:
             self._spans[name] = (pos, pos + n, shape)
             pos += n
         self.size = pos
-        self.capacity = max(MIN_CAPACITY, 1 << (pos - 1).bit_length())
 
     def empty(self) -> np.ndarray:
-        return np.zeros(self.capacity, np.int32)
+        return np.zeros(self.size, np.int32)
 
     def view(self, buf: np.ndarray, name: str) -> np.ndarray:
         """A writable numpy view of one field inside a host buffer."""

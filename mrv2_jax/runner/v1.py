@@ -199,10 +199,8 @@ class ModelRunnerV1(RunnerBase):
         return StepResult(sampled, sampled_logprobs, prompt_token_logprobs(result, spans))
 
     def call_step(self, compiled, packed):
-        self.kv_cache, self.slot_state, result, self.spec_state, staged = compiled(
-            self.params.leaves, self.kv_cache, self.slot_state, self.staging.take(packed), self.spec_params,
-            self.spec_state)
-        self.staging.give_back(staged)
+        self.kv_cache, self.slot_state, result, self.spec_state = compiled(
+            self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
         return result
 
     def _prompt_targets(self, layout, packed, req_ids, rows, counts) -> dict:
