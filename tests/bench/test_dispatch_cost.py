@@ -42,4 +42,3 @@ def test_donated_state_and_weights_keep_their_addresses():
     # The step's own result is a fresh set of buffers: at least one leaf, each its own allocation.
     result = runner.call_step(compiled, jax.device_put(np.array(packed)))
     assert 0 < moves["results"]["result"] <= len(jax.tree.leaves(result))
-
