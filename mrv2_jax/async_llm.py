@@ -91,6 +91,7 @@ class EngineStats:
     num_aborted_reqs: int = 0
     num_steps: int = 0
     num_fused_calls: int = 0  # runner calls that ran several decode steps
+    num_programs_pending: int = 0  # step programs not compiled yet (compile modes lazy, background)
     # Speculative decoding (spec_decode.metrics.SpecDecodeStats), None when off.
     spec_decode: object = None
 
@@ -466,6 +467,7 @@ class AsyncLLM:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, num_aborted_reqs=self._num_aborted, num_steps=self._num_steps,
             num_fused_calls=getattr(getattr(self._llm.engine, "runner", None), "num_fused_calls", 0),
+            num_programs_pending=getattr(getattr(self._llm.engine, "runner", None), "num_programs_pending", 0),
             spec_decode=s.spec_decode)
 
     # --- the reader thread of an engine process ----------------------------------------------
@@ -533,6 +535,6 @@ class AsyncLLM:
             num_free_blocks=s.num_free_blocks, num_blocks=s.num_blocks, kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, num_aborted_reqs=self._num_aborted, num_steps=s.num_steps,
-            num_fused_calls=s.num_fused_calls,
+            num_fused_calls=s.num_fused_calls, num_programs_pending=s.num_programs_pending,
             spec_decode=None if s.spec_decode is None else SpecDecodeStats(**s.spec_decode))
 

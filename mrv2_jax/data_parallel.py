@@ -27,7 +27,7 @@ from mrv2_jax.core_client import AttachedCoreClient, CoreClient
 from mrv2_jax.engine import core_messages as M
 
 _SUMMED = ("num_running_reqs", "num_waiting_reqs", "num_free_blocks", "num_blocks", "prefix_cache_queries",
-           "prefix_cache_hits", "num_preemptions", "num_steps", "num_fused_calls")
+           "prefix_cache_hits", "num_preemptions", "num_steps", "num_fused_calls", "num_programs_pending")
 
 
 def replica_devices(index: int, count: int) -> str:

@@ -56,6 +56,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_steps: int = 0
     num_fused_calls: int = 0
     spec_decode: dict | None = None  # SpecDecodeStats' fields
+    num_programs_pending: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

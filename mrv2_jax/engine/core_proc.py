@@ -270,4 +270,5 @@ class EngineCoreProc:
             num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks, kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, num_steps=self.num_steps,
-            num_fused_calls=self.engine.runner.num_fused_calls, spec_decode=spec)
+            num_fused_calls=self.engine.runner.num_fused_calls, spec_decode=spec,
+            num_programs_pending=self.engine.runner.num_programs_pending)

@@ -62,6 +62,9 @@ class _EngineCollector:
         yield counter("mrv2_num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
         yield counter("mrv2_requests_aborted", "Requests aborted (client gone).", s.num_aborted_reqs)
         yield counter("mrv2_fused_decode_calls", "Runner calls that ran several decode steps.", s.num_fused_calls)
+        yield gauge("mrv2_step_programs_pending", "Step programs not compiled yet (compile mode background: "
+                    "compiling beside the engine; lazy: at first use); a step that needs one waits for it.",
+                    s.num_programs_pending)
         if s.spec_decode is not None:
             yield from _spec_decode_metrics(s.spec_decode, label, counter)
         yield gauge("mrv2_engine_healthy", "1 while the engine thread runs, 0 once it stopped.",

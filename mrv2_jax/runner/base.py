@@ -177,6 +177,11 @@ class RunnerBase:
     def wait_for_compiles(self, timeout: float | None = None) -> bool:
         return self.background_compile is None or self.background_compile.wait(timeout)
 
+    @property
+    def num_programs_pending(self) -> int:
+        return sum(len(variants) - variants.num_compiled for _, variants in self._step_programs.values()
+                   if isinstance(variants, LazyPrograms))
+
     def warm_up(self) -> None:
         """Run every step program once on an empty batch, so that XLA records each program's command
         buffers (its CUDA graphs) before the first request instead of in it. Compile mode lazy or

@@ -47,6 +47,9 @@ class Runner(Protocol):
     max_fused_rows: int
     # Fused decode calls run so far (benchmarks report it); always 0 when max_fused_rows is 0.
     num_fused_calls: int
+    # Step programs planned but not compiled yet: lazy makes each at its first use, background
+    # beside the engine; 0 in compile mode eager.
+    num_programs_pending: int
     # Structured outputs: (states, exception entries) the device's automaton pool holds, the
     # largest automaton a request may bring; (0, 0): this runner cannot run constraints.
     automaton_capacity: tuple[int, int]

@@ -198,6 +198,8 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     assert samples["mrv2_kv_cache_free_blocks"] == engine.stats.num_blocks
     assert samples["mrv2_num_requests_running"] == 0 and samples["mrv2_engine_healthy"] == 1.0
     assert samples["mrv2_requests_aborted_total"] >= 1
+    # Compile mode lazy (the CPU default): the buckets this module's requests never used are not compiled.
+    assert samples["mrv2_step_programs_pending"] == engine.stats.num_programs_pending > 0
 
 
 def test_a_killed_engine_process_ends_streams_and_turns_the_server_503(server):

@@ -103,12 +103,14 @@ import json
 from mrv2_jax.llm import LLM
 from mrv2_jax.sampling_params import SamplingParams
 llm = LLM("demo", compile_mode="background", **{ENGINE!r})
+pending_at_start = llm.engine.runner.num_programs_pending
 outs = llm.generate({PROMPTS!r}, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
 runner = llm.engine.runner
 assert runner.background_compile.wait(600) and not runner.background_compile.errors
 programs = [p for _, p in list(runner.compiled.values()) + list(runner.fused.values())]
 print(json.dumps({{"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                  "compiled": sum(p.num_compiled for p in programs), "planned": sum(len(p) for p in programs)}}))
+                  "compiled": sum(p.num_compiled for p in programs), "planned": sum(len(p) for p in programs),
+                  "pending_at_start": pending_at_start, "pending_at_end": runner.num_programs_pending}}))
 """
 
 
@@ -125,6 +127,8 @@ def test_an_engine_compiling_in_the_background_gives_the_tokens_of_one_compiling
     # Every planned program got compiled, and no step compiled anything else (MRV2_STRICT_COMPILES,
     # inherited from the test run, would have failed it).
     assert result["compiled"] == result["planned"] > 0
+    # What /metrics reports as mrv2_step_programs_pending: some at start, none once all are made.
+    assert 0 < result["pending_at_start"] <= result["planned"] and result["pending_at_end"] == 0
 
 
 def test_at_exit_running_compiles_finish_and_the_rest_are_skipped(tmp_path):
