@@ -11,8 +11,9 @@ run: setup
 
 # One pytest run on two workers. The speculative-decoding tests are handed out first, so that they
 # run in fresh worker processes (tests/conftest.py, SPEC_FIRST): XLA:CPU (jax 0.11.2) aborted compiling
-# their steps in workers that had run much of the suite before, never in fresh ones.
-PYTEST := $(VENV)/bin/python -m pytest -q -n 2 --timeout 900
+# their steps in workers that had run much of the suite before, never in fresh ones. The 25 slowest
+# tests are listed at the end (issue 23: the suite time).
+PYTEST := $(VENV)/bin/python -m pytest -q -n 2 --timeout 900 --durations=25
 
 test: setup
 	$(PYTEST) $(PYTEST_ARGS)

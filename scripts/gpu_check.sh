@@ -349,19 +349,19 @@ unrolled||--unroll}" ;;
     for f in /tmp/xd_why/*jit_step*thunk_sequence_after_thunk_passes.txt; do
       echo "$(basename $f): $(grep -oE 'kConditional|kWhile|kCommandBuffer|kDynamicSlice[A-Za-z]*' $f | sort | uniq -c | tr '\n' ' ')"
     done | head -40 ;;
-  # Issue 25: the step with its packed input and result in a donated io tree (benchmarks/
-  # stable_addresses.py) against the engine's way, at 1 and 256 rows (STABLE_ROWS), with XLA's
-  # command-buffer updates counted per phase of dispatch_cost.
-  cb-stable)
-    for rows in ${STABLE_ROWS:-1 256}; do
-      run_section cb-stable-$rows env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+  # Issue 25: XLA's command-buffer updates counted per way of dispatch_cost (and how many allocations
+  # moved in each), at 1 and 256 rows (UPDATE_ROWS). The log's own cost inflates every call's time
+  # (docs/benchmarks.md, session 20): take call times from a run without it.
+  cb-updates)
+    for rows in ${UPDATE_ROWS:-1 256}; do
+      run_section cb-updates-$rows env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
           python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows $rows --calls 60 \
-          --max-model-len 1024 --output-json "$OUT/dispatch_stable_b$rows.json"
+          --max-model-len 1024 --output-json "$OUT/dispatch_updates_b$rows.json"
       awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
            match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]=a[phase] " " substr($0, RSTART+15, RLENGTH-15)}
            END {for (p in n) {split(a[p], v, " "); delete h; for (i in v) h[v[i]]++; s="";
                 for (k in h) s=s " " k "x" h[k]; print "updates in phase " p ": " n[p] " (allocs x count:" s ")"}}' \
-          "$OUT/cb-stable-$rows.log"
+          "$OUT/cb-updates-$rows.log"
     done ;;
   # Issue 25: where the host time of one XLA step call goes. HOST_PROFILE_VARIANTS: lines of
   # "name|XLA flags|extra engine args"; each runs benchmarks.host_profile at 1 and 256 rows.
