@@ -31,6 +31,7 @@ class RunnerBase:
 
     max_fused_rows = 0  # V2 sets its own when it compiles fused decode
     num_fused_calls = 0
+    _none_pending = False  # num_programs_pending reached 0
     stream_in_call = False  # V2 may stream fused steps' tokens (runner/fused.py)
     token_sink = None
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
@@ -179,8 +180,12 @@ class RunnerBase:
 
     @property
     def num_programs_pending(self) -> int:
-        return sum(len(variants) - variants.num_compiled for _, variants in self._step_programs.values()
-                   if isinstance(variants, LazyPrograms))
+        if self._none_pending:  # read after every step: once none is left, none will be again
+            return 0
+        pending = sum(len(variants) - variants.num_compiled for _, variants in self._step_programs.values()
+                      if isinstance(variants, LazyPrograms))
+        self._none_pending = pending == 0
+        return pending
 
     def warm_up(self) -> None:
         """Run every step program once on an empty batch, so that XLA records each program's command
