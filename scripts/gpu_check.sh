@@ -339,6 +339,8 @@ unrolled||--unroll}" ;;
   # Issue 25, next: why XLA re-records the decode step's command buffer on every call. XLA's own
   # log says per call how many allocations moved and whether a command forced the update; the dump
   # lists every step program's thunks (a conditional or while loop inside the graph forces updates).
+  # The log's own cost inflates every call's time (docs/benchmarks.md, session 20): take call times
+  # from a run without it.
   cb-why)
     run_section cb-why env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
         XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/xd_why --xla_dump_hlo_module_re=jit_step" \
@@ -346,23 +348,15 @@ unrolled||--unroll}" ;;
         --sampler-variants greedy,all --max-model-len 1024 --layer-unroll 0
     grep -oE "updated=[0-9]+ stabilized=[0-9]+ force=[0-9a-z]+ needs_update=[0-9a-z]+|updated_allocs=[0-9]+" \
         "$OUT/cb-why.log" | sort | uniq -c | sort -rn | head -20
+    # The same updates per way of dispatch_cost (allocations moved per update x count).
+    awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
+         match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]=a[phase] " " substr($0, RSTART+15, RLENGTH-15)}
+         END {for (p in n) {split(a[p], v, " "); delete h; for (i in v) h[v[i]]++; s="";
+              for (k in h) s=s " " k "x" h[k]; print "updates in phase " p ": " n[p] " (allocs x count:" s ")"}}' \
+        "$OUT/cb-why.log"
     for f in /tmp/xd_why/*jit_step*thunk_sequence_after_thunk_passes.txt; do
       echo "$(basename $f): $(grep -oE 'kConditional|kWhile|kCommandBuffer|kDynamicSlice[A-Za-z]*' $f | sort | uniq -c | tr '\n' ' ')"
     done | head -40 ;;
-  # Issue 25: XLA's command-buffer updates counted per way of dispatch_cost (and how many allocations
-  # moved in each), at 1 and 256 rows (UPDATE_ROWS). The log's own cost inflates every call's time
-  # (docs/benchmarks.md, session 20): take call times from a run without it.
-  cb-updates)
-    for rows in ${UPDATE_ROWS:-1 256}; do
-      run_section cb-updates-$rows env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
-          python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows $rows --calls 60 \
-          --max-model-len 1024 --output-json "$OUT/dispatch_updates_b$rows.json"
-      awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
-           match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]=a[phase] " " substr($0, RSTART+15, RLENGTH-15)}
-           END {for (p in n) {split(a[p], v, " "); delete h; for (i in v) h[v[i]]++; s="";
-                for (k in h) s=s " " k "x" h[k]; print "updates in phase " p ": " n[p] " (allocs x count:" s ")"}}' \
-          "$OUT/cb-updates-$rows.log"
-    done ;;
   # Issue 25: where the host time of one XLA step call goes. HOST_PROFILE_VARIANTS: lines of
   # "name|XLA flags|extra engine args"; each runs benchmarks.host_profile at 1 and 256 rows.
   host-profile)
