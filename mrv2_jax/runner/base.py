@@ -131,7 +131,7 @@ class RunnerBase:
         if self.compile_mode in ("lazy", "background"):
             def make(key, layout, make_fn):
                 saved = None if store is None else (lambda i: store.load(name(key, i)),
-                                                    lambda i, program: store.save(name(key, i), program))
+                                                    lambda i, lowered: store.compile(name(key, i), lowered, options))
                 return LazyPrograms(lambda i: lower(layout, make_fn, i), num_variants,
                                     compile=lambda lowered: lowered.compile(options or None), store=saved)
 
@@ -153,10 +153,9 @@ class RunnerBase:
                     compiled = dict(zip(wanted, pool.map(lambda k: store.load(name(*k)), wanted)))
             missing = [k for k in wanted if compiled.get(k) is None]
             lowered = {(key, i): lower(*steps[key], i) for key, i in missing}
-            compiled |= compile_all(lowered, show_progress, compiler_options=options) if lowered else {}
-            if store is not None:
-                for k in missing:
-                    store.save(name(*k), compiled[k])
+            compile_one = None if store is None else (lambda k, low: store.compile(name(*k), low, options))
+            compiled |= compile_all(lowered, show_progress, compiler_options=options,
+                                    compile_one=compile_one) if lowered else {}
             programs = {key: (layout, [compiled[key, i] for i in range(num_variants)])
                         for key, (layout, _) in steps.items()}
         self._step_programs = programs  # what warm_up runs

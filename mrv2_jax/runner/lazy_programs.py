@@ -64,11 +64,12 @@ def _until_no_foreground_waits() -> None:
 class LazyPrograms(Sequence):
     """One bucket's programs, one per sampler variant: `compile(lower(i))` is variant i, or
     `lower(i)` itself without `compile`. With `store` (a pair of callables `load(i)` -> program or
-    None, `save(i, program)`), a stored program is used as it is, and a compiled one is saved.
+    None, `compile(i, lowered)` -> the program, compiled and saved), a stored program is used as it
+    is, and the store compiles the others in place of `compile`.
     Safe to index from several threads."""
 
     def __init__(self, lower: Callable[[int], object], count: int, compile: Callable[[object], object] | None = None,
-                 store: tuple[Callable[[int], object], Callable[[int, object], None]] | None = None):
+                 store: tuple[Callable[[int], object], Callable[[int, object], object]] | None = None):
         self._lower = lower
         self._compile = compile
         self._store = store if compile is not None else None
@@ -101,10 +102,7 @@ class LazyPrograms(Sequence):
             lowered = self._lower(index)
         if self._compile is None:
             return lowered
-        program = self._compile(lowered)
-        if self._store:
-            self._store[1](index, program)
-        return program
+        return self._store[1](index, lowered) if self._store else self._compile(lowered)
 
     def ensure(self, index: int):
         """Program `index`, compiled now by this thread unless another one is compiling it (then

@@ -11,6 +11,7 @@ persistent cache while another thread compiles.
 """
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -23,13 +24,16 @@ def compile_workers() -> int:
 
 
 def compile_all(lowered: dict, show_progress: bool, desc: str = "compiling step buckets",
-                compiler_options: dict | None = None) -> dict:
+                compiler_options: dict | None = None, compile_one: Callable | None = None) -> dict:
     """{key: jax Lowered} -> {key: Compiled}, compiled concurrently, with a progress bar;
-    `compiler_options`: XLA options for every module (xla_flags.step_compiler_options)."""
+    `compiler_options`: XLA options for every module (xla_flags.step_compiler_options);
+    `compile_one(key, lowered)`, when given, compiles in place of `lowered.compile`."""
     workers = min(len(lowered), compile_workers())
-    compile_one = (lambda low: low.compile(compiler_options)) if compiler_options else (lambda low: low.compile())
+    if compile_one is None:
+        def compile_one(_, low):
+            return low.compile(compiler_options or None)
     with ThreadPoolExecutor(workers) as pool, tqdm(total=len(lowered), desc=desc, disable=not show_progress) as bar:
-        futures = {key: pool.submit(compile_one, low) for key, low in lowered.items()}
+        futures = {key: pool.submit(compile_one, key, low) for key, low in lowered.items()}
         compiled = {}
         for key, future in futures.items():
             compiled[key] = future.result()

@@ -11,6 +11,11 @@ engine's own inputs (its configuration, the model's config, the KV cache size: `
 plus the program's name within the runner. Programs travel as jax.experimental.serialize_executable
 payloads; a loaded program checks its arguments' tree on every call, so a stale entry fails loudly.
 
+A program that JAX took from its own persistent compilation cache is not saved: XLA:CPU (jax 0.11.2)
+serialises such an executable without its kernels ("Function ... not found" when the loaded copy
+runs). `ProgramStore.compile` tells the two apart by JAX's cache-hit event, recorded on the
+compiling thread.
+
 Each fingerprint is a folder; the least recently used folders beyond `MAX_FINGERPRINTS` are removed
 when a new one is made. Files are written to a temporary name and renamed, so processes sharing the
 folder never read half a program.
@@ -24,6 +29,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +40,16 @@ log = logging.getLogger(__name__)
 
 MAX_FINGERPRINTS = 8  # fingerprint folders kept (each one engine configuration's programs)
 _PACKAGES = ("mrv2_jax", "pallas_kernels")
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_this_thread = threading.local()  # .cache_hits: JAX's persistent-cache hits on this thread
+
+
+def _count_cache_hits(event: str, **_) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _this_thread.cache_hits = getattr(_this_thread, "cache_hits", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
 
 
 def source_digest(roots: Iterable[Path]) -> str:
@@ -78,6 +94,7 @@ class ProgramStore:
     def __init__(self, root: str | Path, fingerprint: str, max_fingerprints: int = MAX_FINGERPRINTS):
         self.folder = Path(root) / fingerprint[:32]
         self.loaded = 0  # programs this store has handed out from disk
+        self.not_saved = 0  # programs compiled through JAX's persistent cache, so not kept (see above)
         new = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         os.utime(self.folder)  # most recently used
@@ -101,6 +118,17 @@ class ProgramStore:
             return None
         self.loaded += 1
         return program
+
+    def compile(self, name: str, lowered, compiler_options: dict | None = None):
+        """Compile `lowered` (a jax Lowered) and keep it as `name`, unless JAX's persistent cache gave it."""
+        before = getattr(_this_thread, "cache_hits", 0)
+        compiled = lowered.compile(compiler_options or None)
+        if getattr(_this_thread, "cache_hits", 0) == before:
+            self.save(name, compiled)
+        else:
+            self.not_saved += 1
+            log.info("program store: %s came from JAX's compilation cache; not saved", name)
+        return compiled
 
     def save(self, name: str, compiled) -> None:
         """Keep `compiled` (a jax Compiled) as `name`; a failure is logged, never raised."""

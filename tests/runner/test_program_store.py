@@ -16,6 +16,24 @@ from tests.parity import FIXTURES
 MODEL = FIXTURES / "qwen3-tiny"
 
 
+@pytest.fixture
+def fresh_jax_cache(tmp_path):
+    """JAX's persistent compilation cache in an empty folder, keeping every program, for this test
+    (the setting is process-wide: the previous one comes back after)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    compilation_cache.reset_cache()
+    for name, value in zip(names, (str(tmp_path / "jax"), 0.0, -1)):
+        jax.config.update(name, value)
+    yield tmp_path / "jax"
+    compilation_cache.reset_cache()
+    for name, value in before.items():
+        jax.config.update(name, value)
+
+
 def double_and_count():
     return jax.jit(lambda x, tree: (x * 2, tree["n"] + 1), donate_argnums=(0,)).lower(
         jnp.ones(4), {"n": jnp.ones(2)}).compile()
@@ -36,6 +54,26 @@ def test_a_saved_program_loads_and_runs_as_compiled(tmp_path):
     assert ProgramStore(tmp_path, "b" * 64).load("step/0") is None  # another fingerprint: nothing
     with pytest.raises(TypeError):  # a call with another argument tree fails loudly
         program(jnp.ones(4), [jnp.zeros(2)])
+
+
+def test_a_program_from_jaxs_cache_is_not_saved_and_a_fresh_one_is(tmp_path, fresh_jax_cache):
+    """XLA:CPU re-serialises an executable that JAX loaded from its persistent cache without its
+    kernels; the store compiles through JAX's cache but saves only what was compiled afresh."""
+    def lowered():  # a new lowering each time, so that JAX looks in its persistent cache again
+        return jax.jit(lambda x, y: (-jnp.power(x, 3.0) + jnp.tanh(y) @ x, jnp.sin(y))).lower(
+            jnp.ones((8, 8)), jnp.ones((8, 8)))
+
+    x, y = jnp.linspace(-1, 1, 64).reshape(8, 8), jnp.linspace(0, 2, 64).reshape(8, 8)
+    want = (-np.power(np.asarray(x), 3.0) + np.tanh(np.asarray(y)) @ np.asarray(x), np.sin(np.asarray(y)))
+    fresh = ProgramStore(tmp_path / "store", "d" * 64)
+    fresh.compile("p", lowered())
+    assert fresh.not_saved == 0 and any(fresh_jax_cache.iterdir())
+    from_cache = ProgramStore(tmp_path / "store", "e" * 64)
+    program = from_cache.compile("p", lowered())
+    assert from_cache.not_saved == 1 and from_cache.load("p") is None
+    for got in (program(x, y), fresh.load("p")(x, y)):
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
 
 
 def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path):
@@ -66,11 +104,12 @@ def test_source_digest_follows_every_python_file(tmp_path):
     assert source_digest([tmp_path / "pkg"]) != before
 
 
-def test_a_second_engine_loads_every_program_and_gives_the_same_tokens(tmp_path, monkeypatch):
+def test_a_second_engine_loads_every_program_and_gives_the_same_tokens(tmp_path, monkeypatch, fresh_jax_cache):
     """Eager: the first engine compiles and saves its 2 programs (one bucket x greedy, all), the
     second loads both; a lazy engine of the same configuration finds them too; a background one
     loads both before its first step (warm_up runs both), and with one missing from the store loads
-    the other and compiles that one beside the engine; greedy tokens equal a plain loop's."""
+    the other and takes that one from JAX's persistent cache, which the store does not keep (the
+    first engine's compile left it there); greedy tokens equal a plain loop's."""
     monkeypatch.setenv("MRV2_COMPILATION_CACHE", str(tmp_path))
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(3, 96, n)] for n in (5, 11, 3)]
@@ -105,6 +144,7 @@ def test_a_second_engine_loads_every_program_and_gives_the_same_tokens(tmp_path,
     next(runner.program_store.folder.glob("*.xla")).unlink()
     partial = LLM(str(MODEL), compile_mode="background", **config)
     assert partial.engine.runner.program_store.loaded == 1 and partial.wait_for_compiles(600)
+    assert partial.engine.runner.program_store.not_saved == 1
     assert all(programs.num_compiled == 2 for _, programs in partial.engine.runner._step_programs.values())
     assert [o.outputs[0].token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == want
     other = LLM(str(MODEL), compile_mode="eager", **(config | {"max_num_seqs": 2}))  # another key
