@@ -357,6 +357,9 @@ unrolled||--unroll}" ;;
     for f in /tmp/xd_why/*jit_step*thunk_sequence_after_thunk_passes.txt; do
       echo "$(basename $f): $(grep -oE 'kConditional|kWhile|kCommandBuffer|kDynamicSlice[A-Za-z]*' $f | sort | uniq -c | tr '\n' ' ')"
     done | head -40 ;;
+  # Whether a program from JAX's persistent cache serialises again completely on GPUs (XLA:CPU's does not:
+  # runner/program_store.py then does not save it).
+  reserialize) run_section reserialize python3 -m benchmarks.cache_reserialize ;;
   # Issue 25: where the host time of one XLA step call goes. HOST_PROFILE_VARIANTS: lines of
   # "name|XLA flags|extra engine args"; each runs benchmarks.host_profile at 1 and 256 rows.
   host-profile)
