@@ -1,5 +1,6 @@
 """Shared test setup: CPU by default; `-m gpu` tests need a GPU, `-m oracle` tests need torch."""
 
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -99,18 +100,40 @@ def pytest_xdist_make_scheduler(config, log):
     return LoadWithGroups(config, log)
 
 
+@contextlib.contextmanager
+def jax_cache_settings(**settings):
+    """JAX's persistent-cache options (`jax_*` config names) set to `settings` inside the block, the
+    previous values after it. They are process-wide, and whether the cache is used is memoised per
+    process, so the cache is reset on the way in and out."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = {name: getattr(jax.config, name) for name in settings}
+    compilation_cache.reset_cache()
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        compilation_cache.reset_cache()
+        for name, value in before.items():
+            jax.config.update(name, value)
+
+
 @pytest.fixture(scope="module")
 def no_persistent_compile_cache():
     """Compile without the on-disk cache for one module. XLA:CPU (jax 0.11.2) segfaults now and
     then serialising or deserialising the speculative-decoding modules' executables for the cache
     (`put_executable_and_time` / `get_executable_and_time`: four times in two sessions, always in
     these modules, never when run alone), so they neither write nor read it."""
-    import jax
-    from jax._src import compilation_cache
+    with jax_cache_settings(jax_enable_compilation_cache=False):
+        yield
 
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # whether the cache is used is memoised per process
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-    compilation_cache.reset_cache()
+
+@pytest.fixture
+def fresh_jax_cache(tmp_path):
+    """JAX's persistent compilation cache in an empty folder, keeping every program, for one test."""
+    with jax_cache_settings(jax_compilation_cache_dir=str(tmp_path / "jax"),
+                            jax_persistent_cache_min_compile_time_secs=0.0,
+                            jax_persistent_cache_min_entry_size_bytes=-1):
+        yield tmp_path / "jax"

@@ -16,24 +16,6 @@ from tests.parity import FIXTURES
 MODEL = FIXTURES / "qwen3-tiny"
 
 
-@pytest.fixture
-def fresh_jax_cache(tmp_path):
-    """JAX's persistent compilation cache in an empty folder, keeping every program, for this test
-    (the setting is process-wide: the previous one comes back after)."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {name: getattr(jax.config, name) for name in names}
-    compilation_cache.reset_cache()
-    for name, value in zip(names, (str(tmp_path / "jax"), 0.0, -1)):
-        jax.config.update(name, value)
-    yield tmp_path / "jax"
-    compilation_cache.reset_cache()
-    for name, value in before.items():
-        jax.config.update(name, value)
-
-
 def double_and_count():
     return jax.jit(lambda x, tree: (x * 2, tree["n"] + 1), donate_argnums=(0,)).lower(
         jnp.ones(4), {"n": jnp.ones(2)}).compile()
