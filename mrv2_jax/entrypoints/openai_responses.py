@@ -105,6 +105,20 @@ class DeltaTracker:
         return c.token_ids[start:], entries
 
 
+@dataclass
+class TokenCount:
+    """How many tokens a stream has sent chunks for. Every output that brings new tokens gets a chunk,
+    also when their text is held back (an unfinished character, or what may start a stop string):
+    so a client sees one chunk per decode step, as from vLLM, and the held-back text comes later."""
+
+    num_tokens: int = 0
+
+    def new_tokens(self, out: RequestOutput) -> bool:
+        n = len(out.outputs[0].token_ids)
+        new, self.num_tokens = n > self.num_tokens, n
+        return new
+
+
 def completion_logprobs(fmt: LogprobFormatter | None, out: RequestOutput, tracker: DeltaTracker) -> dict | None:
     if fmt is None:  # no logprobs asked for: nothing to cut (a stream's every chunk passes here)
         return None

@@ -246,12 +246,12 @@ async def _stream_outputs(stream: RequestStream, tracker: RequestTracker, make_e
 
 
 def _completion_events(stream, tracker, rid, model, fmt, include_usage):
-    created, deltas = R.now(), R.DeltaTracker()
+    created, deltas, sent = R.now(), R.DeltaTracker(), R.TokenCount()
 
     def events(out):
         c = out.outputs[0]
         logprobs = R.completion_logprobs(fmt, out, deltas)
-        if out.delta_text or c.finish_reason or logprobs:
+        if sent.new_tokens(out) or out.delta_text or c.finish_reason or logprobs:
             yield R.completion_chunk(rid, created, model, out.delta_text, c.finish_reason, logprobs, include_usage)
 
     usage = (lambda out: R.usage_chunk(rid, created, model, "text_completion", out)) if include_usage else None
@@ -259,7 +259,7 @@ def _completion_events(stream, tracker, rid, model, fmt, include_usage):
 
 
 def _chat_events(stream, tracker, rid, model, fmt, include_usage):
-    created, deltas = R.now(), R.DeltaTracker()
+    created, deltas, sent = R.now(), R.DeltaTracker(), R.TokenCount()
     state = {"first": True}
 
     def events(out):
@@ -268,8 +268,9 @@ def _chat_events(stream, tracker, rid, model, fmt, include_usage):
             state["first"] = False
             yield R.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, None, include_usage)
         logprobs = R.chat_logprobs(fmt, out, deltas)
-        if out.delta_text or c.finish_reason or logprobs:
-            delta = {"content": out.delta_text} if out.delta_text else {}
+        new_tokens = sent.new_tokens(out)
+        if new_tokens or out.delta_text or c.finish_reason or logprobs:
+            delta = {"content": out.delta_text} if out.delta_text or new_tokens else {}
             yield R.chat_chunk(rid, created, model, delta, c.finish_reason, logprobs, include_usage)
 
     usage = (lambda out: R.usage_chunk(rid, created, model, "chat.completion.chunk", out)) if include_usage else None

@@ -27,6 +27,8 @@ CHATS = [
 ]
 STOP = dict(max_tokens=24, temperature=0.0, stop=["\n"])
 BIG_SEED = dict(max_tokens=12, temperature=1.0, seed=2**63 - 5)  # OpenAI seeds are 64-bit
+# A stop string that never shows holds back its length - 1 characters: here all of a short output.
+HELD_BACK = dict(max_tokens=16, temperature=0.0, stop=["~" * 300])
 
 NAMES = ["The king", "A soldier", "The queen", "My lord", "Romeo", "Juliet", "The duke", "A servant"]
 VERBS = ["said", "cried", "asked", "whispered", "answered", "wept", "swore", "laughed"]
@@ -55,6 +57,7 @@ def reference(llm):
         "token_ids": _texts(llm, [tok.encode(PROMPTS[0])], GREEDY)[0],
         "stop": _texts(llm, PROMPTS, STOP),
         "big_seed": _texts(llm, PROMPTS[:1], BIG_SEED)[0],
+        "held_back": _texts(llm, PROMPTS[:1], HELD_BACK)[0],
         "concurrent": _texts(llm, CONCURRENT, CONCURRENT_PARAMS),
     }
 
@@ -97,6 +100,21 @@ def test_streamed_completions_match_offline(client, reference, mode):
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         assert len(finishes) == 1
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0  # include_usage
+
+
+def test_tokens_whose_text_is_held_back_still_get_their_chunks(client, reference):
+    """As from vLLM, each output that brings tokens is a chunk, also when their text is held back (it
+    may start a stop string, or end in half a character): a client sees every step, and the text
+    comes whole at the end. Before, such tokens sent nothing and the next chunk carried them."""
+    text = reference["held_back"]
+    assert 0 < len(text) < 299  # all of it held back until the request ends
+    chunks = [c for c in client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], stream=True, **HELD_BACK)]
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[0].choices[0].text == "" and chunks[-1].choices[0].text == text
+    assert len(chunks) >= 3  # 16 tokens, so more than the first and the last output (steps seldom merge)
+    chat = list(client.chat.completions.create(model=MODEL_NAME, messages=CHATS[0], stream=True, **HELD_BACK))
+    assert chat[0].choices[0].delta.role == "assistant" and len(chat) >= 4
+    assert all(c.choices[0].delta.content == "" for c in chat[:-1]) and chat[-1].choices[0].delta.content
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
