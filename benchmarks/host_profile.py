@@ -165,7 +165,6 @@ def main(argv=None, prog=None):
     for rows in args.rows:
         compiled, packed = capture_decode_dispatch(llm, rows, args.output_len, args.input_len)
         on_device = jax.device_put(packed)
-
         step = alternating(runner, [compiled])
         # The engine's way (a fresh numpy packed input per call) is the one traced.
         timed = time_calls(step, lambda: np.array(packed), args.calls)
