@@ -17,7 +17,7 @@ import argparse
 import numpy as np
 
 from benchmarks.host_fakes import DEMO_TOKENIZER, load_tokenizer_arg
-from mrv2_jax.bench.environment import git_sha, write_report
+from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -52,8 +52,8 @@ def main(argv=None) -> dict:
     empty = empty_deltas(tokenizer, requests)
     total = args.requests * args.tokens
     print(f"{args.tokenizer}: {empty} of {total} random tokens held their text back ({100 * empty / total:.2f}%)")
-    report = {"git_sha": git_sha(), "settings": vars(args), "tokens": total, "empty_deltas": empty,
-              "share": empty / total}
+    report = {**describe_environment(probe_device=False), "settings": vars(args), "tokens": total,
+              "empty_deltas": empty, "share": empty / total}
     if args.output_json:
         write_report(report, args.output_json)
     return report
