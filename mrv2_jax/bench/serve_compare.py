@@ -81,17 +81,20 @@ def client_command(args, client: str, url: str, streams: int, prompts: int, seed
             "--output-json", out, *(["--ignore-eos"] if args.ignore_eos else [])]
 
 
-def read_client_result(client: str, path: str) -> tuple[list[dict], float]:
-    """-> (per request {ttft, itl, output_tokens} in seconds, the client's own run duration)."""
+def read_client_result(client: str, path: str) -> tuple[list[dict], float, list[str]]:
+    """-> (per request {ttft, itl, output_tokens} in seconds, the client's own run duration, the
+    failed requests' errors)."""
     data = json.loads(Path(path).read_text())
     if client == "vllm":
         errors = data.get("errors") or [""] * len(data["ttfts"])
-        rows = [{"ttft": t, "itl": list(itl), "output_tokens": n}
-                for t, itl, n, e in zip(data["ttfts"], data["itls"], data["output_lens"], errors) if not e and n]
-        return rows, float(data["duration"])
+        triples = zip(data["ttfts"], data["itls"], data["output_lens"], errors)
+        rows = [{"ttft": t, "itl": list(itl), "output_tokens": n} for t, itl, n, e in triples if not e and n]
+        failed = [e or "no output tokens" for e, n in zip(errors, data["output_lens"]) if e or not n]
+        return rows, float(data["duration"]), failed
     rows = [{"ttft": r["ttft"], "itl": r["itl"], "output_tokens": r["output_tokens"]}
             for r in data["requests"] if r["success"]]
-    return rows, float(data["metrics"]["duration_s"])
+    failed = [r.get("error") or "failed" for r in data["requests"] if not r["success"]]
+    return rows, float(data["metrics"]["duration_s"]), failed
 
 
 def pooled_metrics(rows: list[dict], duration: float) -> dict:
@@ -125,7 +128,7 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) ->
         proc = subprocess.Popen(client_command(args, client, url, streams, n, args.dataset_seed + i, out), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         running.append((proc, out, time.perf_counter(), CpuSampler(proc.pid)))
-    rows, durations, busy, busy_run, errors = [], [], [], [], []
+    rows, durations, busy, busy_run, errors, failed = [], [], [], [], [], []
     for proc, out, start, sampler in running:
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
@@ -135,8 +138,9 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) ->
         if proc.returncode != 0:
             errors.append(f"client exited with {proc.returncode}: {stderr[-500:]}")
             continue
-        got, duration = read_client_result(client, out)
+        got, duration, failures = read_client_result(client, out)
         rows += got
+        failed += failures
         durations.append(duration)
         busy.append((usage.ru_utime + usage.ru_stime) / wall)
         busy_run.append(sampler.busy_over_last(duration))
@@ -146,6 +150,8 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) ->
     # The run's own load (its last `duration` seconds) where it could be sampled, else the whole life's.
     run = [b for b in busy_run if b is not None]
     busy_max = max(run) if len(run) == len(busy_run) else max(busy)
+    # Failed requests are left out of the metrics and counted here, with the first one's error.
+    metrics |= {"failed": len(failed), "first_error": failed[0][:300] if failed else None}
     metrics |= {"concurrency": concurrency, "client_processes": processes, "prompts": prompts,
                 "client_cpu_busy_max": busy_max, "client_cpu_busy_whole_max": max(busy),
                 "client_cpu_busy_is_run": len(run) == len(busy_run), "client_may_be_bound": busy_max > CLIENT_BUSY}
@@ -170,6 +176,8 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                   f"(median {m['median_ttft_ms']:.1f}, max {m['max_ttft_ms']:.1f}), "
                   f"TPOT {m['mean_tpot_ms']:6.2f} ms, ITL {m['mean_itl_ms']:6.2f} / P99 {m['p99_itl_ms']:6.1f} ms, "
                   f"tokens/chunk {m['tokens_per_chunk']:.3f}, client busy {m['client_cpu_busy_max']:.2f}", flush=True)
+            if m["failed"]:
+                print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
         return {"startup_s": s.startup_s, "levels": levels}
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mrv2_jax import envs
 from mrv2_jax.config import KernelConfig
 from mrv2_jax.engine import distributed
+from mrv2_jax.engine.tokenizer import has_tokenizer
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
@@ -124,6 +125,8 @@ class EngineConfig:
         self.runner = (self.runner or envs.read("MRV2_RUNNER")).lower()
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.tokenizer is not None and not has_tokenizer(self.tokenizer):
+            raise ValueError(f"tokenizer {self.tokenizer!r} holds no Hugging Face tokenizer (no tokenizer_config.json)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         # The model and sampler modules load JAX: imported here, where an engine is being configured.

@@ -101,6 +101,21 @@ def test_serve_compare_pools_its_client_processes(server, tmp_path):
     assert 0 < high["client_cpu_busy_max"]
 
 
+def test_serve_compare_counts_failed_requests_with_their_error(server, tmp_path):
+    """Requests the server refuses (a model name it does not serve) are left out of the metrics,
+    counted, and the first one's error kept, instead of a silent row of zeros."""
+    from mrv2_jax.bench import serve_compare
+
+    report = serve_compare.main(
+        ["--servers", "mrv2", "--client", "mrv2", "--mrv2-base-url", server.url, "--model", "demo",
+         "--served-model-name", "not-" + MODEL_NAME, "--concurrency", "2",
+         "--prompts-per-stream", "1", "--min-prompts", "3", "--input-len", "8", "--output-len", "4",
+         "--output-json", str(tmp_path / "sc.json")])
+    (level,) = report["results"]["mrv2"]["levels"]
+    assert (level["completed"], level["failed"]) == (0, 3)
+    assert "HTTP 404" in level["first_error"] and "not-" + MODEL_NAME in level["first_error"]
+
+
 def test_serve_compare_metrics_pool_requests_as_a_plain_loop_does():
     from mrv2_jax.bench.serve_compare import pooled_metrics
 

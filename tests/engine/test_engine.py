@@ -285,3 +285,9 @@ def test_engine_compiles_in_the_background_and_warms_up_on_gpus(monkeypatch):
     assert warms_up(EngineConfig(**demo)) and warms_up(EngineConfig(compile_mode="eager", **demo))
     assert warms_up(EngineConfig(compile_mode="background", **demo))
     assert not warms_up(EngineConfig(compile_mode="lazy", **demo))
+
+
+def test_a_tokenizer_path_without_a_tokenizer_is_refused(tmp_path):
+    """An explicit --tokenizer that holds none fails at start, instead of a server that takes no text."""
+    with pytest.raises(ValueError, match="holds no Hugging Face tokenizer"):
+        make_llm(tokenizer=str(tmp_path / "missing"))
