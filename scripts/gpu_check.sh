@@ -20,7 +20,8 @@
 # against Triton (kv-write: its GPU tests and the benchmark's kv_write cases), the MoE grouped GEMM on
 # Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms),
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
-# benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each).
+# benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each;
+# fused-attn: fused decode at batch 1 / 8 / 32 on each).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -316,6 +317,13 @@ for s in $sections; do case $s in
       --plot "$OUT/${s//-/_}${TAG:-}.png" ;;
   fused) run_section fused python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
       --output-json "$OUT/fused_decode.json" ;;
+  # Issue 26: fused decode at batch 1 / 8 / 32 with its attention on the Triton kernel and on the
+  # Mosaic GPU decode kernel (split over the KV length, so a lone row still spreads over the SMs).
+  fused-attn)
+    for k in pallas mgpu; do
+      run_section fused-attn-$k python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 16 \
+          --kernels decode_attention=$k --output-json "$OUT/fused_decode_attention_$k.json"
+    done ;;
   fused-while) run_section fused-while env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" \
       python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --output-json "$OUT/fused_decode_while.json" ;;
   # Issue 24: what streaming from inside fused calls costs per token without the serving path (no
