@@ -87,8 +87,8 @@ def read_client_result(client: str, path: str) -> tuple[list[dict], float, list[
     data = json.loads(Path(path).read_text())
     if client == "vllm":
         errors = data.get("errors") or [""] * len(data["ttfts"])
-        triples = zip(data["ttfts"], data["itls"], data["output_lens"], errors)
-        rows = [{"ttft": t, "itl": list(itl), "output_tokens": n} for t, itl, n, e in triples if not e and n]
+        per_request = zip(data["ttfts"], data["itls"], data["output_lens"], errors)
+        rows = [{"ttft": t, "itl": list(itl), "output_tokens": n} for t, itl, n, e in per_request if not e and n]
         failed = [e or "no output tokens" for e, n in zip(errors, data["output_lens"]) if e or not n]
         return rows, float(data["duration"]), failed
     rows = [{"ttft": r["ttft"], "itl": r["itl"], "output_tokens": r["output_tokens"]}
