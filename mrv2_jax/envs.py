@@ -62,7 +62,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("MRV2_STRICT_COMPILES", "bool", False,
            "`1`: an XLA compile inside an engine step after warm-up is an error, not a warning (tests)."),
     Switch("MRV2_DEFAULT_XLA_FLAGS", "bool", True,
-           "`0`: leave XLA_FLAGS and the step compile options as they are (xla_flags.py)."),
+           "`0`: leave out the performance XLA flags and step compile options (the correctness flag stays; "
+           "xla_flags.py)."),
     Switch("MRV2_API_KEY", "str", None, "API key the server requires when `--api-key` is not given."),
     _choice("MRV2_SAMPLER_KERNELS", "auto", SAMPLER_PASS_MODES,
             "Default of KernelConfig.sampler_logit_stats: the sampler's pass over the logits and rank count."),

@@ -12,14 +12,25 @@ GEMMs cannot take a sliced operand, so with them every layer's weights were copi
 stack each step. The throughput each flag gained is in docs/benchmarks.md (runner A/B, and
 "cuBLAS GEMMs on the stacked weights").
 
+`--xla_gpu_memory_limit_slop_factor=10000` is for correctness, not speed, and stays on with
+`MRV2_DEFAULT_XLA_FLAGS=0`. XLA:GPU's estimate of a step program's peak memory counts the donated
+KV cache, updated in place, several times over; once the KV cache is a large share of the GPU's
+memory, that estimate passes XLA's memory limit and XLA rewrites the program to save memory (its
+log says the rematerialisation pass cannot reach the limit). On the H200 the rewritten step
+programs with unrolled layers dropped the step's update of each row's token count: later steps read
+the wrong input tokens, and fused decode found no row decoding (docs/benchmarks.md, "Wrong tokens
+at a large KV cache"). The step programs' real working memory is a few MB beside their donated
+inputs, so the limit is raised out of reach (100x the device's memory) and no such rewrite happens.
+
 A flag the user already set wins (including turning command buffers off), and so does
-`MRV2_DEFAULT_XLA_FLAGS=0`. XLA reads XLA_FLAGS once, when the backend starts: importing
-mrv2_jax after JAX has already run a computation leaves the flags as they were.
+`MRV2_DEFAULT_XLA_FLAGS=0` for the performance flags. XLA reads XLA_FLAGS once, when the backend
+starts: importing mrv2_jax after JAX has already run a computation leaves the flags as they were.
 """
 
 from mrv2_jax import envs
 
 DEFAULT_FLAGS = {"--xla_gpu_enable_command_buffer": "+WHILE", "--xla_gpu_enable_dynamic_slice_fusion": "true"}
+REQUIRED_FLAGS = {"--xla_gpu_memory_limit_slop_factor": "10000"}
 
 
 def _defaults_on() -> bool:
@@ -27,10 +38,9 @@ def _defaults_on() -> bool:
 
 
 def apply_default_xla_flags() -> None:
-    if not _defaults_on():
-        return
+    wanted = REQUIRED_FLAGS | (DEFAULT_FLAGS if _defaults_on() else {})
     flags = envs.get_xla_flags()
-    missing = [f"{name}={value}" for name, value in DEFAULT_FLAGS.items() if name not in flags]
+    missing = [f"{name}={value}" for name, value in wanted.items() if name not in flags]
     if missing:
         envs.set_xla_flags(" ".join([flags, *missing]).strip())
 

@@ -9,15 +9,22 @@ def test_default_flags_are_added_only_when_absent(monkeypatch):
     apply_default_xla_flags()
     import os
 
-    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer=+WHILE "
+    assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_gpu_memory_limit_slop_factor=10000 "
+                                       "--xla_gpu_enable_command_buffer=+WHILE "
                                        "--xla_gpu_enable_dynamic_slice_fusion=true")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")  # the user turned them off
     apply_default_xla_flags()
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer= --xla_gpu_enable_dynamic_slice_fusion=true"
+    assert os.environ["XLA_FLAGS"] == ("--xla_gpu_enable_command_buffer= --xla_gpu_memory_limit_slop_factor=10000 "
+                                       "--xla_gpu_enable_dynamic_slice_fusion=true")
+    # MRV2_DEFAULT_XLA_FLAGS=0 leaves out the performance flags, not the correctness one ...
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("MRV2_DEFAULT_XLA_FLAGS", "0")
     apply_default_xla_flags()
-    assert os.environ["XLA_FLAGS"] == ""
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_memory_limit_slop_factor=10000"
+    # ... which a user's own value replaces.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_memory_limit_slop_factor=95")
+    apply_default_xla_flags()
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_memory_limit_slop_factor=95"
 
 
 def test_step_compiler_options_pick_cublas_unless_weights_are_fp8(monkeypatch):
