@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from mrv2_jax.llm import LLM
+from mrv2_jax.models.loader import CHECKPOINTS_DIR
 from mrv2_jax.sampling_params import SamplingParams
 from tests.engine_reference import greedy_reference
-from tests.parity import FIXTURES
 
-MODEL = FIXTURES / "qwen3-tiny"
+MODEL = CHECKPOINTS_DIR / "demo-qwen3"  # head_dim 64: fewer, larger KV blocks than the tiny fixture's
 
 
 @pytest.mark.gpu
