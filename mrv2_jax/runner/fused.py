@@ -104,6 +104,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
         real_row = jnp.arange(num_rows) < num_reqs
         decoding = state.num_computed[idx] + 1 == state.num_tokens[idx]
         active = real_row & decoding & (budget > 0) & ~rows_ended(state, idx)
+        diverged = prepare.diverged_rows(state, idx, budget, num_reqs)
         no_chunk = jnp.zeros((num_tokens,), jnp.int32)  # decodes read every input from the tables
 
         def one_step(step, carry):
@@ -152,7 +153,8 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
         carry = (kv_cache, state, sampler_state, active, jnp.zeros(num_rows, jnp.int32), outs)
         _, (kv_cache, state, sampler_state, _, _, outs) = jax.lax.while_loop(
             keep_going, body, (jnp.int32(0), carry))
-        return kv_cache, state, sampler_state, outs
+        first = jnp.where(diverged, prepare.DIVERGED, outs.tokens[0])  # the host stops on it (prepare.py)
+        return kv_cache, state, sampler_state, outs._replace(tokens=outs.tokens.at[0].set(first))
 
     return fused
 

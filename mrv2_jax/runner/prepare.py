@@ -48,6 +48,21 @@ def apply_new_requests(state: DeviceState, slot, prefill_len, num_computed, num_
         stop_ids=put(state.stop_ids, -1 if stop_ids is None else stop_ids))
 
 
+# The token a step returns for a row whose table entries contradict its schedule (diverged_rows).
+DIVERGED = -2
+
+
+def diverged_rows(state: DeviceState, idx_mapping, num_scheduled, num_reqs) -> jax.Array:
+    """bool[R]: scheduled rows past their prefill whose token count is not one past their computed
+    tokens, as every decoding row's must be. Such a row's tables no longer say what the host
+    scheduled (a wrongly compiled step program dropped an update once): the step returns
+    DIVERGED for it and the host stops with an error instead of decoding from wrong inputs."""
+    scheduled = (jnp.arange(idx_mapping.shape[0]) < num_reqs) & (num_scheduled > 0)
+    computed, known = state.num_computed[idx_mapping], state.num_tokens[idx_mapping]
+    decoding = computed >= state.prefill_len[idx_mapping]
+    return scheduled & decoding & (known != computed + 1)
+
+
 def batch_sampling(state: DeviceState, idx_mapping, num_reqs) -> tuple[SamplingTensors, jax.Array]:
     """The sampler rows of this step's batch, read from the slot tables (padding rows neutral),
     and each row's sampler-table row (-1: none). Read before `post_update`."""

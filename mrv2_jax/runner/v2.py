@@ -86,11 +86,20 @@ class PendingStep:
         # Python ints and lists throughout: indexing numpy arrays row by row is slow on this path.
         sampling = self._sampling
         tokens = np.asarray(self._out.tokens)
+        if tokens.size and tokens.min() <= prepare.DIVERGED:
+            self._raise_diverged(tokens)
         if self._num_sampled is None and tokens.ndim == 1:  # one step: one token per row
             return {r: [t] for r, t in zip(self._req_ids, tokens.tolist()) if r in sampling}
         tokens, counts = self._tokens()
         return {r: column[:n] for r, column, n in zip(self._req_ids, tokens.T.tolist(), counts.tolist())
                 if r in sampling}
+
+    def _raise_diverged(self, tokens: np.ndarray):
+        rows = np.flatnonzero((tokens.reshape(-1, tokens.shape[-1]) == prepare.DIVERGED).any(axis=0))
+        req_ids = [self._req_ids[r] for r in rows if r < len(self._req_ids)]
+        raise RuntimeError(f"the device's tables of request(s) {req_ids} no longer match their schedule (a decoding "
+                           "row whose token count is not one past its computed tokens): a step program lost an "
+                           "update, and the tokens would come from wrong inputs (runner/prepare.py, diverged_rows)")
 
     def prompt_logprobs(self) -> dict[str, tuple[int, list[LogprobRow]]]:
         return prompt_token_logprobs(self._out, self._prompt_spans)
@@ -234,6 +243,7 @@ class ModelRunnerV2(RunnerBase):
                                                {name: x[f"new_{name}"] for name in SAMPLING_FIELDS},
                                                x["new_stop_ids"])
             state = prepare.apply_block_writes(state, x["append_slot"], x["append_index"], x["append_block"])
+            diverged = prepare.diverged_rows(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"])
             state, inputs = prepare.prepare_inputs(state, x["idx_mapping"], x["num_scheduled"], x["num_reqs"],
                                                    x["chunk_tokens"], block_size)
             sampling, sampler_rows = prepare.batch_sampling(state, x["idx_mapping"], x["num_reqs"])
@@ -259,6 +269,7 @@ class ModelRunnerV2(RunnerBase):
                 state = prepare.advance_automata(state, x["idx_mapping"], inputs, sampler_state.automata,
                                                  sampling.automaton_state, out.tokens)
             state = prepare.post_update(state, x["idx_mapping"], x["num_reqs"], inputs, out.tokens)
+            out = out._replace(tokens=jnp.where(diverged, prepare.DIVERGED, out.tokens))
             return kv_cache, state, sampler_state, out, spec_state
 
         return step

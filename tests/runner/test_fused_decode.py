@@ -166,3 +166,22 @@ def test_fused_calls_keep_the_pipeline_asynchronous(runs, monkeypatch):
     for _, n, _ in dispatched[:-1]:
         read_at = events.index(("read", n, None))
         assert ("dispatch", n + 1) in [e[:2] for e in events[:read_at]]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_row_whose_device_tables_diverged_stops_the_engine_with_its_name(runs, k):
+    """The symptom of a step program that lost an update (xla_flags.py): a decoding row's token
+    count not one past its computed tokens. One step per call and a fused call both return the
+    row as diverged (prepare.diverged_rows), and the engine stops naming the request instead of
+    decoding on from wrong inputs. Last in this module: it leaves the engine stopped."""
+    llm = runs[2][k]["llm"]
+    runner = llm.engine.runner
+    llm.add_request("To be, or not", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                    request_id="diverging")
+    while not any(out.outputs[0].token_ids for out in llm.step()):  # until its prompt is computed
+        pass
+    slot = runner.slots.slots_of(["diverging"])[0]
+    runner.state = runner.state._replace(num_tokens=runner.state.num_tokens.at[slot].add(-1))
+    with pytest.raises(RuntimeError, match=r"\['diverging'\] no longer match their schedule"):
+        for _ in range(4):
+            llm.step()
