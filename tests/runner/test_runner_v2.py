@@ -121,6 +121,29 @@ def test_prepare_inputs_matches_plain_loop(seed):
             assert int(after.num_tokens[s]) == nt[s]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_diverged_rows_match_plain_loop(seed):
+    """Flagged: a scheduled row past its prefill whose token count is not one past its computed
+    tokens; never a padding row, an unscheduled one or one still prefilling."""
+    rng = np.random.default_rng(100 + seed)
+    prefill = rng.integers(1, 20, 6)
+    kind = rng.integers(0, 3, 6)  # 0: prefilling, 1: decoding, 2: decoding with a count off by one or two
+    computed = np.where(kind == 0, rng.integers(0, prefill), prefill + rng.integers(0, 10, 6))
+    known = np.where(kind == 0, prefill, computed + 1) + np.where(kind == 2, rng.choice([-1, 1], 6), 0)
+    state = random_state(rng)._replace(prefill_len=jnp.asarray(prefill, jnp.int32),
+                                       num_computed=jnp.asarray(computed, jnp.int32),
+                                       num_tokens=jnp.asarray(known, jnp.int32))
+    num_reqs = int(rng.integers(1, 6))
+    idx_mapping = np.zeros(5, np.int32)
+    idx_mapping[:num_reqs] = rng.permutation(6)[:num_reqs]
+    num_scheduled = rng.integers(0, 3, 5).astype(np.int32)
+    got = prepare.diverged_rows(state, jnp.asarray(idx_mapping), jnp.asarray(num_scheduled), jnp.int32(num_reqs))
+    nc, nt, prefill = (np.array(getattr(state, f)) for f in ("num_computed", "num_tokens", "prefill_len"))
+    want = [bool(r < num_reqs and num_scheduled[r] > 0 and nc[s] >= prefill[s] and nt[s] != nc[s] + 1)
+            for r, s in enumerate(idx_mapping)]
+    assert np.asarray(got).tolist() == want
+
+
 def test_new_requests_and_block_writes_reuse_freed_slots():
     state = random_state(np.random.default_rng(9))
     state = prepare.apply_new_requests(
