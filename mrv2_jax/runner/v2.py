@@ -96,7 +96,7 @@ class PendingStep:
 
     def _raise_diverged(self, tokens: np.ndarray):
         rows = np.flatnonzero((tokens.reshape(-1, tokens.shape[-1]) == prepare.DIVERGED).any(axis=0))
-        req_ids = [self._req_ids[r] for r in rows if r < len(self._req_ids)]
+        req_ids = [self._req_ids[r] for r in rows]  # padding rows are never flagged
         raise RuntimeError(f"the device's tables of request(s) {req_ids} no longer match their schedule (a decoding "
                            "row whose token count is not one past its computed tokens): a step program lost an "
                            "update, and the tokens would come from wrong inputs (runner/prepare.py, diverged_rows)")
