@@ -13,8 +13,8 @@ PAD_TO = 160
 
 
 @functools.cache
-def _dense_forward(model_dir: str):
-    _, lm, _ = load_model(model_dir, dtype="float32")
+def _dense_forward(model_dir: str, load_format: str):
+    _, lm, _ = load_model(model_dir, dtype="float32", load_format=load_format)
 
     @jax.jit
     def last_logits(ids, length):
@@ -26,8 +26,10 @@ def _dense_forward(model_dir: str):
     return last_logits
 
 
-def greedy_reference(model_dir, prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
-    forward = _dense_forward(str(model_dir))
+def greedy_reference(model_dir, prompt: list[int], max_tokens: int, eos: int | None = None,
+                     load_format: str = "auto") -> list[int]:
+    """`load_format="dummy"`: the same seeded random weights as an engine built with it."""
+    forward = _dense_forward(str(model_dir), load_format)
     seq = list(prompt)
     for _ in range(max_tokens):
         ids = np.zeros(PAD_TO, np.int32)
