@@ -6,6 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mrv2_jax.models.loader import load_model
 
@@ -15,15 +16,18 @@ PAD_TO = 160
 @functools.cache
 def _dense_forward(model_dir: str, load_format: str):
     _, lm, _ = load_model(model_dir, dtype="float32", load_format=load_format)
+    graphdef, weights = nnx.split(lm)
 
+    # The weights are an argument, not constants folded into the program: a 0.6B model's program
+    # would otherwise hold all of them (slow to compile, too large for the compilation cache).
     @jax.jit
-    def last_logits(ids, length):
+    def last_logits(weights, ids, length):
         # Padding tokens get their own segment so they never influence the real ones.
         segment = (jnp.arange(PAD_TO) >= length).astype(jnp.int32)
-        logits = lm.forward_dense(ids, jnp.arange(PAD_TO, dtype=jnp.int32), segment)
+        logits = nnx.merge(graphdef, weights).forward_dense(ids, jnp.arange(PAD_TO, dtype=jnp.int32), segment)
         return logits[length - 1]
 
-    return last_logits
+    return functools.partial(last_logits, weights)
 
 
 def greedy_reference(model_dir, prompt: list[int], max_tokens: int, eos: int | None = None,
