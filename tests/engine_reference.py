@@ -14,8 +14,8 @@ PAD_TO = 160
 
 
 @functools.cache
-def _dense_forward(model_dir: str, load_format: str):
-    _, lm, _ = load_model(model_dir, dtype="float32", load_format=load_format)
+def _dense_forward(model_dir: str):
+    _, lm, _ = load_model(model_dir, dtype="float32")
     graphdef, weights = nnx.split(lm)
 
     # The weights are an argument, not constants folded into the program: a 0.6B model's program
@@ -30,10 +30,8 @@ def _dense_forward(model_dir: str, load_format: str):
     return functools.partial(last_logits, weights)
 
 
-def greedy_reference(model_dir, prompt: list[int], max_tokens: int, eos: int | None = None,
-                     load_format: str = "auto") -> list[int]:
-    """`load_format="dummy"`: the same seeded random weights as an engine built with it."""
-    forward = _dense_forward(str(model_dir), load_format)
+def greedy_reference(model_dir, prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
+    forward = _dense_forward(str(model_dir))
     seq = list(prompt)
     for _ in range(max_tokens):
         ids = np.zeros(PAD_TO, np.int32)
