@@ -245,9 +245,11 @@ for s in $sections; do case $s in
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 24's P99 inter-token gap without the server: serve-compare's workload as closed-loop streams
   # driven offline, each gap split by whether a step that admitted a prompt ran inside it (~3 min).
-  closed-loop-itl) run_section closed-loop-itl python3 -m benchmarks.closed_loop_itl --model qwen3-0.6b \
+  # CLOSED_LOOP_ARGS adds engine arguments (e.g. --max-tokens-while-decoding 512), TAG names the run.
+  closed-loop-itl) run_section closed-loop-itl${TAG:-} python3 -m benchmarks.closed_loop_itl --model qwen3-0.6b \
       --load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
-      --concurrency 1 32 128 256 --prompts-per-stream 3 ${CLOSED_LOOP_ARGS:-} --output-json "$OUT/closed_loop_itl.json" ;;
+      --compile-mode eager --concurrency 1 32 128 256 --prompts-per-stream 3 ${CLOSED_LOOP_ARGS:-} \
+      --output-json "$OUT/closed_loop_itl${TAG:-}.json" ;;
   # Issue 30: structured outputs at S1@256 with a JSON schema whose outputs run to max_tokens (a string
   # that only "#" ends; its one-time compile falls in the warm-up), beside the same arms unconstrained:
   # bench compare (mrv2-jax and vLLM + xgrammar; vLLM's constrained arm runs minutes) and the per-step
