@@ -57,12 +57,16 @@ def drive(llm, prompts: list[list[int]], params, concurrency: int) -> tuple[dict
                 if queue:
                     send()
                     running += 1
+        if running and not llm.engine.has_work():
+            raise RuntimeError(f"the engine went idle with {running} request(s) unfinished")
     return arrivals, finals
 
 
 def classify_gaps(arrivals, steps) -> dict:
     """Per-request TPOT and gaps; each gap marked by whether a step that scheduled prompt tokens
-    ran inside it. `steps`: (start, end, num_tokens, num_reqs) per engine step, sorted by start.
+    ran inside it. `steps`: (start, end, num_tokens, num_reqs) per engine step, sorted by start; a
+    step with more tokens than rows admitted prompt tokens (one step per call: streaming requests
+    with the default stream interval, no speculative decoding).
     With async scheduling a call returns the outputs of the step before it, so the step that
     started last before the gap counts too."""
     starts = [s[0] for s in steps]
