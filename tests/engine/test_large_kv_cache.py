@@ -27,10 +27,11 @@ def _prompts() -> list[list[int]]:
 
 def _generate(gpu_memory_utilization: float, max_fused_steps: int) -> tuple[list[list[int]], float]:
     """Greedy tokens of the prompts, and the KV cache's share of the device's memory."""
-    llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", runner="v2", max_num_seqs=4, max_num_batched_tokens=64,
-              max_model_len=128, block_size=16, gpu_memory_utilization=gpu_memory_utilization,
-              unrolled_layers_max_tokens=64, compile_mode="lazy", max_fused_steps=max_fused_steps,
-              sampler_variants="greedy,all", show_progress=False)
+    # The settings of the two runs that met the bug (fused-decode benchmark, probe): one GPU's
+    # defaults otherwise (buckets up to 128 tokens unrolled); programs compile at first use.
+    llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", runner="v2", max_num_seqs=8, max_num_batched_tokens=2048,
+              max_model_len=1024, gpu_memory_utilization=gpu_memory_utilization, unrolled_layers_max_tokens=128,
+              compile_mode="lazy", max_fused_steps=max_fused_steps, show_progress=False)
     kv_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.kv_cache))
     share = kv_bytes / jax.devices()[0].memory_stats()["bytes_limit"]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -41,8 +42,9 @@ def _generate(gpu_memory_utilization: float, max_fused_steps: int) -> tuple[list
 
 
 @functools.cache
-def _small_cache_tokens() -> list[list[int]]:
-    tokens, share = _generate(0.3, max_fused_steps=1)
+def _small_cache_tokens(max_fused_steps: int) -> list[list[int]]:
+    # The same K: in bf16 a fused call's program may round differently from one step's.
+    tokens, share = _generate(0.3, max_fused_steps)
     assert share < 0.35
     return tokens
 
@@ -50,7 +52,7 @@ def _small_cache_tokens() -> list[list[int]]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_fused_steps", [1, 8])
 def test_greedy_tokens_with_the_kv_cache_filling_the_gpu_equal_a_small_caches(max_fused_steps):
-    expected = _small_cache_tokens()
+    expected = _small_cache_tokens(max_fused_steps)
     got, share = _generate(0.9, max_fused_steps)
     assert share > 0.5  # the regime this test is about
     assert all(len(t) == MAX_TOKENS for t in expected)
