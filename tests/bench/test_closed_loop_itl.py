@@ -1,5 +1,5 @@
 """benchmarks/closed_loop_itl.py: its gap accounting on a schedule worked out by hand, and its
-closed-loop driver on the demo model against the engine's non-streamed outputs."""
+closed-loop driver on the demo model against the plain greedy loop (tests/engine_reference.py)."""
 
 import pytest
 
