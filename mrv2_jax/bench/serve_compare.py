@@ -115,10 +115,12 @@ def pooled_metrics(rows: list[dict], duration: float) -> dict:
             "tokens_per_chunk": out_tokens / chunks if chunks else 0.0}
 
 
-def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) -> dict:
-    """One concurrency level: the client processes side by side -> pooled metrics + client load."""
+def run_clients(args, client: str, url: str, concurrency: int, work_dir: str, prompts: int | None = None) -> dict:
+    """One concurrency level: the client processes side by side -> pooled metrics + client load.
+    `prompts`: how many in all (default: --prompts-per-stream per stream, at least --min-prompts)."""
     processes = max(1, math.ceil(concurrency / args.streams_per_client))
-    prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
+    if prompts is None:
+        prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
     running = []
     for i in range(processes):
         streams = concurrency // processes + (i < concurrency % processes)
@@ -158,17 +160,29 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str) ->
     return metrics
 
 
+def warm_up(args, client: str, url: str, work_dir: str) -> dict | None:
+    """A discarded round at the largest concurrency, --warmup-prompts-per-stream per stream, so that
+    the first measured level does not pay for a fresh server's first requests (allocator, caches,
+    the client processes' own start)."""
+    if not args.warmup_prompts_per_stream:
+        return None
+    c = max(args.concurrency)
+    m = run_clients(args, client, url, c, work_dir, prompts=args.warmup_prompts_per_stream * c)
+    return {"concurrency": c, "prompts": m["prompts"], "duration_s": m["duration_s"], "failed": m["failed"]}
+
+
 def run_server(args, server: str, client: str, work_dir: str) -> dict:
     if server == "mrv2" and args.mrv2_base_url:
-        return {"startup_s": None, "levels": [run_clients(args, client, args.mrv2_base_url, c, work_dir)
-                                               for c in args.concurrency]}
+        warm = warm_up(args, client, args.mrv2_base_url, work_dir)
+        return {"startup_s": None, "warmup": warm,
+                "levels": [run_clients(args, client, args.mrv2_base_url, c, work_dir) for c in args.concurrency]}
     port = free_port(args.host)
     log = os.path.join(args.log_dir or work_dir, f"serve_compare_{server}.log")
     launcher = (LaunchedServer if server == "mrv2" else LaunchedVllm)(args, args.host, port, log, args.server_timeout)
     if server == "mrv2":
         launcher.command += ["--served-model-name", args.served_model_name, *args.mrv2_serve_arg]
     with launcher as s:
-        levels = []
+        warm, levels = warm_up(args, client, s.url, work_dir), []
         for c in args.concurrency:
             levels.append(run_clients(args, client, s.url, c, work_dir))
             m = levels[-1]
@@ -178,7 +192,7 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                   f"tokens/chunk {m['tokens_per_chunk']:.3f}, client busy {m['client_cpu_busy_max']:.2f}", flush=True)
             if m["failed"]:
                 print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
-        return {"startup_s": s.startup_s, "levels": levels}
+        return {"startup_s": s.startup_s, "warmup": warm, "levels": levels}
 
 
 def plot(report: dict, path: str) -> None:
@@ -212,6 +226,8 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
                    help="streams per client process (one Python client process keeps up with a few streams only)")
     p.add_argument("--prompts-per-stream", type=int, default=3)
     p.add_argument("--min-prompts", type=int, default=16)
+    p.add_argument("--warmup-prompts-per-stream", type=int, default=1,
+                   help="a discarded round at the largest concurrency before the measured levels (0: none)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--ignore-eos", action="store_true")

@@ -83,7 +83,8 @@ def test_bench_serve_launches_and_stops_its_own_server(tmp_path):
 
 def test_serve_compare_pools_its_client_processes(server, tmp_path):
     """`bench serve-compare` against the running server with mrv2-jax's client: two client
-    processes at concurrency 3, their requests pooled into one row; JSON and plot written."""
+    processes at concurrency 3, their requests pooled into one row, after a discarded warm-up round
+    of one prompt per stream at the largest level; JSON and plot written."""
     from mrv2_jax.bench import serve_compare
 
     out, png = tmp_path / "sc.json", tmp_path / "sc.png"
@@ -96,6 +97,8 @@ def test_serve_compare_pools_its_client_processes(server, tmp_path):
     low, high = report["results"]["mrv2"]["levels"]
     assert (low["client_processes"], high["client_processes"]) == (1, 2)
     assert (low["completed"], high["completed"]) == (4, 6)
+    warm = report["results"]["mrv2"]["warmup"]
+    assert (warm["concurrency"], warm["prompts"], warm["failed"]) == (3, 3, 0) and warm["duration_s"] > 0
     assert high["output_tokens"] == 6 * 5 and high["output_throughput"] > 0
     assert 0 < high["mean_ttft_ms"] and 0 <= high["mean_itl_ms"] <= high["p99_itl_ms"]
     assert 0 < high["client_cpu_busy_max"]
@@ -108,7 +111,7 @@ def test_serve_compare_counts_failed_requests_with_their_error(server, tmp_path)
 
     report = serve_compare.main(
         ["--servers", "mrv2", "--client", "mrv2", "--mrv2-base-url", server.url, "--model", "demo",
-         "--served-model-name", "not-" + MODEL_NAME, "--concurrency", "2",
+         "--served-model-name", "not-" + MODEL_NAME, "--concurrency", "2", "--warmup-prompts-per-stream", "0",
          "--prompts-per-stream", "1", "--min-prompts", "3", "--input-len", "8", "--output-len", "4",
          "--output-json", str(tmp_path / "sc.json")])
     (level,) = report["results"]["mrv2"]["levels"]
