@@ -22,8 +22,7 @@
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
 # benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each;
 # fused-attn: fused decode at batch 1 / 8 / 32 on each), the engine at a KV cache filling the GPU
-# (large-kv: with and without xla_flags.py's memory-limit flag), serving's inter-token gaps without the
-# server (closed-loop-itl).
+# (large-kv: with and without xla_flags.py's memory-limit flag).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -245,13 +244,6 @@ for s in $sections; do case $s in
       --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
-  # Issue 24's P99 inter-token gap without the server: serve-compare's workload as closed-loop streams
-  # driven offline, each gap split by whether a step that admitted a prompt ran inside it (~3 min).
-  # CLOSED_LOOP_ARGS adds engine arguments (e.g. --max-tokens-while-decoding 512), TAG names the run.
-  closed-loop-itl) run_section closed-loop-itl${TAG:-} python3 -m benchmarks.closed_loop_itl --model qwen3-0.6b \
-      --load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
-      --compile-mode eager --concurrency 1 32 128 256 --prompts-per-stream 3 ${CLOSED_LOOP_ARGS:-} \
-      --output-json "$OUT/closed_loop_itl${TAG:-}.json" ;;
   # Issue 30: structured outputs at S1@256 with a JSON schema whose outputs run to max_tokens (a string
   # that only "#" ends; its one-time compile falls in the warm-up), beside the same arms unconstrained:
   # bench compare (mrv2-jax and vLLM + xgrammar; vLLM's constrained arm runs minutes) and the per-step
