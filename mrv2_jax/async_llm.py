@@ -36,7 +36,9 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -172,6 +174,10 @@ class AsyncLLM:
         self._stopped = False
         self._num_aborted = 0
         self._num_steps = 0
+        # Called (on the engine or reader thread) with the time between two steps' outputs
+        # arriving here while requests ran on both sides of it; the server's metrics set it.
+        self.on_step_interval: Callable[[float], None] | None = None
+        self._last_step_at: float | None = None
         self._stats = EngineStats()
         if client is None:
             self._publish_stats()
@@ -350,6 +356,7 @@ class AsyncLLM:
                 if engine.has_work():
                     outputs = self._llm.step()
                     self._num_steps += 1
+                    self._note_step(still_busy=engine.has_work())
                     self._deliver(outputs)
                 self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
@@ -397,6 +404,13 @@ class AsyncLLM:
             else:
                 self._processor.remove([request_id])
             self._num_aborted += 1
+
+    def _note_step(self, still_busy: bool) -> None:
+        """Report the interval since the previous step's outputs, unless the engine was idle in it."""
+        now = time.monotonic()
+        if self._last_step_at is not None and self.on_step_interval is not None:
+            self.on_step_interval(now - self._last_step_at)
+        self._last_step_at = now if still_busy else None
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the step's outputs over with one wake-up per event loop, not per output."""
@@ -518,6 +532,7 @@ class AsyncLLM:
         outputs, stopped = self._processor.process(msg.outputs)
         if stopped:
             self._client.send(M.FinishRequests(stopped))
+        self._note_step(still_busy=msg.stats.num_running_reqs + msg.stats.num_waiting_reqs > 0)
         self._deliver(outputs)
         self._publish_core_stats(msg.stats)
 

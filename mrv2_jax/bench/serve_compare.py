@@ -37,9 +37,14 @@ from mrv2_jax.bench.compare import vllm_available, vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.process_cpu import CpuSampler
 from mrv2_jax.bench.serve import LaunchedServer, free_port
+from mrv2_jax.bench.server_histograms import quantile, scrape
 from mrv2_jax.entrypoints.cli import add_engine_args
 
 SERVERS = ("mrv2", "vllm")
+# mrv2-jax's own view of each level, from its /metrics: the gaps between a request's outputs as the
+# server sent them, and between engine steps' outputs reaching the API process. Beside the client's
+# ITL they place a long gap: in the engine step, after it in the server, or past the server.
+SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval": "mrv2_step_output_interval_seconds"}
 # A client process this busy (CPU seconds per wall second) may have been the bottleneck.
 CLIENT_BUSY = 0.85
 VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
@@ -160,6 +165,20 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str, pr
     return metrics
 
 
+def measure_level(args, server: str, client: str, url: str, concurrency: int, work_dir: str) -> dict:
+    """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level."""
+    names = tuple(SERVER_GAPS.values())
+    before = scrape(url, names) if server == "mrv2" else None
+    metrics = run_clients(args, client, url, concurrency, work_dir)
+    if before is not None:
+        after = scrape(url, names)
+        for key, name in SERVER_GAPS.items():
+            for q in (50, 99):
+                value = quantile(before.get(name), after.get(name, {}), q / 100)
+                metrics[f"{key}_p{q}_ms"] = None if value is None else 1e3 * value
+    return metrics
+
+
 def warm_up(args, client: str, url: str, work_dir: str) -> dict | None:
     """A discarded round at the largest concurrency, --warmup-prompts-per-stream per stream, so that
     the first measured level does not pay for a fresh server's first requests (allocator, caches,
@@ -173,9 +192,10 @@ def warm_up(args, client: str, url: str, work_dir: str) -> dict | None:
 
 def run_server(args, server: str, client: str, work_dir: str) -> dict:
     if server == "mrv2" and args.mrv2_base_url:
-        warm = warm_up(args, client, args.mrv2_base_url, work_dir)
+        url = args.mrv2_base_url
+        warm = warm_up(args, client, url, work_dir)
         return {"startup_s": None, "warmup": warm,
-                "levels": [run_clients(args, client, args.mrv2_base_url, c, work_dir) for c in args.concurrency]}
+                "levels": [measure_level(args, server, client, url, c, work_dir) for c in args.concurrency]}
     port = free_port(args.host)
     log = os.path.join(args.log_dir or work_dir, f"serve_compare_{server}.log")
     launcher = (LaunchedServer if server == "mrv2" else LaunchedVllm)(args, args.host, port, log, args.server_timeout)
@@ -184,12 +204,16 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
     with launcher as s:
         warm, levels = warm_up(args, client, s.url, work_dir), []
         for c in args.concurrency:
-            levels.append(run_clients(args, client, s.url, c, work_dir))
+            levels.append(measure_level(args, server, client, s.url, c, work_dir))
             m = levels[-1]
             print(f"{server:5} C={c:4}: {m['output_throughput']:9.0f} out tok/s, TTFT {m['mean_ttft_ms']:7.1f} ms "
                   f"(median {m['median_ttft_ms']:.1f}, max {m['max_ttft_ms']:.1f}), "
                   f"TPOT {m['mean_tpot_ms']:6.2f} ms, ITL {m['mean_itl_ms']:6.2f} / P99 {m['p99_itl_ms']:6.1f} ms, "
                   f"tokens/chunk {m['tokens_per_chunk']:.3f}, client busy {m['client_cpu_busy_max']:.2f}", flush=True)
+            if m.get("server_itl_p99_ms") is not None:
+                print(f"{server:5} C={c:4}: at the server: ITL P50 {m['server_itl_p50_ms']:.2f} / P99 "
+                      f"{m['server_itl_p99_ms']:.2f} ms, step outputs every P50 {m['step_interval_p50_ms']:.2f} / "
+                      f"P99 {m['step_interval_p99_ms']:.2f} ms", flush=True)
             if m["failed"]:
                 print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
         return {"startup_s": s.startup_s, "warmup": warm, "levels": levels}

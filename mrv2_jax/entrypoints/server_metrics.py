@@ -5,9 +5,12 @@ Two sources:
     read from the engine's latest `EngineStats` snapshot when Prometheus scrapes, by a
     custom collector: nothing has to keep gauges up to date, and a scrape never touches the
     engine thread;
-  * per-request numbers (token counts, time to first token, time per output token, latency)
-    are observed by the HTTP handlers, with the server's clock: TTFT is what the client
-    waits, queueing included.
+  * per-request numbers (token counts, time to first token, time per output token, the gaps
+    between a request's outputs, latency) are observed by the HTTP handlers, with the server's
+    clock: TTFT is what the client waits, queueing included;
+  * the interval between engine steps' outputs reaching this process (AsyncLLM's
+    `on_step_interval`): set beside the inter-token gaps, it says whether a long gap was a
+    long step or time spent after the step, in this process or on the way to the client.
 
 Each app has its own registry, so several servers in one process (tests) do not collide. With
 several API server processes (`--api-server-count`), the request metrics live in
@@ -30,6 +33,9 @@ from mrv2_jax.engine.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# Fine in 1-20 ms, where decode steps and their tails lie, so that a P99 can be read from them.
+_GAP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009,
+                0.01, 0.012, 0.014, 0.016, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 5.0)
 
 
 class _EngineCollector:
@@ -99,6 +105,13 @@ class ServerMetrics:
                               labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self.tpot = Histogram("mrv2_time_per_output_token_seconds", "Mean time between output tokens "
                               "of a request.", labels, buckets=_TPOT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram("mrv2_inter_token_latency_seconds", "Time between two outputs of a request that "
+                             "bring tokens (for a streamed request: between its chunks).", labels,
+                             buckets=_GAP_BUCKETS, registry=reg).labels(model_name)
+        self.step_interval = Histogram("mrv2_step_output_interval_seconds", "Time between two engine steps' "
+                                       "outputs reaching this API process, while requests ran.", labels,
+                                       buckets=_GAP_BUCKETS, registry=reg).labels(model_name)
+        engine.on_step_interval = self.step_interval.observe
         self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self._engine_collector = _EngineCollector(engine, model_name)
@@ -125,13 +138,21 @@ class RequestTracker:
         self.metrics = metrics
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0
         self.last: RequestOutput | None = None
         self.done = False
 
     def observe(self, out: RequestOutput) -> None:
-        if self.first_token is None and out.outputs[0].token_ids:
-            self.first_token = time.monotonic()
-            self.metrics.ttft.observe(self.first_token - self.start)
+        num_tokens = len(out.outputs[0].token_ids)
+        if num_tokens > self.num_tokens:
+            now = time.monotonic()
+            if self.first_token is None:
+                self.first_token = now
+                self.metrics.ttft.observe(now - self.start)
+            else:
+                self.metrics.itl.observe(now - self.last_token)
+            self.last_token, self.num_tokens = now, num_tokens
         self.last = out
 
     def finish(self, reason: str | None = None) -> None:

@@ -3,6 +3,7 @@ tokenizer and so streams a chunk per token): schema and sane values, not speeds.
 
 import json
 
+import numpy as np
 import pytest
 
 from mrv2_jax.bench import serve
@@ -102,6 +103,9 @@ def test_serve_compare_pools_its_client_processes(server, tmp_path):
     assert high["output_tokens"] == 6 * 5 and high["output_throughput"] > 0
     assert 0 < high["mean_ttft_ms"] and 0 <= high["mean_itl_ms"] <= high["p99_itl_ms"]
     assert 0 < high["client_cpu_busy_max"]
+    # The server's own view of the level (its /metrics): inter-token gaps and step intervals.
+    assert 0 < high["server_itl_p50_ms"] <= high["server_itl_p99_ms"]
+    assert 0 < high["step_interval_p50_ms"] <= high["step_interval_p99_ms"]
 
 
 def test_serve_compare_counts_failed_requests_with_their_error(server, tmp_path):
@@ -142,3 +146,25 @@ def test_serve_compare_without_vllm_says_so():
 
     with pytest.raises(RuntimeError, match="vLLM is needed"):
         serve_compare.main(["--servers", "mrv2,vllm", "--vllm-python", "/nonexistent/python"])
+
+
+def test_histogram_quantile_between_two_scrapes_matches_numpy():
+    """`quantile` over the difference of two cumulative histograms: the value lies in the bucket
+    that holds numpy's percentile of the samples observed between the scrapes (not before)."""
+    from mrv2_jax.bench.server_histograms import quantile
+
+    bounds = [0.001, 0.002, 0.004, 0.008, 0.016, float("inf")]
+    rng = np.random.default_rng(0)
+    early, late = rng.lognormal(-6.5, 0.6, 400), rng.lognormal(-5.5, 0.8, 1000)
+
+    def cumulative(samples):
+        return {le: float(np.sum(samples <= le)) for le in bounds}
+
+    before, after = cumulative(early), cumulative(np.concatenate([early, late]))
+    for q in (0.5, 0.9, 0.99):
+        exact = np.percentile(late, 100 * q)
+        upper = next(le for le in bounds if exact <= le)
+        lower = max([0.0] + [le for le in bounds if le < upper])
+        assert lower <= quantile(before, after, q) <= upper, q
+    assert quantile(after, after, 0.5) is None
+    assert quantile(None, cumulative(np.array([0.5])), 0.99) == 0.016  # past the last bound: its lower edge

@@ -225,3 +225,26 @@ def test_metrics(server, client):
     assert samples["mrv2_prompt_tokens_total"] > 0 and samples["mrv2_generation_tokens_total"] >= 12
     assert samples["mrv2_time_to_first_token_seconds_count"] >= 1
     assert samples["mrv2_engine_healthy"] == 1.0
+
+
+def _histogram_counts(url):
+    text = httpx.get(url + "/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.endswith(("_count", "_sum"))}
+
+
+def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
+    """One streamed request alone: the server's inter-token histogram gains one gap per output
+    token after the first (the usage's token count is the reference), each gap no longer than the
+    client's whole wait; the step-interval histogram gains the intervals between its steps."""
+    before = _histogram_counts(server.url)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    after = _histogram_counts(server.url)  # the handler finished its metrics before it sent the usage
+    tokens = chunks[-1].usage.completion_tokens
+    gaps = after["mrv2_inter_token_latency_seconds_count"] - before["mrv2_inter_token_latency_seconds_count"]
+    assert tokens == GREEDY["max_tokens"] and gaps == tokens - 1
+    e2e = after["mrv2_e2e_request_latency_seconds_sum"] - before["mrv2_e2e_request_latency_seconds_sum"]
+    assert 0 < after["mrv2_inter_token_latency_seconds_sum"] - before["mrv2_inter_token_latency_seconds_sum"] < e2e
+    steps = after["mrv2_step_output_interval_seconds_count"] - before["mrv2_step_output_interval_seconds_count"]
+    assert 1 <= steps <= tokens
