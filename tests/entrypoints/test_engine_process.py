@@ -100,6 +100,8 @@ def test_the_engine_runs_in_another_process(server):
     engine = server.engine
     assert engine.engine_pid not in (None, os.getpid())
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "api_server": 0}
+    # The engine process froze its start-up heap (modules, model, programs) for the garbage collector.
+    assert engine._client.ready.startup["gc_frozen_objects"] > 10_000
 
 
 def test_64_concurrent_streams_match_offline(server, reference):
