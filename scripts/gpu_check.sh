@@ -22,7 +22,7 @@
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
 # benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each;
 # fused-attn: fused decode at batch 1 / 8 / 32 on each), the engine at a KV cache filling the GPU
-# (large-kv: with and without xla_flags.py's memory-limit flag).
+# (large-kv).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -63,14 +63,8 @@ run_section() {  # name, command...
 for s in $sections; do case $s in
   env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
   tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
-  # The engine at a KV cache of 90% of the device against the same engine with a small one
-  # (xla_flags.py's correctness flag); then one step per call with XLA's default memory limit, which
-  # is expected to FAIL: the test sees the bug.
-  large-kv)
-    run_section large-kv python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_large_kv_cache.py
-    XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=95 run_section large-kv-xla-default-expect-fail \
-        python3 -m pytest -m gpu -q -p no:cacheprovider \
-        "tests/engine/test_large_kv_cache.py::test_greedy_tokens_with_the_kv_cache_filling_the_gpu_equal_a_small_caches[1]" ;;
+  # The engine at a KV cache of 90% of the device against the same engine with a small one.
+  large-kv) run_section large-kv python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_large_kv_cache.py ;;
   sampler-tests) run_section sampler-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_logit_stats.py \
       tests/sample/test_sampler.py tests/kernels/test_noise_pass.py tests/kernels/test_threshold_search.py ;;
   oracle) run_section oracle python3 -m pytest -m oracle -q -p no:cacheprovider tests/models/test_model_parity.py ;;

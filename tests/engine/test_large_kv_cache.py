@@ -2,9 +2,11 @@
 same engine with a small KV cache, one step per call and fused, with the small buckets' layers
 unrolled. XLA:GPU rewrote such step programs of Qwen3-0.6B in bf16 to save memory they did not need
 and lost each step's token-count update (mrv2_jax/xla_flags.py); small KV caches, as every other test
-uses, never reach that rewrite, and neither did the demo model's programs nor Qwen3-0.6B's in f32
-(docs/benchmarks.md, session 25). The reference is the engine with a small KV cache, not a plain
-f32 loop: bf16 greedy tokens of random weights part from f32 ones at near ties."""
+uses, never reach that rewrite. Nor did this test without the flag (demo f32, Qwen3-0.6B f32 and
+bf16 in these settings: docs/benchmarks.md, sessions 25-26): it guards the large-cache engine's
+tokens, not that particular rewrite, which only session 24's probe met. The reference is the
+engine with a small KV cache, not a plain f32 loop: bf16 greedy tokens of random weights part from
+f32 ones at near ties."""
 
 import functools
 import gc
