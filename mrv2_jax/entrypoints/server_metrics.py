@@ -1,6 +1,6 @@
 """Prometheus metrics of the server (served on /metrics).
 
-Two sources:
+Three sources:
   * engine state (running / waiting requests, KV usage, prefix-cache hits, preemptions) is
     read from the engine's latest `EngineStats` snapshot when Prometheus scrapes, by a
     custom collector: nothing has to keep gauges up to date, and a scrape never touches the
@@ -109,7 +109,8 @@ class ServerMetrics:
                              "bring tokens (for a streamed request: between its chunks).", labels,
                              buckets=_GAP_BUCKETS, registry=reg).labels(model_name)
         self.step_interval = Histogram("mrv2_step_output_interval_seconds", "Time between two engine steps' "
-                                       "outputs reaching this API process, while requests ran.", labels,
+                                       "outputs reaching this API process, while requests ran (with several engine "
+                                       "replicas: any replica's).", labels,
                                        buckets=_GAP_BUCKETS, registry=reg).labels(model_name)
         engine.on_step_interval = self.step_interval.observe
         self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
