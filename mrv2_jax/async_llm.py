@@ -175,8 +175,9 @@ class AsyncLLM:
         self._num_aborted = 0
         self._num_steps = 0
         # Called (on the engine or reader thread) with the time between two steps' outputs
-        # arriving here while requests ran on both sides of it; the server's metrics set it.
-        self.on_step_interval: Callable[[float], None] | None = None
+        # arriving here while requests ran on both sides of it, and whether the later step
+        # computed prompt tokens beside its decode rows; the server's metrics set it.
+        self.on_step_interval: Callable[[float, bool], None] | None = None
         self._last_step_at: float | None = None
         self._stats = EngineStats()
         if client is None:
@@ -356,7 +357,7 @@ class AsyncLLM:
                 if engine.has_work():
                     outputs = self._llm.step()
                     self._num_steps += 1
-                    self._note_step(still_busy=engine.has_work())
+                    self._note_step(engine.has_work(), engine.outputs_prefill_tokens)
                     self._deliver(outputs)
                 self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
@@ -405,11 +406,11 @@ class AsyncLLM:
                 self._processor.remove([request_id])
             self._num_aborted += 1
 
-    def _note_step(self, still_busy: bool) -> None:
+    def _note_step(self, still_busy: bool, prefill_tokens: int) -> None:
         """Report the interval since the previous step's outputs, unless the engine was idle in it."""
         now = time.monotonic()
         if self._last_step_at is not None and self.on_step_interval is not None:
-            self.on_step_interval(now - self._last_step_at)
+            self.on_step_interval(now - self._last_step_at, prefill_tokens > 0)
         self._last_step_at = now if still_busy else None
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -532,7 +533,7 @@ class AsyncLLM:
         outputs, stopped = self._processor.process(msg.outputs)
         if stopped:
             self._client.send(M.FinishRequests(stopped))
-        self._note_step(still_busy=msg.stats.num_running_reqs + msg.stats.num_waiting_reqs > 0)
+        self._note_step(msg.stats.num_running_reqs + msg.stats.num_waiting_reqs > 0, msg.prefill_tokens)
         self._deliver(outputs)
         self._publish_core_stats(msg.stats)
 

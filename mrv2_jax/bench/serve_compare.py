@@ -37,14 +37,17 @@ from mrv2_jax.bench.compare import vllm_available, vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.process_cpu import CpuSampler
 from mrv2_jax.bench.serve import LaunchedServer, free_port
-from mrv2_jax.bench.server_histograms import quantile, scrape
+from mrv2_jax.bench.server_histograms import count, quantile, scrape
 from mrv2_jax.entrypoints.cli import add_engine_args
 
 SERVERS = ("mrv2", "vllm")
 # mrv2-jax's own view of each level, from its /metrics: the gaps between a request's outputs as the
 # server sent them, and between engine steps' outputs reaching the API process. Beside the client's
 # ITL they place a long gap: in the engine step, after it in the server, or past the server.
-SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval": "mrv2_step_output_interval_seconds"}
+STEP_INTERVAL = "mrv2_step_output_interval_seconds"
+SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval": STEP_INTERVAL,
+               "decode_step_interval": f'{STEP_INTERVAL}{{step="decode"}}',
+               "prefill_step_interval": f'{STEP_INTERVAL}{{step="prefill"}}'}
 # A client process this busy (CPU seconds per wall second) may have been the bottleneck.
 CLIENT_BUSY = 0.85
 VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
@@ -166,16 +169,20 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str, pr
 
 
 def measure_level(args, server: str, client: str, url: str, concurrency: int, work_dir: str) -> dict:
-    """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level."""
-    names = tuple(SERVER_GAPS.values())
-    before = scrape(url, names) if server == "mrv2" else None
+    """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level
+    and the share of step intervals that ended with a step computing prompt tokens."""
+    names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL)
+    before = scrape(url, names, by="step") if server == "mrv2" else None
     metrics = run_clients(args, client, url, concurrency, work_dir)
     if before is not None:
-        after = scrape(url, names)
+        after = scrape(url, names, by="step")
         for key, name in SERVER_GAPS.items():
             for q in (50, 99):
                 value = quantile(before.get(name), after.get(name, {}), q / 100)
                 metrics[f"{key}_p{q}_ms"] = None if value is None else 1e3 * value
+        steps = count(before.get(STEP_INTERVAL), after.get(STEP_INTERVAL, {}))
+        prefill = SERVER_GAPS["prefill_step_interval"]
+        metrics["prefill_step_share"] = count(before.get(prefill), after.get(prefill, {})) / steps if steps else None
     return metrics
 
 
@@ -214,9 +221,18 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                 print(f"{server:5} C={c:4}: at the server: ITL P50 {m['server_itl_p50_ms']:.2f} / P99 "
                       f"{m['server_itl_p99_ms']:.2f} ms, step outputs every P50 {m['step_interval_p50_ms']:.2f} / "
                       f"P99 {m['step_interval_p99_ms']:.2f} ms", flush=True)
+                print(f"{server:5} C={c:4}: steps with prompt tokens {100 * (m['prefill_step_share'] or 0):.1f}% "
+                      f"of intervals, P50 {_ms(m['prefill_step_interval_p50_ms'])} / P99 "
+                      f"{_ms(m['prefill_step_interval_p99_ms'])} ms; decode-only P50 "
+                      f"{_ms(m['decode_step_interval_p50_ms'])} / P99 {_ms(m['decode_step_interval_p99_ms'])} ms",
+                      flush=True)
             if m["failed"]:
                 print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
         return {"startup_s": s.startup_s, "warmup": warm, "levels": levels}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def plot(report: dict, path: str) -> None:

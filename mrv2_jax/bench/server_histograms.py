@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 Buckets = dict[float, float]  # upper bound ("le") -> cumulative count
 
 
-def scrape(url: str, names: tuple[str, ...], timeout: float = 10.0) -> dict[str, Buckets]:
+def scrape(url: str, names: tuple[str, ...], by: str | None = None, timeout: float = 10.0) -> dict[str, Buckets]:
     """{histogram name: its cumulative bucket counts} for those of `names` on `url`/metrics
-    (summed over label sets)."""
+    (summed over label sets); with `by`, also each value of that label apart, as `name{by="value"}`."""
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as response:
         text = response.read().decode()
     found: dict[str, Buckets] = {}
@@ -26,7 +26,15 @@ def scrape(url: str, names: tuple[str, ...], timeout: float = 10.0) -> dict[str,
             if sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])
                 buckets[le] = buckets.get(le, 0.0) + sample.value
+                if by is not None and by in sample.labels:
+                    part = found.setdefault(f'{family.name}{{{by}="{sample.labels[by]}"}}', {})
+                    part[le] = part.get(le, 0.0) + sample.value
     return found
+
+
+def count(before: Buckets | None, after: Buckets) -> float:
+    """How many observations were made between the two scrapes."""
+    return after.get(math.inf, 0.0) - (before or {}).get(math.inf, 0.0)
 
 
 def quantile(before: Buckets | None, after: Buckets, q: float) -> float | None:

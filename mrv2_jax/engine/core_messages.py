@@ -85,6 +85,7 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     outputs: list[EngineCoreOutput]
     errors: list[tuple[str, str]]  # (request_id, why its add failed)
     stats: CoreStats
+    prefill_tokens: int = 0  # prompt tokens the step computed beside its decode rows
 
 
 class StreamedTokens(msgspec.Struct, tag="tokens", array_like=True):

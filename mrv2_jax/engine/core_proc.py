@@ -158,7 +158,7 @@ class EngineCoreProc:
             if engine.has_work():
                 outputs = engine.step()
                 self.num_steps += 1
-                self._send(outputs)
+                self._send(outputs, engine.outputs_prefill_tokens)
             elif changed:
                 self._send([])  # e.g. an abort while idle: the freed blocks show in the counters
 
@@ -199,13 +199,13 @@ class EngineCoreProc:
         for request_id in request_ids:
             self._owner.pop(request_id, None)
 
-    def _send(self, outputs) -> None:
+    def _send(self, outputs, prefill_tokens: int = 0) -> None:
         """One message per API server process: its requests' outputs and failed adds, and the
         counters (every process serves /metrics and /health)."""
         errors, self._errors = self._errors, []
         stats = self.stats()
         if len(self.outs) == 1:
-            self.outs[0].send(self.encoder.encode(M.StepOutputs(outputs, errors, stats)), copy=False)
+            self.outs[0].send(self.encoder.encode(M.StepOutputs(outputs, errors, stats, prefill_tokens)), copy=False)
             return
         # A request this process no longer knows (aborted, or finished by a stop string one step
         # before this late output) has nobody waiting for it: its output is dropped.
@@ -219,7 +219,7 @@ class EngineCoreProc:
             if owner is not None:
                 per_client[owner][1].append((request_id, why))
         for index, (sock, (client_outputs, client_errors)) in enumerate(zip(self.outs, per_client)):
-            data = self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats))
+            data = self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats, prefill_tokens))
             if index == 0:  # the process that owns this engine
                 sock.send(data, copy=False)
                 continue

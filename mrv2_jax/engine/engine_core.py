@@ -42,6 +42,8 @@ class EngineCore:
         # Prompt logprobs gathered chunk by chunk until the request's first output carries them
         # (then None: a preempted request's recomputed prefill brings them again, ignored).
         self._prompt_logprobs: dict[str, list | None] = {}
+        # Prompt tokens computed by the step whose outputs step() last returned (0: none returned).
+        self.outputs_prefill_tokens = 0
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this engine cannot serve."""
@@ -106,6 +108,7 @@ class EngineCore:
         async)."""
         compiles_before = num_compiles()
         start = time.perf_counter()
+        self.outputs_prefill_tokens = 0
         outputs = self._step()
         self.compile_guard.report(num_compiles() - compiles_before, "an engine step")
         if self.hooks is not None:
@@ -156,6 +159,7 @@ class EngineCore:
         return outputs
 
     def _update(self, scheduled: SchedulerOutput, result: StepOutcome) -> list[EngineCoreOutput]:
+        self.outputs_prefill_tokens = scheduled.num_prefill_tokens
         outputs = self.scheduler.update_from_output(scheduled, result.result())
         # Logprobs travel beside the tokens: each output carries this step's tokens of one
         # request, so it takes that request's logprobs (dropped tokens drop theirs too: a

@@ -108,16 +108,21 @@ class ServerMetrics:
         self.itl = Histogram("mrv2_inter_token_latency_seconds", "Time between two outputs of a request that "
                              "bring tokens (for a streamed request: between its chunks).", labels,
                              buckets=_GAP_BUCKETS, registry=reg).labels(model_name)
-        self.step_interval = Histogram("mrv2_step_output_interval_seconds", "Time between two engine steps' "
-                                       "outputs reaching this API process, while requests ran (with several engine "
-                                       "replicas: any replica's).", labels,
-                                       buckets=_GAP_BUCKETS, registry=reg).labels(model_name)
-        engine.on_step_interval = self.step_interval.observe
+        step_interval = Histogram("mrv2_step_output_interval_seconds", "Time between two engine steps' outputs "
+                                  "reaching this API process, while requests ran (with several engine replicas: any "
+                                  "replica's), by whether the later step computed prompt tokens (step=prefill) or "
+                                  "only decode rows (step=decode).", labels + ["step"],
+                                  buckets=_GAP_BUCKETS, registry=reg)
+        self.step_interval = {kind: step_interval.labels(model_name, kind) for kind in ("decode", "prefill")}
+        engine.on_step_interval = self._observe_step_interval
         self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self._engine_collector = _EngineCollector(engine, model_name)
         self.registry.register(self._engine_collector)
         self._shared_dir = envs.prometheus_multiproc_dir()
+
+    def _observe_step_interval(self, seconds: float, prefilled: bool) -> None:
+        self.step_interval["prefill" if prefilled else "decode"].observe(seconds)
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

@@ -82,3 +82,12 @@ class SchedulerOutput:
     # Host-side only (runners ignore it): the engine's exact Request objects scheduled, so a
     # token arriving late is never credited to a newer request that reused an aborted id.
     scheduled_requests: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Scheduled tokens that sample nothing: prompt chunks (and tokens recomputed after a
+        preemption), i.e. what this step computes beside its decode rows."""
+        if self.num_fused_steps > 1:
+            return 0
+        drafts = sum(self.num_spec_tokens.values()) if self.num_spec_tokens else 0
+        return self.total_num_scheduled_tokens - len(self.sampling_req_ids) - drafts

@@ -106,6 +106,10 @@ def test_serve_compare_pools_its_client_processes(server, tmp_path):
     # The server's own view of the level (its /metrics): inter-token gaps and step intervals.
     assert 0 < high["server_itl_p50_ms"] <= high["server_itl_p99_ms"]
     assert 0 < high["step_interval_p50_ms"] <= high["step_interval_p99_ms"]
+    # Split by the step that ended the interval: 6 prompts of 8 tokens, each request 4 decode steps.
+    assert 0 < high["prefill_step_share"] < 1
+    assert 0 < high["decode_step_interval_p50_ms"] <= high["decode_step_interval_p99_ms"]
+    assert 0 < high["prefill_step_interval_p50_ms"] <= high["prefill_step_interval_p99_ms"]
 
 
 def test_serve_compare_counts_failed_requests_with_their_error(server, tmp_path):

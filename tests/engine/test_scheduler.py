@@ -17,6 +17,7 @@ import pytest
 from mrv2_jax.config import CacheConfig, SchedulerConfig
 from mrv2_jax.engine.request import Request, RequestStatus
 from mrv2_jax.engine.scheduler import Scheduler
+from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -377,12 +378,14 @@ def test_decode_first_then_fcfs_and_chunked_prefill():
     scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=10)))
     first = scheduler.schedule()
     assert first.num_scheduled_tokens == {"a": 3} and first.sampling_req_ids == {"a"}
+    assert first.num_prefill_tokens == 2  # the prompt's last token samples "a"'s first output
     scheduler.add_request(Request("b", list(range(1, 21)), SamplingParams()))
     scheduler.add_request(Request("c", [9], SamplingParams()))
     # Async: schedule before step 1's token is known. "a" decodes on its placeholder.
     second = scheduler.schedule()
     assert list(second.num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
     assert second.sampling_req_ids == {"a"}  # b is mid-prefill, c gets no budget
+    assert second.num_prefill_tokens == 7  # b's chunk beside a's decode row
     assert scheduler.requests["a"].num_output_placeholders == 2
     assert second.cached_reqs[0].num_computed_tokens == 3
     assert second.new_reqs[0].num_computed_tokens == 0
@@ -393,6 +396,18 @@ def test_decode_first_then_fcfs_and_chunked_prefill():
     assert list(third.num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
     with pytest.raises(RuntimeError, match="did not sample"):
         scheduler.update_from_output(second, {"a": [12], "b": [1]})
+
+
+def test_prefill_tokens_leave_out_decode_rows_drafts_and_fused_calls():
+    """A plan's prompt tokens: what it computes without sampling (hand-counted plans)."""
+    plan = SchedulerOutput(new_reqs=[], cached_reqs=[], num_scheduled_tokens={"a": 4, "b": 10, "c": 6},
+                           total_num_scheduled_tokens=20, finished_req_ids=set(), sampling_req_ids={"a", "c"},
+                           num_spec_tokens={"a": 3})
+    assert plan.num_prefill_tokens == 10 + 5  # a decodes 1 + 3 drafts; b is mid-prefill; c samples after 5
+    fused = SchedulerOutput(new_reqs=[], cached_reqs=[], num_scheduled_tokens={"a": 4, "b": 4},
+                            total_num_scheduled_tokens=8, finished_req_ids=set(), sampling_req_ids={"a", "b"},
+                            num_fused_steps=4)
+    assert fused.num_prefill_tokens == 0
 
 
 def test_steps_while_a_request_decodes_hold_at_most_the_cap():

@@ -92,6 +92,13 @@ def _all_blocks_free(engine) -> bool:
     return s.num_running_reqs == 0 and s.num_waiting_reqs == 0 and s.num_free_blocks == s.num_blocks
 
 
+def _step_intervals(url: str) -> dict[str, float]:
+    """How many step intervals the server's histogram holds, by its `step` label."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    return {s.labels["step"]: s.value for f in families for s in f.samples
+            if s.name == "mrv2_step_output_interval_seconds_count"}
+
+
 def _text(events: list[dict]) -> str:
     return "".join(e["choices"][0]["text"] for e in events)
 
@@ -118,11 +125,17 @@ def test_64_concurrent_streams_match_offline(server, reference):
 def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, reference):
     engine = server.engine
     steps = engine.stats.num_steps
+    intervals = _step_intervals(server.url)
     # logprobs=0: each chunk lists its tokens, which shows how many tokens it carries.
     events = asyncio.run(_stream_with_client(server, {"prompt": LONG_PROMPT, "logprobs": 0, **FUSED}))
     sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
     assert _text(events) == reference["fused"] and sum(sizes) == FUSED["max_tokens"]
     wait_until(lambda: _all_blocks_free(engine), what="the streamed request to finish")
+    # Its prompt was computed in one step: the engine process's message says so, and exactly one
+    # step interval of the server's histogram ends with a step that computed prompt tokens.
+    after = _step_intervals(server.url)
+    assert after["prefill"] - intervals.get("prefill", 0) == 1
+    assert after["decode"] - intervals.get("decode", 0) >= 1
     # The engine ran at most STREAM_INTERVAL decode steps per call for it. (Counted in the engine: a
     # reader that falls behind gets two calls' tokens in one chunk, request_stream.py.)
     assert engine.stats.num_steps - steps >= math.ceil((FUSED["max_tokens"] - 1) / STREAM_INTERVAL)

@@ -228,9 +228,17 @@ def test_metrics(server, client):
 
 
 def _histogram_counts(url):
+    """{sample name: value} of every histogram's _count and _sum, summed over label sets, and each
+    step-interval series apart as "<name>:<step label>"."""
     text = httpx.get(url + "/metrics").text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name.endswith(("_count", "_sum"))}
+    counts = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_count", "_sum")):
+                counts[sample.name] = counts.get(sample.name, 0.0) + sample.value
+                if "step" in sample.labels:
+                    counts[f"{sample.name}:{sample.labels['step']}"] = sample.value
+    return counts
 
 
 def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
@@ -248,3 +256,7 @@ def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
     assert 0 < after["mrv2_inter_token_latency_seconds_sum"] - before["mrv2_inter_token_latency_seconds_sum"] < e2e
     steps = after["mrv2_step_output_interval_seconds_count"] - before["mrv2_step_output_interval_seconds_count"]
     assert 1 <= steps <= tokens
+    # The prompt is computed in one step (the budget holds it), whose outputs end exactly one interval.
+    name = "mrv2_step_output_interval_seconds_count"
+    assert after[f"{name}:prefill"] - before.get(f"{name}:prefill", 0) == 1
+    assert after[f"{name}:decode"] - before.get(f"{name}:decode", 0) == steps - 1
