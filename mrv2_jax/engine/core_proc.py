@@ -200,8 +200,9 @@ class EngineCoreProc:
             self._owner.pop(request_id, None)
 
     def _send(self, outputs, prefill_tokens: int = 0) -> None:
-        """One message per API server process: its requests' outputs and failed adds, and the
-        counters (every process serves /metrics and /health)."""
+        """One message per API server process: its requests' outputs and failed adds, the prompt
+        tokens of the step whose outputs these are, and the counters (every process serves /metrics
+        and /health)."""
         errors, self._errors = self._errors, []
         stats = self.stats()
         if len(self.outs) == 1:

@@ -18,6 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.async_llm import AsyncLLM
+from mrv2_jax.bench.serve_compare import STEP_INTERVAL
+from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.sampling_params import SamplingParams
@@ -94,9 +96,8 @@ def _all_blocks_free(engine) -> bool:
 
 def _step_intervals(url: str) -> dict[str, float]:
     """How many step intervals the server's histogram holds, by its `step` label."""
-    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
-    return {s.labels["step"]: s.value for f in families for s in f.samples
-            if s.name == "mrv2_step_output_interval_seconds_count"}
+    found = scrape(url, (STEP_INTERVAL,), by="step")
+    return {kind: count(None, found.get(f'{STEP_INTERVAL}{{step="{kind}"}}', {})) for kind in ("decode", "prefill")}
 
 
 def _text(events: list[dict]) -> str:
@@ -134,8 +135,8 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     # Its prompt was computed in one step: the engine process's message says so, and exactly one
     # step interval of the server's histogram ends with a step that computed prompt tokens.
     after = _step_intervals(server.url)
-    assert after["prefill"] - intervals.get("prefill", 0) == 1
-    assert after["decode"] - intervals.get("decode", 0) >= 1
+    assert after["prefill"] - intervals["prefill"] == 1
+    assert after["decode"] - intervals["decode"] >= 1
     # The engine ran at most STREAM_INTERVAL decode steps per call for it. (Counted in the engine: a
     # reader that falls behind gets two calls' tokens in one chunk, request_stream.py.)
     assert engine.stats.num_steps - steps >= math.ceil((FUSED["max_tokens"] - 1) / STREAM_INTERVAL)

@@ -14,6 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mrv2_jax.bench.serve_compare import STEP_INTERVAL
+from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.sampling_params import SamplingParams
 from tests.server_harness import MODEL_NAME, make_llm, running_server, stream_completion, wait_until
 
@@ -228,27 +230,28 @@ def test_metrics(server, client):
 
 
 def _histogram_counts(url):
-    """{sample name: value} of every histogram's _count and _sum, summed over label sets, and each
-    step-interval series apart as "<name>:<step label>"."""
-    text = httpx.get(url + "/metrics").text
+    """{sample name: value} of every histogram's _count and _sum, summed over label sets."""
     counts = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for sample in family.samples:
             if sample.name.endswith(("_count", "_sum")):
                 counts[sample.name] = counts.get(sample.name, 0.0) + sample.value
-                if "step" in sample.labels:
-                    counts[f"{sample.name}:{sample.labels['step']}"] = sample.value
     return counts
+
+
+def _step_interval_buckets(url):
+    return scrape(url, (STEP_INTERVAL,), by="step")
 
 
 def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
     """One streamed request alone: the server's inter-token histogram gains one gap per output
     token after the first (the usage's token count is the reference), each gap no longer than the
     client's whole wait; the step-interval histogram gains the intervals between its steps."""
-    before = _histogram_counts(server.url)
+    before, split_before = _histogram_counts(server.url), _step_interval_buckets(server.url)
     chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], stream=True,
                                             stream_options={"include_usage": True}, **GREEDY))
-    after = _histogram_counts(server.url)  # the handler finished its metrics before it sent the usage
+    # The handler finished its metrics before it sent the usage.
+    after, split_after = _histogram_counts(server.url), _step_interval_buckets(server.url)
     tokens = chunks[-1].usage.completion_tokens
     gaps = after["mrv2_inter_token_latency_seconds_count"] - before["mrv2_inter_token_latency_seconds_count"]
     assert tokens == GREEDY["max_tokens"] and gaps == tokens - 1
@@ -257,6 +260,6 @@ def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
     steps = after["mrv2_step_output_interval_seconds_count"] - before["mrv2_step_output_interval_seconds_count"]
     assert 1 <= steps <= tokens
     # The prompt is computed in one step (the budget holds it), whose outputs end exactly one interval.
-    name = "mrv2_step_output_interval_seconds_count"
-    assert after[f"{name}:prefill"] - before.get(f"{name}:prefill", 0) == 1
-    assert after[f"{name}:decode"] - before.get(f"{name}:decode", 0) == steps - 1
+    prefill, decode = (f'{STEP_INTERVAL}{{step="{kind}"}}' for kind in ("prefill", "decode"))
+    assert count(split_before.get(prefill), split_after[prefill]) == 1
+    assert count(split_before.get(decode), split_after[decode]) == steps - 1
