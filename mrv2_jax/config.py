@@ -60,10 +60,6 @@ class SchedulerConfig:
     tokens (a new prompt is prefilled in chunks that fit) when that leaves room for at least
     ``MIN_PREFILL_CHUNK`` prompt tokens beside one token per running request, so that a step which
     admits a prompt stays in a small bucket and the running streams' gap stays short; 0: off.
-    ``admission_window_ms``: while requests are running, waiting prompts are admitted once the
-    oldest has waited this long (or at once when they would fill the free seats or the step's
-    budget anyway), so that prompts arriving close together share one step instead of each
-    lengthening a step of the running streams; 0: admitted at the first step after they arrive.
     """
 
     max_num_seqs: int = 256
@@ -77,7 +73,6 @@ class SchedulerConfig:
     max_fused_rows: int = 0
     stream_interval: int = 1
     max_tokens_while_decoding: int = 0
-    admission_window_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _require_positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
@@ -97,9 +92,6 @@ class SchedulerConfig:
         cap = self.max_tokens_while_decoding
         if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
             raise ValueError(f"SchedulerConfig.max_tokens_while_decoding must be an int >= 0, got {cap!r}")
-        window = self.admission_window_ms
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or not window >= 0:
-            raise ValueError(f"SchedulerConfig.admission_window_ms must be a number >= 0, got {window!r}")
         if not isinstance(self.max_fused_rows, int) or self.max_fused_rows < 0:
             raise ValueError(f"SchedulerConfig.max_fused_rows must be an int >= 0, got {self.max_fused_rows!r}")
         # A fused call runs K plain decode steps with no draft verification, so the scheduler

@@ -84,9 +84,6 @@ class EngineConfig:
     # While a request decodes, a step holds at most this many tokens (prompts chunked to fit) when
     # that leaves room for a prompt chunk: SchedulerConfig.max_tokens_while_decoding; 0: off.
     max_tokens_while_decoding: int = 0
-    # While requests run, waiting prompts are admitted together once the oldest has waited this
-    # many milliseconds (or at once when they fill the step): SchedulerConfig.admission_window_ms.
-    admission_window_ms: float = 0.0
     # V2, the server's engine process: fused decode hands each step's tokens to the streams from
     # inside the call (runner/fused.py), so streaming requests keep max_fused_steps and still get
     # a chunk per token; requests with logprobs, or more stop ids than the device checks, keep

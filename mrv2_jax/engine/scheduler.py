@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from mrv2_jax.config import MIN_PREFILL_CHUNK, CacheConfig, SchedulerConfig
 from mrv2_jax.engine.kv_cache_manager import KVCacheManager
@@ -90,11 +90,9 @@ class Scheduler:
         cache_config: CacheConfig,
         eos_token_id: int | Iterable[int] | None,
         automaton_pool=None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`automaton_pool`: the runner's pool of structured-output automata (`has_room` /
-        `reserve`), so that a constrained request is admitted only when its automaton has a place.
-        `clock`: seconds on the clock of `Request.arrival_time` (for the admission window)."""
+        `reserve`), so that a constrained request is admitted only when its automaton has a place."""
         if scheduler_config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before scheduling")
         if cache_config.num_gpu_blocks is None:
@@ -109,7 +107,6 @@ class Scheduler:
             )
         self.config = scheduler_config
         self.automaton_pool = automaton_pool
-        self._clock = clock
         self.max_model_len = scheduler_config.max_model_len
         if eos_token_id is None:
             self.eos_token_ids: frozenset[int] = frozenset()
@@ -234,7 +231,7 @@ class Scheduler:
 
         # 2. Waiting requests in FCFS order. Not after a preemption: the pool is full, and
         #    admitting would only preempt again next step.
-        if not preempted and self._admission_due(budget):
+        if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, scheduled, new_reqs)
 
         # 3. Advance the computed counts now (async: the next schedule() may come before the
@@ -396,19 +393,6 @@ class Scheduler:
         # Victims are taken newest first, so appendleft keeps older ones in front.
         self.waiting.appendleft(request)
         self._finished_since_last_schedule.add(request.request_id)
-
-    def _admission_due(self, budget: int) -> bool:
-        """Whether waiting requests may be admitted this step (SchedulerConfig.admission_window_ms):
-        always when the window is off or nothing runs; else once the oldest has waited the window,
-        or when the waiting requests fill the free seats or `budget` already (waiting longer would
-        gather nothing more into their step)."""
-        window = self.config.admission_window_ms
-        if not window or not self.waiting or not self.running:
-            return True
-        if self._clock() - self.waiting[0].arrival_time >= window / 1000:
-            return True
-        free_seats = self.config.max_num_seqs - len(self.running)
-        return len(self.waiting) >= free_seats or sum(r.num_tokens for r in self.waiting) >= budget
 
     def _admit_waiting(
         self,

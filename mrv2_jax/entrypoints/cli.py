@@ -48,10 +48,6 @@ def add_engine_args(parser: argparse.ArgumentParser, compile_mode: str | None = 
                    help="while a request decodes, a step holds at most this many tokens (a new prompt is "
                         "prefilled in chunks that fit) if that leaves room for a 32-token chunk, so a step that "
                         "admits a prompt stays in a small bucket; 0: off (default)")
-    g.add_argument("--admission-window-ms", type=float, default=EngineConfig.admission_window_ms, metavar="MS",
-                   help="while requests run, waiting prompts are admitted together once the oldest has waited "
-                        "this long (at once when they fill the step), so prompts arriving close together share "
-                        "one step instead of each lengthening a step of the running streams; 0: off (default)")
     g.add_argument("--stream-in-call", action="store_true",
                    help="serve: fused decode hands each step's tokens to the streams from inside the call, so "
                         "streaming requests keep --max-fused-steps and still get a chunk per token")
