@@ -178,6 +178,8 @@ class AsyncLLM:
         # arriving here while requests ran on both sides of it, and whether the later step
         # computed prompt tokens beside its decode rows; the server's metrics set it.
         self.on_step_interval: Callable[[float, bool], None] | None = None
+        # Called with (host seconds, computes prompt tokens) for each step the engine handed to its runner.
+        self.on_step_dispatch: Callable[[float, bool], None] | None = None
         self._last_step_at: float | None = None
         self._stats = EngineStats()
         if client is None:
@@ -358,6 +360,7 @@ class AsyncLLM:
                     outputs = self._llm.step()
                     self._num_steps += 1
                     self._note_step(engine.has_work(), engine.outputs_prefill_tokens)
+                    self._note_dispatch(engine.dispatched)
                     self._deliver(outputs)
                 self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
@@ -412,6 +415,10 @@ class AsyncLLM:
         if self._last_step_at is not None and self.on_step_interval is not None:
             self.on_step_interval(now - self._last_step_at, prefill_tokens > 0)
         self._last_step_at = now if still_busy else None
+
+    def _note_dispatch(self, dispatched: tuple[float, int] | None) -> None:
+        if dispatched is not None and self.on_step_dispatch is not None:
+            self.on_step_dispatch(dispatched[0], dispatched[1] > 0)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the step's outputs over with one wake-up per event loop, not per output."""
@@ -534,6 +541,7 @@ class AsyncLLM:
         if stopped:
             self._client.send(M.FinishRequests(stopped))
         self._note_step(msg.stats.num_running_reqs + msg.stats.num_waiting_reqs > 0, msg.prefill_tokens)
+        self._note_dispatch(None if msg.dispatch_s < 0 else (msg.dispatch_s, msg.dispatch_prefill_tokens))
         self._deliver(outputs)
         self._publish_core_stats(msg.stats)
 

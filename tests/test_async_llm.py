@@ -33,7 +33,7 @@ class StubLLM:
         kv = SimpleNamespace(num_blocks=NUM_BLOCKS)
         self.scheduler = SimpleNamespace(max_model_len=max_model_len, kv_cache_manager=kv, get_stats=self._stats)
         self.engine = SimpleNamespace(scheduler=self.scheduler, has_work=lambda: bool(self.requests),
-                                      check_request=lambda params: None, outputs_prefill_tokens=0,
+                                      check_request=lambda params: None, outputs_prefill_tokens=0, dispatched=None,
                                       runner=SimpleNamespace(automaton_capacity=(0, 0)))
 
     def _stats(self):

@@ -45,9 +45,12 @@ SERVERS = ("mrv2", "vllm")
 # server sent them, and between engine steps' outputs reaching the API process. Beside the client's
 # ITL they place a long gap: in the engine step, after it in the server, or past the server.
 STEP_INTERVAL = "mrv2_step_output_interval_seconds"
+STEP_DISPATCH = "mrv2_step_dispatch_seconds"
 SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval": STEP_INTERVAL,
                "decode_step_interval": f'{STEP_INTERVAL}{{step="decode"}}',
-               "prefill_step_interval": f'{STEP_INTERVAL}{{step="prefill"}}'}
+               "prefill_step_interval": f'{STEP_INTERVAL}{{step="prefill"}}',
+               "decode_dispatch": f'{STEP_DISPATCH}{{step="decode"}}',
+               "prefill_dispatch": f'{STEP_DISPATCH}{{step="prefill"}}'}
 # A client process this busy (CPU seconds per wall second) may have been the bottleneck.
 CLIENT_BUSY = 0.85
 VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
@@ -170,8 +173,9 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str, pr
 
 def measure_level(args, server: str, client: str, url: str, concurrency: int, work_dir: str) -> dict:
     """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level
-    and the share of step intervals that ended with a step computing prompt tokens."""
-    names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL)
+    (the steps' hand-over to the runner among them) and the share of step intervals that ended with a
+    step computing prompt tokens."""
+    names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL, STEP_DISPATCH)
     before = scrape(url, names, by="step") if server == "mrv2" else None
     metrics = run_clients(args, client, url, concurrency, work_dir)
     if before is not None:
@@ -226,6 +230,9 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                       f"{_ms(m['prefill_step_interval_p99_ms'])} ms; decode-only P50 "
                       f"{_ms(m['decode_step_interval_p50_ms'])} / P99 {_ms(m['decode_step_interval_p99_ms'])} ms",
                       flush=True)
+                print(f"{server:5} C={c:4}: host hand-over of a step to the runner: with prompt tokens P50 "
+                      f"{_ms(m['prefill_dispatch_p50_ms'])} / P99 {_ms(m['prefill_dispatch_p99_ms'])} ms; decode-only "
+                      f"P50 {_ms(m['decode_dispatch_p50_ms'])} / P99 {_ms(m['decode_dispatch_p99_ms'])} ms", flush=True)
             if m["failed"]:
                 print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
         return {"startup_s": s.startup_s, "warmup": warm, "levels": levels}

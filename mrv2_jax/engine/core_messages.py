@@ -86,6 +86,10 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     errors: list[tuple[str, str]]  # (request_id, why its add failed)
     stats: CoreStats
     prefill_tokens: int = 0  # prompt tokens the step computed beside its decode rows
+    # The step handed to the runner in the same loop iteration: host seconds of the hand-over
+    # (-1: none) and its prompt tokens (EngineCore.dispatched).
+    dispatch_s: float = -1.0
+    dispatch_prefill_tokens: int = 0
 
 
 class StreamedTokens(msgspec.Struct, tag="tokens", array_like=True):

@@ -158,7 +158,7 @@ class EngineCoreProc:
             if engine.has_work():
                 outputs = engine.step()
                 self.num_steps += 1
-                self._send(outputs, engine.outputs_prefill_tokens)
+                self._send(outputs, engine.outputs_prefill_tokens, engine.dispatched)
             elif changed:
                 self._send([])  # e.g. an abort while idle: the freed blocks show in the counters
 
@@ -199,14 +199,20 @@ class EngineCoreProc:
         for request_id in request_ids:
             self._owner.pop(request_id, None)
 
-    def _send(self, outputs, prefill_tokens: int = 0) -> None:
+    def _send(self, outputs, prefill_tokens: int = 0, dispatched: tuple[float, int] | None = None) -> None:
         """One message per API server process: its requests' outputs and failed adds, the prompt
-        tokens of the step whose outputs these are, and the counters (every process serves /metrics
-        and /health)."""
+        tokens of the step whose outputs these are, the hand-over of the step dispatched in the same
+        iteration (EngineCore.dispatched), and the counters (every process serves /metrics and /health)."""
         errors, self._errors = self._errors, []
         stats = self.stats()
+        dispatch_s, dispatch_prefill = (-1.0, 0) if dispatched is None else dispatched
+
+        def message(client_outputs, client_errors):
+            return self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats, prefill_tokens,
+                                                     dispatch_s, dispatch_prefill))
+
         if len(self.outs) == 1:
-            self.outs[0].send(self.encoder.encode(M.StepOutputs(outputs, errors, stats, prefill_tokens)), copy=False)
+            self.outs[0].send(message(outputs, errors), copy=False)
             return
         # A request this process no longer knows (aborted, or finished by a stop string one step
         # before this late output) has nobody waiting for it: its output is dropped.
@@ -220,7 +226,7 @@ class EngineCoreProc:
             if owner is not None:
                 per_client[owner][1].append((request_id, why))
         for index, (sock, (client_outputs, client_errors)) in enumerate(zip(self.outs, per_client)):
-            data = self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats, prefill_tokens))
+            data = message(client_outputs, client_errors)
             if index == 0:  # the process that owns this engine
                 sock.send(data, copy=False)
                 continue

@@ -44,6 +44,9 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list | None] = {}
         # Prompt tokens computed by the step whose outputs step() last returned (0: none returned).
         self.outputs_prefill_tokens = 0
+        # The step the last step() call handed to the runner: (host seconds of `runner.execute`,
+        # that step's prompt tokens); None when it handed over no tokens.
+        self.dispatched: tuple[float, int] | None = None
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this engine cannot serve."""
@@ -109,6 +112,7 @@ class EngineCore:
         compiles_before = num_compiles()
         start = time.perf_counter()
         self.outputs_prefill_tokens = 0
+        self.dispatched = None
         outputs = self._step()
         self.compile_guard.report(num_compiles() - compiles_before, "an engine step")
         if self.hooks is not None:
@@ -131,7 +135,10 @@ class EngineCore:
             read_early = self._read_and_stream_in_flight()
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
+        handed = time.perf_counter()
         result = self.runner.execute(scheduled)
+        if scheduled.total_num_scheduled_tokens:
+            self.dispatched = (time.perf_counter() - handed, scheduled.num_prefill_tokens)
         if synchronous:
             return self._update(scheduled, result)
         previous = self._in_flight

@@ -1,6 +1,6 @@
 """Prometheus metrics of the server (served on /metrics).
 
-Three sources:
+Four sources:
   * engine state (running / waiting requests, KV usage, prefix-cache hits, preemptions) is
     read from the engine's latest `EngineStats` snapshot when Prometheus scrapes, by a
     custom collector: nothing has to keep gauges up to date, and a scrape never touches the
@@ -10,7 +10,9 @@ Three sources:
     clock: TTFT is what the client waits, queueing included;
   * the interval between engine steps' outputs reaching this process (AsyncLLM's
     `on_step_interval`): set beside the inter-token gaps, it says whether a long gap was a
-    long step or time spent after the step, in this process or on the way to the client.
+    long step or time spent after the step, in this process or on the way to the client;
+  * the host time the engine took to hand each step to its runner (AsyncLLM's `on_step_dispatch`):
+    an interval that ends with one step's outputs also holds the hand-over of the next step.
 
 Each app has its own registry, so several servers in one process (tests) do not collide. With
 several API server processes (`--api-server-count`), the request metrics live in
@@ -33,6 +35,9 @@ from mrv2_jax.engine.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# A step's hand-over to the runner: fine buckets below a millisecond (a small step's call), coarser above.
+_DISPATCH_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001, 0.0012, 0.0015, 0.002, 0.0025,
+                     0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 1.0)
 # Fine in 1-20 ms, where decode steps and their tails lie, so that a P99 can be read from them.
 _GAP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009,
                 0.01, 0.012, 0.014, 0.016, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 5.0)
@@ -115,6 +120,12 @@ class ServerMetrics:
                                   buckets=_GAP_BUCKETS, registry=reg)
         self.step_interval = {kind: step_interval.labels(model_name, kind) for kind in ("decode", "prefill")}
         engine.on_step_interval = self._observe_step_interval
+        dispatch = Histogram("mrv2_step_dispatch_seconds", "Host time the engine took to hand one step to its "
+                             "runner (input preparation and the compiled program's call, which returns before the "
+                             "device has run it), by whether that step computes prompt tokens (step=prefill) or only "
+                             "decode rows (step=decode).", labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
+        self.step_dispatch = {kind: dispatch.labels(model_name, kind) for kind in ("decode", "prefill")}
+        engine.on_step_dispatch = self._observe_step_dispatch
         self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self._engine_collector = _EngineCollector(engine, model_name)
@@ -123,6 +134,9 @@ class ServerMetrics:
 
     def _observe_step_interval(self, seconds: float, prefilled: bool) -> None:
         self.step_interval["prefill" if prefilled else "decode"].observe(seconds)
+
+    def _observe_step_dispatch(self, seconds: float, prefill: bool) -> None:
+        self.step_dispatch["prefill" if prefill else "decode"].observe(seconds)
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

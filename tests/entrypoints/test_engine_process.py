@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.async_llm import AsyncLLM
-from mrv2_jax.bench.serve_compare import STEP_INTERVAL
+from mrv2_jax.bench.serve_compare import STEP_DISPATCH, STEP_INTERVAL
 from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
@@ -94,10 +94,10 @@ def _all_blocks_free(engine) -> bool:
     return s.num_running_reqs == 0 and s.num_waiting_reqs == 0 and s.num_free_blocks == s.num_blocks
 
 
-def _step_intervals(url: str) -> dict[str, float]:
-    """How many step intervals the server's histogram holds, by its `step` label."""
-    found = scrape(url, (STEP_INTERVAL,), by="step")
-    return {kind: count(None, found.get(f'{STEP_INTERVAL}{{step="{kind}"}}', {})) for kind in ("decode", "prefill")}
+def _step_counts(url: str, name: str = STEP_INTERVAL) -> dict[str, float]:
+    """How many observations the server's histogram `name` holds, by its `step` label."""
+    found = scrape(url, (name,), by="step")
+    return {kind: count(None, found.get(f'{name}{{step="{kind}"}}', {})) for kind in ("decode", "prefill")}
 
 
 def _text(events: list[dict]) -> str:
@@ -126,7 +126,7 @@ def test_64_concurrent_streams_match_offline(server, reference):
 def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, reference):
     engine = server.engine
     steps = engine.stats.num_steps
-    intervals = _step_intervals(server.url)
+    intervals, dispatches = _step_counts(server.url), _step_counts(server.url, STEP_DISPATCH)
     # logprobs=0: each chunk lists its tokens, which shows how many tokens it carries.
     events = asyncio.run(_stream_with_client(server, {"prompt": LONG_PROMPT, "logprobs": 0, **FUSED}))
     sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
@@ -134,9 +134,14 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     wait_until(lambda: _all_blocks_free(engine), what="the streamed request to finish")
     # Its prompt was computed in one step: the engine process's message says so, and exactly one
     # step interval of the server's histogram ends with a step that computed prompt tokens.
-    after = _step_intervals(server.url)
+    after = _step_counts(server.url)
     assert after["prefill"] - intervals["prefill"] == 1
     assert after["decode"] - intervals["decode"] >= 1
+    # Each step the engine handed to its runner was timed, by the same label: the prompt's one step,
+    # then at most one decode hand-over per engine step.
+    handed = _step_counts(server.url, STEP_DISPATCH)
+    assert handed["prefill"] - dispatches["prefill"] == 1
+    assert 1 <= handed["decode"] - dispatches["decode"] <= engine.stats.num_steps - steps
     # The engine ran at most STREAM_INTERVAL decode steps per call for it. (Counted in the engine: a
     # reader that falls behind gets two calls' tokens in one chunk, request_stream.py.)
     assert engine.stats.num_steps - steps >= math.ceil((FUSED["max_tokens"] - 1) / STREAM_INTERVAL)

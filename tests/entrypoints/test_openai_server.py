@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mrv2_jax.bench.serve_compare import STEP_INTERVAL
+from mrv2_jax.bench.serve_compare import STEP_DISPATCH, STEP_INTERVAL
 from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.sampling_params import SamplingParams
 from tests.server_harness import MODEL_NAME, make_llm, running_server, stream_completion, wait_until
@@ -240,13 +240,14 @@ def _histogram_counts(url):
 
 
 def _step_interval_buckets(url):
-    return scrape(url, (STEP_INTERVAL,), by="step")
+    return scrape(url, (STEP_INTERVAL, STEP_DISPATCH), by="step")
 
 
 def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
     """One streamed request alone: the server's inter-token histogram gains one gap per output
     token after the first (the usage's token count is the reference), each gap no longer than the
-    client's whole wait; the step-interval histogram gains the intervals between its steps."""
+    client's whole wait; the step-interval histogram gains the intervals between its steps, and the
+    dispatch histogram the host time of handing each of its steps to the runner."""
     before, split_before = _histogram_counts(server.url), _step_interval_buckets(server.url)
     chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], stream=True,
                                             stream_options={"include_usage": True}, **GREEDY))
@@ -263,3 +264,9 @@ def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
     prefill, decode = (f'{STEP_INTERVAL}{{step="{kind}"}}' for kind in ("prefill", "decode"))
     assert count(split_before.get(prefill), split_after[prefill]) == 1
     assert count(split_before.get(decode), split_after[decode]) == steps - 1
+    # Its prompt's step was handed to the runner once, then each decode step at most once; the
+    # hand-overs took host time, all of it inside the request's wait.
+    prefill, decode = (f'{STEP_DISPATCH}{{step="{kind}"}}' for kind in ("prefill", "decode"))
+    assert count(split_before.get(prefill), split_after[prefill]) == 1
+    assert 1 <= count(split_before.get(decode), split_after[decode]) <= tokens
+    assert 0 < after["mrv2_step_dispatch_seconds_sum"] - before.get("mrv2_step_dispatch_seconds_sum", 0.0) < e2e
