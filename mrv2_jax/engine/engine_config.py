@@ -57,8 +57,8 @@ class EngineConfig:
     # a GPU matter, and XLA:CPU compiles unrolled programs slowly).
     unrolled_layers_max_tokens: int | None = None
     # V2: with unrolled_layers_max_tokens, only buckets of at most this many rows unroll, and a
-    # bucket of this many rows at that token count is added (a step with few rows and a prompt
-    # unrolls; a full decode batch keeps the loop). None: no row limit.
+    # bucket of this many rows is added at each token count up to it whose own bucket has more rows
+    # (a step with few rows and a prompt unrolls; a full decode batch keeps the loop). None: no limit.
     unrolled_layers_max_rows: int | None = None
     # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
     # short stall then) or "background" (what the program store holds is loaded at start-up, the

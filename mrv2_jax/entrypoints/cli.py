@@ -67,7 +67,8 @@ def add_engine_args(parser: argparse.ArgumentParser, compile_mode: str | None = 
                         f"--layer-unroll); 0: none; default {DEFAULT_UNROLLED_LAYERS_MAX_TOKENS} on GPUs, 0 elsewhere")
     g.add_argument("--unrolled-layers-max-rows", type=int, default=None, metavar="ROWS",
                    help="v2: only buckets of at most this many rows unroll (--unrolled-layers-max-tokens), and a "
-                        "bucket of this many rows at that many tokens is added; default: no row limit")
+                        "bucket of this many rows is added at each token count up to that many tokens whose own "
+                        "bucket has more rows; default: no row limit")
     g.add_argument("--compile-mode", default=compile_mode, choices=["eager", "lazy", "background"],
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
                         "on threads beside the serving engine (background: the program store's programs load "

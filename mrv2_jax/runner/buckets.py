@@ -13,6 +13,11 @@ rows, r a power of two) keep its row padding (and the sampler's 1 + k logits per
 from dataclasses import dataclass
 
 
+def token_sizes(max_num_batched_tokens: int, min_tokens: int = 8) -> list[int]:
+    """The plan's token counts: powers of two from `min_tokens` up, ending at the budget."""
+    return _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
+
+
 def _powers_of_two(lo: int, hi: int) -> list[int]:
     sizes, n = [], lo
     while n < hi:
@@ -28,6 +33,13 @@ class Bucket:
     num_reqs: int  # padded number of batch rows
 
 
+def few_row_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_tokens: int, rows: int) -> tuple[Bucket, ...]:
+    """Buckets of `rows` rows at each of the plan's token counts up to `max_tokens` whose own bucket
+    has more rows (the V2 runner unrolls them: runner/v2.py, unrolled_layers_max_rows)."""
+    return tuple(Bucket(t, rows) for t in token_sizes(max_num_batched_tokens)
+                 if t <= max_tokens and rows < min(t, max_num_seqs))
+
+
 class BucketPlan:
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8,
                  decode_width: int = 1, extra: tuple[Bucket, ...] = ()):
@@ -36,9 +48,7 @@ class BucketPlan:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.max_num_seqs = max_num_seqs
-        buckets = {
-            Bucket(t, min(t, max_num_seqs))
-            for t in _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)}
+        buckets = {Bucket(t, min(t, max_num_seqs)) for t in token_sizes(max_num_batched_tokens, min_tokens)}
         if decode_width > 1:
             buckets |= {Bucket(r * decode_width, r) for r in _powers_of_two(1, max_num_seqs)
                         if r * decode_width <= max_num_batched_tokens}

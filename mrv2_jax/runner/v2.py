@@ -28,7 +28,7 @@ from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.runner.base import RunnerBase
-from mrv2_jax.runner.buckets import Bucket
+from mrv2_jax.runner.buckets import Bucket, few_row_buckets
 from mrv2_jax.runner.device_state import MAX_DEVICE_STOP_IDS, SAMPLING_FIELDS, init_device_state
 from mrv2_jax.runner.fused import device_stop_ids, fused_layout, make_fused_decode
 from mrv2_jax.runner.grammar_masks import GrammarMasks
@@ -146,8 +146,9 @@ class ModelRunnerV2(RunnerBase):
         `unrolled_layers_max_tokens`: the step programs of buckets with at most this many tokens
         unroll every decoder layer (fused decode and larger buckets keep the model's loop);
         `unrolled_layers_max_rows` (None: no limit) keeps the loop in buckets of more rows, and adds
-        a bucket of that many rows at `unrolled_layers_max_tokens` tokens, so that a step with few
-        rows and a prompt still gets an unrolled program while a full decode batch keeps the loop.
+        a bucket of that many rows at each of the plan's token counts up to `unrolled_layers_max_tokens`
+        whose own bucket has more rows, so that a step with few rows and a prompt still gets an
+        unrolled program while a full decode batch keeps the loop.
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention)."""
@@ -159,8 +160,8 @@ class ModelRunnerV2(RunnerBase):
             raise ValueError("stream_in_call cannot run with tensor parallelism yet")
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
-        few_rows = () if not tokens or max_rows is None or max_rows >= min(tokens, max_num_seqs) else (
-            Bucket(tokens, max_rows),)
+        few_rows = () if not tokens or max_rows is None else few_row_buckets(
+            max_num_batched_tokens, max_num_seqs, tokens, max_rows)
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,

@@ -206,9 +206,9 @@ def test_small_buckets_with_unrolled_layers_give_the_same_tokens():
         make_llm(runner="v1", unrolled_layers_max_tokens=8)
 
 
-def test_unrolled_layers_by_rows_add_a_bucket_of_few_rows():
-    """unrolled_layers_max_rows: a 16-token bucket of 4 rows is added and unrolls; the buckets of 8
-    rows keep the loop; a step picks the few-row bucket when its rows fit; greedy tokens equal the
+def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
+    """unrolled_layers_max_rows: 8- and 16-token buckets of 4 rows are added and unroll; the buckets
+    of 8 rows keep the loop; a step picks a few-row bucket when its rows fit; greedy tokens equal the
     looped engine's."""
     from mrv2_jax.runner.buckets import Bucket
 
@@ -221,9 +221,10 @@ def test_unrolled_layers_by_rows_add_a_bucket_of_few_rows():
     assert got == want
     runner = llm.engine.runner
     assert runner.buckets.pick(12, 3) == Bucket(16, 4) and runner.buckets.pick(12, 6) == Bucket(16, 8)
+    assert runner.buckets.pick(6, 3) == Bucket(8, 4)
     loops = {(b.num_tokens, b.num_reqs, "while" in programs[0].as_text())
              for b, (_, programs) in runner.compiled.items()}
-    assert loops == {(8, 8, True), (16, 4, False), (16, 8, True)}
+    assert loops == {(8, 4, False), (8, 8, True), (16, 4, False), (16, 8, True)}
     with pytest.raises(ValueError, match="unrolled_layers_max_rows must be an int >= 1"):
         make_llm(runner="v2", unrolled_layers_max_rows=0)
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from mrv2_jax.runner.buckets import Bucket, BucketPlan
+from mrv2_jax.runner.buckets import Bucket, BucketPlan, few_row_buckets
 
 
 def test_the_plan_and_its_extra_buckets():
@@ -19,6 +19,17 @@ def test_the_plan_and_its_extra_buckets():
     for bad in (Bucket(32, 17), Bucket(128, 4), Bucket(8, 9), Bucket(8, 0)):
         with pytest.raises(ValueError, match="does not fit"):
             BucketPlan(64, 16, extra=(bad,))
+
+
+def test_few_row_buckets_sit_beside_every_bucket_of_more_rows_up_to_the_token_limit():
+    # The serving shape: 8192 tokens, 256 rows; unrolled up to 2048 tokens for at most 128 rows.
+    assert few_row_buckets(8192, 256, 2048, 128) == tuple(Bucket(t, 128) for t in (256, 512, 1024, 2048))
+    # Buckets of up to `rows` tokens already have at most `rows` rows; none is added there.
+    assert few_row_buckets(64, 16, 64, 8) == (Bucket(16, 8), Bucket(32, 8), Bucket(64, 8))
+    assert few_row_buckets(64, 16, 64, 16) == () and few_row_buckets(64, 4, 64, 8) == ()
+    plan = BucketPlan(8192, 256, extra=few_row_buckets(8192, 256, 2048, 128))
+    assert plan.pick(128 + 1152, 128) == Bucket(2048, 128) and plan.pick(255, 128) == Bucket(256, 128)
+    assert plan.pick(256, 256) == Bucket(256, 256)
 
 
 def test_pick_takes_the_smallest_bucket_that_holds_the_step():
