@@ -439,25 +439,31 @@ class ModelRunnerV2(RunnerBase):
         return result
 
     def _write_new_requests(self, out: SchedulerOutput, view):
-        new_slot = view("new_slot")
+        new_slot, sampler_row = view("new_slot"), view("new_sampler_row")
         new_slot[:] = -1
-        view("new_sampler_row")[:] = -1
+        sampler_row[:] = -1
+        if not out.new_reqs:
+            return
+        # The fields' views once per step, not once per request and field.
+        prefill_len, num_computed, num_prompt, stop_ids = (
+            view(name) for name in ("new_prefill_len", "new_num_computed", "new_num_prompt", "new_stop_ids"))
+        fields = [(name, view(f"new_{name}")) for name in SAMPLING_FIELDS]
         for i, new in enumerate(out.new_reqs):
             slot = self.slots.allocate(new.req_id)
             new_slot[i] = slot
-            view("new_prefill_len")[i] = len(new.token_ids)
-            view("new_num_computed")[i] = new.num_computed_tokens
-            view("new_num_prompt")[i] = new.num_prompt_tokens
+            prefill_len[i] = len(new.token_ids)
+            num_computed[i] = new.num_computed_tokens
+            num_prompt[i] = new.num_prompt_tokens
             # Penalty counts, prompt masks, bias and min_tokens lists are written once, by their
             # own small dispatch, only for requests that use them.
             row, owns_rows = self._new_sampling_row(new, slot)
             if new.automaton is not None:
                 row.scalars["automaton_state"] = self._load_automaton(new)
-            for name in SAMPLING_FIELDS:
-                view(f"new_{name}")[i] = row.scalars[name]
-            view("new_stop_ids")[i] = device_stop_ids(new.sampling_params, self.eos_token_ids)
+            for name, field_view in fields:
+                field_view[i] = row.scalars[name]
+            stop_ids[i] = device_stop_ids(new.sampling_params, self.eos_token_ids)
             if owns_rows:
-                view("new_sampler_row")[i] = slot
+                sampler_row[i] = slot
             if row.scalars["num_logprobs"] >= 0:
                 self._logprob_reqs[new.req_id] = row.scalars["num_logprobs"]
             if new.sampling_params.prompt_logprobs is not None and self.supports_prompt_logprobs:
