@@ -45,7 +45,8 @@ class EngineCore:
         # Prompt tokens computed by the step whose outputs step() last returned (0: none returned).
         self.outputs_prefill_tokens = 0
         # The step the last step() call handed to the runner: (host seconds of `runner.execute`,
-        # that step's prompt tokens); None when it handed over no tokens.
+        # that step's prompt tokens); None when it handed over no tokens. (A fused call that streams
+        # from inside holds the host until it ends, so its seconds are the whole call's.)
         self.dispatched: tuple[float, int] | None = None
 
     def check_request(self, params) -> None:
