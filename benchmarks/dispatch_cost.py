@@ -1,9 +1,12 @@
 """Host cost of one decode step's jitted call, taken apart.
 
     python -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 1
+    python -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 128 --admit 10
 
 Runs `--rows` requests into steady decode, keeps one decode dispatch (the compiled step and its
-packed input buffer), then calls that step again and again on the runner's live state:
+packed input buffer), then calls that step again and again on the runner's live state. With
+`--admit N`, the step kept is instead the one that admits N new prompts of `--input-len` tokens
+beside the `--rows` decoding rows (what a server's prompt step is; each call prefills them again):
 
   numpy packed    a fresh host buffer per call, as the engine sends it (a host->device copy and
                   a new device allocation every call)
@@ -44,7 +47,7 @@ from mrv2_jax import envs
 from mrv2_jax.bench.capture import DecodeStepCapture
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import flag_probe_report
-from mrv2_jax.bench.step_log import attach_hooks
+from mrv2_jax.bench.step_log import StepLog, attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 
@@ -60,6 +63,46 @@ def capture_decode_dispatch(llm, rows: int, output_len: int, input_len: int):
     if not capture.captured:
         raise SystemExit("no steady decode step was seen: raise --output-len")
     return capture.dispatch.compiled, capture.dispatch.packed
+
+
+class PromptStepCapture(StepLog):
+    """Keeps the first dispatch of a step that admits new requests beside running ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.dispatch = None
+        self._admitting = False
+
+    def step_scheduled(self, scheduled) -> None:
+        super().step_scheduled(scheduled)
+        self._admitting = bool(scheduled.new_reqs) and bool(scheduled.cached_reqs)
+
+    def dispatched(self, runner, compiled, packed, call_s: float) -> None:
+        if self._admitting and self.dispatch is None:
+            self.dispatch = (compiled, packed)
+
+
+def capture_prompt_dispatch(llm, rows: int, admit: int, input_len: int, output_len: int):
+    """(compiled step, packed numpy buffer) of the step that admits `admit` prompts of `input_len`
+    tokens while `rows` requests decode (they get `output_len` tokens; the prompts come at half)."""
+    from mrv2_jax.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    vocab = llm.model_state.vocab_size
+    for prompt in random_prompts(rows, input_len, 0.0, vocab, 0):
+        llm.add_request(prompt, params)
+    for _ in range(output_len // 2):
+        llm.step()
+    capture = PromptStepCapture()
+    attach_hooks(llm.engine, capture)
+    for prompt in random_prompts(admit, input_len, 0.0, vocab, 1):
+        llm.add_request(prompt, params)
+    while llm.engine.has_work():
+        llm.step()
+    attach_hooks(llm.engine, None)
+    if capture.dispatch is None:
+        raise SystemExit("no step admitted the prompts beside decoding rows: raise --output-len")
+    return capture.dispatch
 
 
 def twin_of(compiled):
@@ -141,6 +184,8 @@ def main(argv=None, prog=None):
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--admit", type=int, default=0,
+                   help="time the step that admits this many prompts beside --rows decoding rows (0: a decode step)")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -150,7 +195,10 @@ def main(argv=None, prog=None):
     kwargs["max_fused_steps"] = 1
     llm = LLM(**kwargs)
     llm.wait_for_compiles()
-    compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
+    if args.admit:
+        compiled, packed = capture_prompt_dispatch(llm, args.rows, args.admit, args.input_len, args.output_len)
+    else:
+        compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
     on_device = jax.device_put(packed)
     runner = llm.engine.runner
     step = alternating(runner, [compiled])
@@ -169,7 +217,7 @@ def main(argv=None, prog=None):
         phase_mark(name)
         results[name] = time_calls(call, make_packed, args.calls)
     phase_mark("moved buffers")
-    print(f"rows {args.rows}, XLA_FLAGS={envs.get_xla_flags()}")
+    print(f"rows {args.rows}, prompts admitted {args.admit}, XLA_FLAGS={envs.get_xla_flags()}")
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
     for name, r in results.items():
         print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")

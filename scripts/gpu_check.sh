@@ -352,6 +352,19 @@ for s in $sections; do case $s in
           python3 -m benchmarks.command_buffer_updates $extra --output-json "$OUT/cb_updates_$name.json"
     done <<< "${CB_UPDATES_VARIANTS:-scan||
 unrolled||--unroll}" ;;
+  # Issues 24/25: the host cost of handing a serving-sized PROMPT step to the runner (10 prompts of
+  # 128 tokens beside 118 decoding rows, a looped 2048-token program by default): the defaults,
+  # the prompt buckets unrolled for <= 128 rows, and the looped program without in-place weight
+  # slices. Lazy compiles: only the programs the run meets. The `call ms` column is the figure.
+  prompt-dispatch)
+    common="--model qwen3-0.6b --load-format dummy --rows 118 --admit 10 --input-len 128 --output-len 64 \
+        --calls 50 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --compile-mode lazy"
+    run_section prompt-dispatch python3 -m benchmarks.dispatch_cost $common --output-json "$OUT/prompt_dispatch.json"
+    run_section prompt-dispatch-unrolled python3 -m benchmarks.dispatch_cost $common \
+        --unrolled-layers-max-tokens 2048 --unrolled-layers-max-rows 128 --output-json "$OUT/prompt_dispatch_unrolled.json"
+    run_section prompt-dispatch-no-slices env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
+        python3 -m benchmarks.dispatch_cost $common --output-json "$OUT/prompt_dispatch_no_slices.json"
+    grep -hE "^(rows|numpy packed|device packed)" "$OUT"/prompt-dispatch*.log ;;
   # Issue 25, next: why XLA re-records the decode step's command buffer on every call. XLA's own
   # log says per call how many allocations moved and whether a command forced the update; the dump
   # lists every step program's thunks (a conditional or while loop inside the graph forces updates).

@@ -1,20 +1,25 @@
 """benchmarks.dispatch_cost's count of device buffers that move between calls of one step (the
-runner's donated state and the weights must stay where they are, call after call), and its
-twin executable (a second loaded copy that computes what the first does)."""
+runner's donated state and the weights must stay where they are, call after call), its twin
+executable (a second loaded copy that computes what the first does), and its capture of a step
+that admits prompts beside decoding rows."""
 
 import jax
 import numpy as np
 import pytest
 
-from benchmarks.dispatch_cost import capture_decode_dispatch, moved_buffers, twin_of
+from benchmarks.dispatch_cost import capture_decode_dispatch, capture_prompt_dispatch, moved_buffers, twin_of
 from mrv2_jax.llm import LLM
 
 
-def _captured_demo_step():
+def _demo_llm():
     # The captured requests sample at temperature 1: the plain variant (as on GPUs) covers them and
     # compiles faster than `all`.
-    llm = LLM("demo", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, num_gpu_blocks=16,
-              max_fused_steps=1, sampler_variants="plain,all", show_progress=False)
+    return LLM("demo", max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, num_gpu_blocks=16,
+               max_fused_steps=1, sampler_variants="plain,all", show_progress=False)
+
+
+def _captured_demo_step():
+    llm = _demo_llm()
     compiled, packed = capture_decode_dispatch(llm, rows=2, output_len=8, input_len=4)
     return llm.engine.runner, compiled, packed
 
@@ -42,3 +47,17 @@ def test_donated_state_and_weights_keep_their_addresses():
     # The step's own result is a fresh set of buffers: at least one leaf, each its own allocation.
     result = runner.call_step(compiled, jax.device_put(np.array(packed)))
     assert 0 < moves["results"]["result"] <= len(jax.tree.leaves(result))
+
+
+def test_the_prompt_step_capture_keeps_the_step_that_admits_beside_decoding_rows():
+    llm = _demo_llm()
+    compiled, packed = capture_prompt_dispatch(llm, rows=1, admit=1, input_len=4, output_len=8)
+    runner = llm.engine.runner
+    layout = next(layout for layout, programs in runner.compiled.values() if compiled in programs)
+    # One decoding row and one new request of 4 prompt tokens: 5 tokens, one new slot.
+    assert int(layout.view(packed, "num_reqs")) == 2
+    assert layout.view(packed, "num_scheduled")[:2].tolist() == [1, 4]
+    assert (layout.view(packed, "new_slot") >= 0).sum() == 1
+    # Called again and again, it keeps the donated state and the weights in place, as a decode step does.
+    moves = moved_buffers(runner, compiled, packed, calls=3)
+    assert all(moves["arguments"][group] == 0 for group in ("params", "kv_cache", "state", "slot_state"))
