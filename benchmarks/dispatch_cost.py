@@ -217,10 +217,15 @@ def main(argv=None, prog=None):
         phase_mark(name)
         results[name] = time_calls(call, make_packed, args.calls)
     phase_mark("moved buffers")
-    print(f"rows {args.rows}, prompts admitted {args.admit}, XLA_FLAGS={envs.get_xla_flags()}")
+    bucket = next((b for b, (_, programs) in runner.compiled.items() if compiled in programs), None)
+    unrolled = bucket is not None and runner.unrolls_layers(bucket)
+    print(f"rows {args.rows}, prompts admitted {args.admit}, bucket {bucket} (layers unrolled: {unrolled}), "
+          f"XLA_FLAGS={envs.get_xla_flags()}")
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
     for name, r in results.items():
         print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
+    results["bucket"] = None if bucket is None else {"tokens": bucket.num_tokens, "rows": bucket.num_reqs,
+                                                     "layers_unrolled": unrolled}
     results["buffers moved per call"] = moves = moved_buffers(runner, compiled, packed, min(args.calls, 20))
     for kind, groups in moves.items():
         print(f"{kind} moved per call: " + ", ".join(f"{name} {n:g}" for name, n in groups.items()))

@@ -295,7 +295,7 @@ class ModelRunnerV2(RunnerBase):
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
         K decode steps (the buckets in `fused_buckets`)."""
-        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self._unrolled(b)))
+        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self.unrolls_layers(b)))
                  for b in self.buckets}
         steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
                                  lambda layout, features, b=b: self._fused_fn(b, layout, features))
@@ -307,7 +307,7 @@ class ModelRunnerV2(RunnerBase):
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
 
-    def _unrolled(self, bucket: Bucket) -> bool:
+    def unrolls_layers(self, bucket: Bucket) -> bool:
         """Whether the step program of `bucket` unrolls the decoder layers."""
         rows = self.unrolled_layers_max_rows
         return bucket.num_tokens <= self.unrolled_layers_max_tokens and (rows is None or bucket.num_reqs <= rows)

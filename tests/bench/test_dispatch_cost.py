@@ -53,7 +53,8 @@ def test_the_prompt_step_capture_keeps_the_step_that_admits_beside_decoding_rows
     llm = _demo_llm()
     compiled, packed = capture_prompt_dispatch(llm, rows=1, admit=1, input_len=4, output_len=8)
     runner = llm.engine.runner
-    layout = next(layout for layout, programs in runner.compiled.values() if compiled in programs)
+    bucket, (layout, _) = next((b, entry) for b, entry in runner.compiled.items() if compiled in entry[1])
+    assert not runner.unrolls_layers(bucket)  # CPUs keep the layer loop by default
     # One decoding row and one new request of 4 prompt tokens: 5 tokens, one new slot.
     assert int(layout.view(packed, "num_reqs")) == 2
     assert layout.view(packed, "num_scheduled")[:2].tolist() == [1, 4]
