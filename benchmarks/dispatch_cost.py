@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from mrv2_jax import envs
-from mrv2_jax.bench.capture import DecodeStepCapture
+from mrv2_jax.bench.capture import DecodeStepCapture, Dispatch
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import flag_probe_report
 from mrv2_jax.bench.step_log import StepLog, attach_hooks
@@ -79,7 +79,7 @@ class PromptStepCapture(StepLog):
 
     def dispatched(self, runner, compiled, packed, call_s: float) -> None:
         if self._admitting and self.dispatch is None:
-            self.dispatch = (compiled, packed)
+            self.dispatch = Dispatch(runner, compiled, packed)
 
 
 def capture_prompt_dispatch(llm, rows: int, admit: int, input_len: int, output_len: int):
@@ -102,7 +102,7 @@ def capture_prompt_dispatch(llm, rows: int, admit: int, input_len: int, output_l
     attach_hooks(llm.engine, None)
     if capture.dispatch is None:
         raise SystemExit("no step admitted the prompts beside decoding rows: raise --output-len")
-    return capture.dispatch
+    return capture.dispatch.compiled, capture.dispatch.packed
 
 
 def twin_of(compiled):

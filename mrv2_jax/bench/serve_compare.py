@@ -42,8 +42,9 @@ from mrv2_jax.entrypoints.cli import add_engine_args
 
 SERVERS = ("mrv2", "vllm")
 # mrv2-jax's own view of each level, from its /metrics: the gaps between a request's outputs as the
-# server sent them, and between engine steps' outputs reaching the API process. Beside the client's
-# ITL they place a long gap: in the engine step, after it in the server, or past the server.
+# server sent them, and between engine steps' outputs reaching the API process, and the host time of
+# handing each step to the runner. Beside the client's ITL they place a long gap: in the engine step
+# (or the next step's hand-over), after it in the server, or past the server.
 STEP_INTERVAL = "mrv2_step_output_interval_seconds"
 STEP_DISPATCH = "mrv2_step_dispatch_seconds"
 SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval": STEP_INTERVAL,
