@@ -21,6 +21,9 @@ beside the `--rows` decoding rows (what a server's prompt step is; each call pre
                   buffers it sees recur from its own call before (the engine's results alternate
                   between two sets of addresses, as each call's result is still alive when the
                   next call is made)
+  among decodes   (`--admit` only) numpy packed, each timed call after 4 calls of the decode step
+                  that ran just before the admission, as a server interleaves them: what the
+                  prompt step costs when other programs ran since its last call
 
 For each: `call ms`, the host time of the call alone, each call waited for before the next
 (nothing queued in front of it); `pipelined ms`, wall time per call when calls are issued back
@@ -71,38 +74,43 @@ class PromptStepCapture(StepLog):
     def __init__(self):
         super().__init__()
         self.dispatch = None
-        self._admitting = False
+        self.decode = None  # the last decode-only dispatch before the admission
+        self._admitting = self._decoding = False
 
     def step_scheduled(self, scheduled) -> None:
         super().step_scheduled(scheduled)
         self._admitting = bool(scheduled.new_reqs) and bool(scheduled.cached_reqs)
+        self._decoding = not scheduled.new_reqs and scheduled.num_prefill_tokens == 0
 
     def dispatched(self, runner, compiled, packed, call_s: float) -> None:
         if self._admitting and self.dispatch is None:
             self.dispatch = Dispatch(runner, compiled, packed)
+        elif self._decoding and self.dispatch is None:
+            self.decode = Dispatch(runner, compiled, packed)
 
 
 def capture_prompt_dispatch(llm, rows: int, admit: int, input_len: int, output_len: int):
-    """(compiled step, packed numpy buffer) of the step that admits `admit` prompts of `input_len`
-    tokens while `rows` requests decode (they get `output_len` tokens; the prompts come at half)."""
+    """(the step that admits `admit` prompts of `input_len` tokens while `rows` requests decode,
+    the decode step before it), each a Dispatch; the rows get `output_len` tokens, the prompts
+    come at half."""
     from mrv2_jax.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     vocab = llm.model_state.vocab_size
     for prompt in random_prompts(rows, input_len, 0.0, vocab, 0):
         llm.add_request(prompt, params)
-    for _ in range(output_len // 2):
-        llm.step()
     capture = PromptStepCapture()
     attach_hooks(llm.engine, capture)
+    for _ in range(output_len // 2):
+        llm.step()
     for prompt in random_prompts(admit, input_len, 0.0, vocab, 1):
         llm.add_request(prompt, params)
     while llm.engine.has_work():
         llm.step()
     attach_hooks(llm.engine, None)
-    if capture.dispatch is None:
+    if capture.dispatch is None or capture.decode is None:
         raise SystemExit("no step admitted the prompts beside decoding rows: raise --output-len")
-    return capture.dispatch.compiled, capture.dispatch.packed
+    return capture.dispatch, capture.decode
 
 
 def twin_of(compiled):
@@ -133,10 +141,13 @@ def alternating(runner, programs: list):
     return lambda packed: runner.call_step(programs[next(turn) % len(programs)], packed)
 
 
-def time_calls(call, make_packed, calls: int) -> dict:
+def time_calls(call, make_packed, calls: int, before=None) -> dict:
+    """`before()`, if given, runs (untimed) ahead of each timed call."""
     jax.block_until_ready(call(make_packed()))
     host = []
     for _ in range(calls):
+        if before is not None:
+            before()
         packed = make_packed()
         start = time.perf_counter()
         result = call(packed)
@@ -195,12 +206,14 @@ def main(argv=None, prog=None):
     kwargs["max_fused_steps"] = 1
     llm = LLM(**kwargs)
     llm.wait_for_compiles()
+    runner = llm.engine.runner
+    decode = None
     if args.admit:
-        compiled, packed = capture_prompt_dispatch(llm, args.rows, args.admit, args.input_len, args.output_len)
+        prompt, decode = capture_prompt_dispatch(llm, args.rows, args.admit, args.input_len, args.output_len)
+        compiled, packed = prompt.compiled, prompt.packed
     else:
         compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
     on_device = jax.device_put(packed)
-    runner = llm.engine.runner
     step = alternating(runner, [compiled])
     ways = [("numpy packed", step, lambda: np.array(packed)),
             ("device packed", step, lambda: on_device),
@@ -216,6 +229,12 @@ def main(argv=None, prog=None):
     for name, call, make_packed in ways:
         phase_mark(name)
         results[name] = time_calls(call, make_packed, args.calls)
+    if decode is not None:
+        def four_decodes():
+            for _ in range(4):
+                runner.call_step(decode.compiled, np.array(decode.packed))
+        phase_mark("among decodes")
+        results["among decodes"] = time_calls(step, lambda: np.array(packed), args.calls, before=four_decodes)
     phase_mark("moved buffers")
     bucket = next((b for b, (_, programs) in runner.compiled.items() if compiled in programs), None)
     unrolled = bucket is not None and runner.unrolls_layers(bucket)

@@ -364,7 +364,18 @@ unrolled||--unroll}" ;;
         --unrolled-layers-max-tokens 2048 --unrolled-layers-max-rows 128 --output-json "$OUT/prompt_dispatch_unrolled.json"
     run_section prompt-dispatch-no-slices env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=false" \
         python3 -m benchmarks.dispatch_cost $common --output-json "$OUT/prompt_dispatch_no_slices.json"
-    grep -hE "^(rows|numpy packed|device packed)" "$OUT"/prompt-dispatch*.log ;;
+    grep -hE "^(rows|numpy packed|device packed|among decodes)" "$OUT"/prompt-dispatch*.log ;;
+  # The prompt step's command-buffer updates per way of calling it (XLA's log; it inflates the
+  # times, take those from prompt-dispatch): after its own call, or after other programs' calls.
+  prompt-dispatch-why)
+    run_section prompt-dispatch-why env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+        python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 118 --admit 10 \
+        --input-len 128 --output-len 64 --calls 20 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --max-model-len 1024 --compile-mode lazy --unrolled-layers-max-tokens 2048 --unrolled-layers-max-rows 128
+    awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
+         match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]+=substr($0, RSTART+15, RLENGTH-15)}
+         END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p]}' \
+        "$OUT/prompt-dispatch-why.log" ;;
   # Issue 25, next: why XLA re-records the decode step's command buffer on every call. XLA's own
   # log says per call how many allocations moved and whether a command forced the update; the dump
   # lists every step program's thunks (a conditional or while loop inside the graph forces updates).

@@ -1,7 +1,7 @@
 """benchmarks.dispatch_cost's count of device buffers that move between calls of one step (the
 runner's donated state and the weights must stay where they are, call after call), its twin
 executable (a second loaded copy that computes what the first does), and its capture of a step
-that admits prompts beside decoding rows."""
+that admits prompts beside decoding rows (with the decode step before it)."""
 
 import jax
 import numpy as np
@@ -51,7 +51,8 @@ def test_donated_state_and_weights_keep_their_addresses():
 
 def test_the_prompt_step_capture_keeps_the_step_that_admits_beside_decoding_rows():
     llm = _demo_llm()
-    compiled, packed = capture_prompt_dispatch(llm, rows=1, admit=1, input_len=4, output_len=8)
+    prompt, decode = capture_prompt_dispatch(llm, rows=1, admit=1, input_len=4, output_len=8)
+    compiled, packed = prompt.compiled, prompt.packed
     runner = llm.engine.runner
     bucket, (layout, _) = next((b, entry) for b, entry in runner.compiled.items() if compiled in entry[1])
     assert not runner.unrolls_layers(bucket)  # CPUs keep the layer loop by default
@@ -62,3 +63,7 @@ def test_the_prompt_step_capture_keeps_the_step_that_admits_beside_decoding_rows
     # Called again and again, it keeps the donated state and the weights in place, as a decode step does.
     moves = moved_buffers(runner, compiled, packed, calls=3)
     assert all(moves["arguments"][group] == 0 for group in ("params", "kv_cache", "state", "slot_state"))
+    # Beside it, the decode step before the admission: the one row alone, one token.
+    decode_layout = next(entry[0] for entry in runner.compiled.values() if decode.compiled in entry[1])
+    assert int(decode_layout.view(decode.packed, "num_reqs")) == 1
+    assert decode_layout.view(decode.packed, "num_scheduled")[:1].tolist() == [1]
