@@ -75,11 +75,12 @@ class PromptStepCapture(StepLog):
         super().__init__()
         self.dispatch = None
         self.decode = None  # the last decode-only dispatch before the admission
+        self.armed = False  # set once the first prompts are in (their chunks admit beside others too)
         self._admitting = self._decoding = False
 
     def step_scheduled(self, scheduled) -> None:
         super().step_scheduled(scheduled)
-        self._admitting = bool(scheduled.new_reqs) and bool(scheduled.cached_reqs)
+        self._admitting = self.armed and bool(scheduled.new_reqs) and bool(scheduled.cached_reqs)
         self._decoding = not scheduled.new_reqs and scheduled.num_prefill_tokens == 0
 
     def dispatched(self, runner, compiled, packed, call_s: float) -> None:
@@ -103,6 +104,7 @@ def capture_prompt_dispatch(llm, rows: int, admit: int, input_len: int, output_l
     attach_hooks(llm.engine, capture)
     for _ in range(output_len // 2):
         llm.step()
+    capture.armed = True
     for prompt in random_prompts(admit, input_len, 0.0, vocab, 1):
         llm.add_request(prompt, params)
     while llm.engine.has_work():
