@@ -240,21 +240,22 @@ for s in $sections; do case $s in
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 24: where the engine process's host time goes while it serves (py-spy, carried as the
   # ignored .pyspy/py-spy: `pip download py-spy`'s static binary). serve-compare as above (set
-  # SERVE_COMPARE_ARGS to one concurrency and enough prompts per stream to run past the sample);
-  # PYSPY_AFTER seconds after the server is ready, py-spy samples the server and its engine process
-  # for PYSPY_SECONDS, idle time included, into $OUT/serve_pyspy.txt (py-spy's raw format).
+  # SERVE_COMPARE_ARGS to one concurrency); from the server's start on, py-spy samples it and its
+  # engine process for PYSPY_SECONDS (past the run: the client's own start takes a while), idle time
+  # included, into $OUT/serve_pyspy.txt (raw format); benchmarks.pyspy_engine keeps the engine loop's
+  # busy samples (its idle waits fall out; the client's warm-up requests stay in).
   serve-pyspy)
     ( while ! grep -q "server ready" "$OUT"/serve-pyspy.log 2>/dev/null; do sleep 1; done
-      sleep ${PYSPY_AFTER:-10}
       server=$(pgrep -f "mrv2_jax.entrypoints.cli serve" | head -1)
-      .pyspy/py-spy record --subprocesses --idle --rate ${PYSPY_RATE:-250} --duration ${PYSPY_SECONDS:-10} \
+      .pyspy/py-spy record --subprocesses --idle --rate ${PYSPY_RATE:-200} --duration ${PYSPY_SECONDS:-120} \
           --format raw -o "$OUT/serve_pyspy.txt" --pid "$server" > "$OUT/py-spy.log" 2>&1 ) &
     sampler=$!
     run_section serve-pyspy env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
       --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
       --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} --output-json "$OUT/serve_pyspy.json"
-    wait $sampler; tail -3 "$OUT/py-spy.log" ;;
+    wait $sampler; tail -3 "$OUT/py-spy.log"
+    python3 -m benchmarks.pyspy_engine "$OUT/serve_pyspy.txt" --top 50 | tee "$OUT/serve_pyspy_table.txt" ;;
   # Issue 30: structured outputs at S1@256 with a JSON schema whose outputs run to max_tokens (a string
   # that only "#" ends; its one-time compile falls in the warm-up), beside the same arms unconstrained:
   # bench compare (mrv2-jax and vLLM + xgrammar; vLLM's constrained arm runs minutes) and the per-step
