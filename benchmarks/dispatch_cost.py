@@ -23,7 +23,8 @@ beside the `--rows` decoding rows (what a server's prompt step is; each call pre
                   next call is made)
   among decodes   (`--admit` only) numpy packed, each timed call after 4 calls of the decode step
                   that ran just before the admission, as a server interleaves them: what the
-                  prompt step costs when other programs ran since its last call
+                  prompt step costs when other programs ran since its last call (its
+                  `pipelined ms` is the wall time of the four decode calls and the prompt step's)
 
 For each: `call ms`, the host time of the call alone, each call waited for before the next
 (nothing queued in front of it); `pipelined ms`, wall time per call when calls are issued back
@@ -144,7 +145,8 @@ def alternating(runner, programs: list):
 
 
 def time_calls(call, make_packed, calls: int, before=None) -> dict:
-    """`before()`, if given, runs (untimed) ahead of each timed call."""
+    """`before()`, if given, runs ahead of each call: untimed for `call_ms`, inside the wall time
+    of `pipelined_ms`."""
     jax.block_until_ready(call(make_packed()))
     host = []
     for _ in range(calls):
@@ -157,6 +159,8 @@ def time_calls(call, make_packed, calls: int, before=None) -> dict:
         jax.block_until_ready(result)
     start = time.perf_counter()
     for _ in range(calls):
+        if before is not None:
+            before()
         result = call(make_packed())
     jax.block_until_ready(result)
     pipelined = (time.perf_counter() - start) / calls
