@@ -243,12 +243,13 @@ for s in $sections; do case $s in
   # SERVE_COMPARE_ARGS to one concurrency); from the server's start on, py-spy samples it and its
   # engine process for PYSPY_SECONDS (past the run: the client's own start takes a while), idle time
   # included, into $OUT/serve_pyspy.txt (raw format); benchmarks.pyspy_engine keeps the engine loop's
-  # busy samples (its idle waits fall out; the client's warm-up requests stay in).
+  # busy samples (its idle waits fall out; the client's warm-up requests stay in). PYSPY_NATIVE=1
+  # adds the C++ frames (what XLA's runtime does inside the program's call), at a higher sampling cost.
   serve-pyspy)
     ( while ! grep -q "server ready" "$OUT"/serve-pyspy.log 2>/dev/null; do sleep 1; done
       server=$(pgrep -f "mrv2_jax.entrypoints.cli serve" | head -1)
       .pyspy/py-spy record --subprocesses --idle --rate ${PYSPY_RATE:-200} --duration ${PYSPY_SECONDS:-120} \
-          --format raw -o "$OUT/serve_pyspy.txt" --pid "$server" > "$OUT/py-spy.log" 2>&1 ) &
+          ${PYSPY_NATIVE:+--native} --format raw -o "$OUT/serve_pyspy.txt" --pid "$server" > "$OUT/py-spy.log" 2>&1 ) &
     sampler=$!
     # Whether the host's cores are contended while it serves (clients, API servers and the engine
     # share them): the load average and each server process's context switches (an involuntary
