@@ -9,6 +9,7 @@ from mrv2_jax import envs
 from mrv2_jax.config import KernelConfig
 from mrv2_jax.engine import distributed
 from mrv2_jax.engine.tokenizer import has_tokenizer
+from mrv2_jax.runner.buckets import check_token_sizes
 from mrv2_jax.spec_decode.config import SpeculativeConfig
 
 RUNNERS = ("v1", "v2")
@@ -60,6 +61,10 @@ class EngineConfig:
     # bucket of this many rows is added at each token count up to it whose own bucket has more rows
     # (a step with few rows and a prompt unrolls; a full decode batch keeps the loop). None: no limit.
     unrolled_layers_max_rows: int | None = None
+    # The token counts a step is padded to, one compiled program set each (as vLLM's CUDA-graph
+    # capture sizes); the largest must be max_num_batched_tokens. None: powers of two from 8 up
+    # (runner/buckets.py). Fewer sizes: fewer programs to compile, more padding per step.
+    bucket_token_sizes: tuple[int, ...] | None = None
     # When step programs compile: "eager" (all at start-up), "lazy" (each at its first use, a
     # short stall then) or "background" (what the program store holds is loaded at start-up, the
     # rest compiles on threads while the engine serves; a step whose program is not ready compiles
@@ -140,6 +145,8 @@ class EngineConfig:
         kernels = KernelConfig.parse(self.kernels)
         if self.compile_mode not in (None, *COMPILE_MODES):
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        if self.bucket_token_sizes is not None:
+            self.bucket_token_sizes = check_token_sizes(self.bucket_token_sizes, self.max_num_batched_tokens)
         if self.layer_unroll < 0:
             raise ValueError(f"layer_unroll must be >= 0 (0: unroll every layer), got {self.layer_unroll}")
         unrolled = self.unrolled_layers_max_tokens

@@ -69,6 +69,10 @@ def add_engine_args(parser: argparse.ArgumentParser, compile_mode: str | None = 
                    help="v2: only buckets of at most this many rows unroll (--unrolled-layers-max-tokens), and a "
                         "bucket of this many rows is added at each token count up to that many tokens whose own "
                         "bucket has more rows; default: no row limit")
+    g.add_argument("--bucket-token-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="the token counts a step is padded to, one set of compiled programs each (as vLLM's "
+                        "CUDA-graph capture sizes); the largest must be --max-num-batched-tokens; default: powers "
+                        "of two from 8 up. Fewer sizes: faster start, more padding per step")
     g.add_argument("--compile-mode", default=compile_mode, choices=["eager", "lazy", "background"],
                    help="compile every step program at start-up (eager), each at its first use (lazy), or "
                         "on threads beside the serving engine (background: the program store's programs load "

@@ -43,7 +43,8 @@ class RunnerBase:
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager",
-                 tensor_parallel=None, extra_buckets: tuple[Bucket, ...] = (), program_store=None):
+                 tensor_parallel=None, extra_buckets: tuple[Bucket, ...] = (), program_store=None,
+                 bucket_token_sizes: tuple[int, ...] | None = None):
         """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
@@ -53,7 +54,8 @@ class RunnerBase:
         its first use) or "background" (on threads beside the engine, and at first use if that
         comes sooner: runner/lazy_programs.py). `tensor_parallel`: a runner.tensor_parallel.
         TensorParallel whose mesh `lm` is already split over (the builder did it), or None.
-        `extra_buckets`: buckets besides the plan's own (runner/buckets.py). `program_store`: a
+        `extra_buckets`: buckets besides the plan's own, `bucket_token_sizes`: the plan's token
+        counts (None: powers of two; runner/buckets.py). `program_store`: a
         runner.program_store.ProgramStore that compiled step programs are loaded from and saved to
         (one device only), or None."""
         if program_store is not None and tensor_parallel is not None:
@@ -71,7 +73,8 @@ class RunnerBase:
         self.spec_params = spec_decoder.init_params() if spec_decoder else ()
         self.spec_state = spec_decoder.init_state() if spec_decoder else ()
         self.buckets = BucketPlan(max_num_batched_tokens, max_num_seqs,
-                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0), extra=extra_buckets)
+                                  decode_width=1 + (spec_decoder.k if spec_decoder else 0), extra=extra_buckets,
+                                  sizes=bucket_token_sizes)
         self.slots = SlotAllocator(max_num_seqs)
         self.sampler_variants = tuple(sampler_variants or SamplerFeatures.default_variants())
         self.vocab_size = model_state.vocab_size

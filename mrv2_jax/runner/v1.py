@@ -52,7 +52,8 @@ class ModelRunnerV1(RunnerBase):
                  max_num_batched_tokens: int, max_model_len: int, kv_dtype=jnp.bfloat16,
                  use_kernels: bool | None = None, show_progress: bool = True,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, spec_decoder=None,
-                 compile_mode: str = "eager", program_store=None, tensor_parallel=None):
+                 compile_mode: str = "eager", program_store=None, tensor_parallel=None,
+                 bucket_token_sizes: tuple[int, ...] | None = None):
         """Arguments as RunnerBase's; per step the first sampler variant that covers the batch
         runs (by default greedy, plain sampling, then every feature behind runtime skips).
         `tensor_parallel`: only a runner.pipeline_parallel.PipelineParallel (the attention runs
@@ -61,7 +62,7 @@ class ModelRunnerV1(RunnerBase):
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, compile_mode=compile_mode, program_store=program_store,
-                         tensor_parallel=tensor_parallel)
+                         tensor_parallel=tensor_parallel, bucket_token_sizes=bucket_token_sizes)
         # Persistent CPU tables, one row per slot.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)

@@ -136,7 +136,8 @@ class ModelRunnerV2(RunnerBase):
                  show_progress: bool = True, spec_decoder=None, max_fused_steps: int = 1, max_fused_rows: int = 32,
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
                  stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
-                 unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas"):
+                 unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas",
+                 bucket_token_sizes: tuple[int, ...] | None = None):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -161,13 +162,13 @@ class ModelRunnerV2(RunnerBase):
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
         few_rows = () if not tokens or max_rows is None else few_row_buckets(
-            max_num_batched_tokens, max_num_seqs, tokens, max_rows)
+            max_num_batched_tokens, max_num_seqs, tokens, max_rows, bucket_token_sizes)
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, automaton_pool=pool,
                          compile_mode=compile_mode, tensor_parallel=tensor_parallel, extra_buckets=few_rows,
-                         program_store=program_store)
+                         program_store=program_store, bucket_token_sizes=bucket_token_sizes)
         # Structured outputs: the automata in the device pool, the writer that copies one in, and
         # the token a row whose state allows nothing gets (sample/automata.py).
         self.automaton_pool = AutomatonPool(*pool)

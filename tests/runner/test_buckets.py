@@ -1,12 +1,12 @@
 """The bucket plan: token sizes in powers of two with rows = min(tokens, max_num_seqs), the
-uniform-decode buckets of speculative decoding, extra buckets of fewer rows, and `pick` taking the
-smallest bucket that holds a step."""
+uniform-decode buckets of speculative decoding, extra buckets of fewer rows, token counts the user
+names, and `pick` taking the smallest bucket that holds a step."""
 
 import itertools
 
 import pytest
 
-from mrv2_jax.runner.buckets import Bucket, BucketPlan, few_row_buckets
+from mrv2_jax.runner.buckets import Bucket, BucketPlan, check_token_sizes, few_row_buckets
 
 
 def test_the_plan_and_its_extra_buckets():
@@ -42,3 +42,15 @@ def test_pick_takes_the_smallest_bucket_that_holds_the_step():
     assert plan.pick(20, 3) == Bucket(32, 4) and plan.pick(20, 5) == Bucket(32, 16)
     with pytest.raises(ValueError, match="exceeds every bucket"):
         plan.pick(65, 1)
+
+
+def test_named_token_sizes_replace_the_powers_of_two():
+    assert list(BucketPlan(64, 16, sizes=(64, 16))) == [Bucket(16, 16), Bucket(64, 16)]
+    assert list(BucketPlan(64, 16, sizes=(64,))) == [Bucket(64, 16)]
+    # Speculative decoding's uniform-decode buckets stay only where their token count is named.
+    assert set(BucketPlan(64, 16, decode_width=4, sizes=(16, 64))) == {
+        Bucket(16, 16), Bucket(64, 16), Bucket(16, 4), Bucket(64, 16)}
+    assert BucketPlan(64, 16, sizes=(64,)).pick(3, 1) == Bucket(64, 16)
+    for bad in ((32,), (16, 128), (0, 64), ()):
+        with pytest.raises(ValueError, match="bucket_token_sizes"):
+            check_token_sizes(bad, 64)
