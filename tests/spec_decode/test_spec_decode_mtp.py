@@ -193,9 +193,11 @@ def test_mtp_needs_an_mtp_layer_and_names_the_family():
 # --- engine outputs -------------------------------------------------------------------------
 
 # Greedy batches only: the greedy sampler variant, about a third of `all`'s compile on a CPU, runs them.
+# One bucket size (4 tokens): k = 1 gets one bucket, k = 3 that and its uniform-decode (4, 1) one.
 ENGINE_ARGS = dict(dtype="float32", max_num_seqs=2, max_num_batched_tokens=4, max_model_len=40,
-                   num_gpu_blocks=24, block_size=4, sampler_variants="greedy,all", show_progress=False)
-PROMPT_LENGTHS = (5, 11, 3, 17)  # a 4-token budget chunks the prompts (2 buckets: 4 compiles)
+                   num_gpu_blocks=24, block_size=4, sampler_variants="greedy,all", show_progress=False,
+                   bucket_token_sizes=(4,))
+PROMPT_LENGTHS = (5, 11, 3, 17)  # a 4-token budget chunks the prompts
 MAX_TOKENS = (9, 6, 12, 7)
 
 
