@@ -40,7 +40,8 @@ def test_batched_greedy_equals_one_at_a_time_loop(llm):
 
 
 def test_preemption_keeps_outputs_and_frees_every_block():
-    llm = make_llm(num_gpu_blocks=26, max_model_len=96)  # 104 token slots for 12 requests
+    # 104 token slots for 12 requests; one bucket size (one program set to compile)
+    llm = make_llm(num_gpu_blocks=26, max_model_len=96, bucket_token_sizes=(32,))
     prompts = random_prompts(12, seed=1, lo=20, hi=40)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -55,12 +56,12 @@ def test_prefix_caching_hits_and_changes_nothing():
     rng = np.random.default_rng(2)
     context = [int(t) for t in rng.integers(3, 96, 37)]  # a long shared "document"
     prompts = [context + [int(t) for t in rng.integers(3, 96, k)] for k in (3, 5, 8, 2, 6, 4)]
-    with_cache = make_llm(enable_prefix_caching=True)
+    with_cache = make_llm(enable_prefix_caching=True, bucket_token_sizes=(32,))  # one program set to compile
     first = with_cache.generate(prompts[:1], GREEDY, use_tqdm=False)  # fills the cache
     rest = with_cache.generate(prompts[1:], GREEDY, use_tqdm=False)
     cached = first + rest
     assert sum(o.num_cached_tokens for o in rest) >= 5 * 36
-    plain = make_llm(enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
+    plain = make_llm(enable_prefix_caching=False, bucket_token_sizes=(32,)).generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in plain]
     for prompt, out in zip(prompts, cached):
         assert out.outputs[0].token_ids == greedy_reference(MODEL, prompt, 8)
