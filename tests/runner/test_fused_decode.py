@@ -19,8 +19,10 @@ K_VALUES = (1, 4, 16)
 
 
 def make_llm(max_fused_steps: int) -> LLM:
+    # One bucket size (16 tokens, 8 rows): one program set per engine to compile.
     return LLM(str(DEMO), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128,
-               num_gpu_blocks=256, block_size=4, show_progress=False, max_fused_steps=max_fused_steps)
+               num_gpu_blocks=256, block_size=4, show_progress=False, max_fused_steps=max_fused_steps,
+               bucket_token_sizes=(16,))
 
 
 def workload():
