@@ -239,7 +239,7 @@ for s in $sections; do case $s in
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 24: where the engine process's host time goes while it serves (py-spy, carried as the
-  # ignored .pyspy/py-spy: `pip download py-spy`'s static binary). serve-compare as above (set
+  # ignored .pyspy/py-spy: the static binary of py-spy's wheel). serve-compare as above (set
   # SERVE_COMPARE_ARGS to one concurrency); from the server's start on, py-spy samples it and its
   # engine process for PYSPY_SECONDS (past the run: the client's own start takes a while), idle time
   # included, into $OUT/serve_pyspy.txt (raw format); benchmarks.pyspy_engine keeps the engine loop's

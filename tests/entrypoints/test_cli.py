@@ -45,3 +45,15 @@ def test_kernels_flag_parses_into_the_engine_kernel_config(monkeypatch):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--kernels", bad])
         with pytest.raises(ValueError, match=named):
             EngineConfig(**engine_kwargs(args))
+
+
+def test_bucket_token_sizes_flag_parses_into_the_engine_config():
+    from mrv2_jax.engine.engine_config import EngineConfig
+    from mrv2_jax.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--max-num-batched-tokens", "64",
+                                      "--bucket-token-sizes", "64", "16"])
+    assert EngineConfig(**engine_kwargs(args)).bucket_token_sizes == (16, 64)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--bucket-token-sizes", "8"])  # budget 2048
+    with pytest.raises(ValueError, match="bucket_token_sizes must end at max_num_batched_tokens"):
+        EngineConfig(**engine_kwargs(args))
