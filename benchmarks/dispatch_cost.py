@@ -82,7 +82,7 @@ class PromptStepCapture(StepLog):
     def step_scheduled(self, scheduled) -> None:
         super().step_scheduled(scheduled)
         self._admitting = self.armed and bool(scheduled.new_reqs) and bool(scheduled.cached_reqs)
-        self._decoding = not scheduled.new_reqs and scheduled.num_prefill_tokens == 0
+        self._decoding = scheduled.num_prefill_tokens == 0
 
     def dispatched(self, runner, compiled, packed, call_s: float) -> None:
         if self._admitting and self.dispatch is None:

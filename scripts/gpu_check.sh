@@ -51,6 +51,14 @@ summary=()
 FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 128 --output-len 512
             --max-model-len 1024 --max-num-batched-tokens 2048)
 
+# serve-compare on the serving workload (issue 24), with extra arguments after the common ones.
+serve_compare() {
+  env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
+      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
+      --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
+      --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} "$@"
+}
+
 run_section() {  # name, command...
   local name=$1; shift
   echo "=== $name ==="
@@ -233,10 +241,7 @@ for s in $sections; do case $s in
     done; done ;;
   # Issue 24: mrv2-jax serve vs vllm serve, the same vLLM client, concurrency 1..256 (needs the vLLM payload).
   # SERVE_COMPARE_ARGS adds flags (e.g. --servers vllm); TAG suffixes the file names.
-  serve-compare) run_section serve-compare${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
-      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
-      --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} \
+  serve-compare) run_section serve-compare${TAG:-} serve_compare \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 24: where the engine process's host time goes while it serves (py-spy, carried as the
   # ignored .pyspy/py-spy: the static binary of py-spy's wheel). serve-compare as above (set
@@ -249,25 +254,21 @@ for s in $sections; do case $s in
     ( while ! grep -q "server ready" "$OUT"/serve-pyspy.log 2>/dev/null; do sleep 1; done
       server=$(pgrep -f "mrv2_jax.entrypoints.cli serve" | head -1)
       .pyspy/py-spy record --subprocesses --idle --rate ${PYSPY_RATE:-200} --duration ${PYSPY_SECONDS:-120} \
-          ${PYSPY_NATIVE:+--native} --format raw -o "$OUT/serve_pyspy.txt" --pid "$server" > "$OUT/py-spy.log" 2>&1 ) &
-    sampler=$!
-    # Whether the host's cores are contended while it serves (clients, API servers and the engine
-    # share them): the load average and each server process's context switches (an involuntary
-    # one is a preemption), every 5 s.
-    ( while ! grep -q "server ready" "$OUT"/serve-pyspy.log 2>/dev/null; do sleep 1; done
-      server=$(pgrep -f "mrv2_jax.entrypoints.cli serve" | head -1)
+          ${PYSPY_NATIVE:+--native} --format raw -o "$OUT/serve_pyspy.txt" --pid "$server" > "$OUT/py-spy.log" 2>&1 &
+      # Whether the host's cores are contended while it serves (clients, API servers and the engine
+      # share them): the load average and each server process's context switches (an involuntary
+      # one is a preemption), every 5 s.
       while kill -0 "$server" 2>/dev/null; do
         echo "$(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg) cores $(nproc)"
         for pid in $server $(pgrep -P "$server"); do
           echo "  $pid $(tr '\0' ' ' < /proc/$pid/cmdline | cut -c1-60) threads $(ls /proc/$pid/task | wc -l)" \
                "$(grep -E 'ctxt_switches' /proc/$pid/status | tr -s '\t\n' '  ')"
         done; sleep 5
-      done > "$OUT/serve_contention.log" 2>&1 ) &
-    run_section serve-pyspy env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
-      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
-      --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} --output-json "$OUT/serve_pyspy.json"
-    wait $sampler; tail -3 "$OUT/py-spy.log"; grep load "$OUT/serve_contention.log" | tail -30
+      done > "$OUT/serve_contention.log" 2>&1
+      wait ) &
+    watcher=$!
+    run_section serve-pyspy serve_compare --output-json "$OUT/serve_pyspy.json"
+    wait $watcher; tail -3 "$OUT/py-spy.log"; grep load "$OUT/serve_contention.log" | tail -30
     python3 -m benchmarks.pyspy_engine "$OUT/serve_pyspy.txt" --top 50 | tee "$OUT/serve_pyspy_table.txt" ;;
   # Issue 30: structured outputs at S1@256 with a JSON schema whose outputs run to max_tokens (a string
   # that only "#" ends; its one-time compile falls in the warm-up), beside the same arms unconstrained:

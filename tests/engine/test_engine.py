@@ -295,13 +295,11 @@ def test_a_tokenizer_path_without_a_tokenizer_is_refused(tmp_path):
         make_llm(tokenizer=str(tmp_path / "missing"))
 
 
-def test_named_bucket_sizes_compile_only_those_and_keep_the_tokens():
-    """`bucket_token_sizes`: every step padded to the one size named, through chunked prefill and
-    decode; the tokens are the plain loop's."""
+def test_named_bucket_size_pads_every_step_and_keeps_the_tokens():
+    """`bucket_token_sizes`: the plan holds only the size named, and every step (chunked prefill
+    and decode) padded to it gives the plain loop's tokens."""
     llm = make_llm(runner="v2", bucket_token_sizes=(32,), max_fused_steps=1, sampler_variants="greedy,all")
-    runner = llm.engine.runner
-    assert {b.num_tokens for b in runner.buckets} == {32}
+    assert {b.num_tokens for b in llm.engine.runner.buckets} == {32}
     prompts = random_prompts(6, seed=5, lo=20, hi=60)  # longer than 32 tokens: chunked
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert out.outputs[0].token_ids == greedy_reference(MODEL, prompt, 8)
-    assert {b.num_tokens for b in runner.compiled} == {32}
