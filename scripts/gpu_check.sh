@@ -51,6 +51,9 @@ summary=()
 FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 128 --output-len 512
             --max-model-len 1024 --max-num-batched-tokens 2048)
 
+# The server's prompt step offline (issue 24): 10 prompts of 128 tokens admitted beside 118 decoding rows.
+PROMPT_DISPATCH_ARGS="--model qwen3-0.6b --load-format dummy --rows 118 --admit 10 --input-len 128 --output-len 64 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --compile-mode lazy"
 # serve-compare on the serving workload (issue 24), with extra arguments after the common ones.
 serve_compare() {
   env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
@@ -389,8 +392,7 @@ unrolled||--unroll}" ;;
   # the prompt buckets unrolled for <= 128 rows, and the looped program without in-place weight
   # slices. Lazy compiles: only the programs the run meets. The `call ms` column is the figure.
   prompt-dispatch)
-    common="--model qwen3-0.6b --load-format dummy --rows 118 --admit 10 --input-len 128 --output-len 64 \
-        --calls 50 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --compile-mode lazy"
+    common="$PROMPT_DISPATCH_ARGS --calls 50"
     run_section prompt-dispatch python3 -m benchmarks.dispatch_cost $common --output-json "$OUT/prompt_dispatch.json"
     run_section prompt-dispatch-unrolled python3 -m benchmarks.dispatch_cost $common \
         --unrolled-layers-max-tokens 2048 --unrolled-layers-max-rows 128 --output-json "$OUT/prompt_dispatch_unrolled.json"
@@ -401,9 +403,8 @@ unrolled||--unroll}" ;;
   # times, take those from prompt-dispatch): after its own call, or after other programs' calls.
   prompt-dispatch-why)
     run_section prompt-dispatch-why env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
-        python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 118 --admit 10 \
-        --input-len 128 --output-len 64 --calls 20 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --max-model-len 1024 --compile-mode lazy --unrolled-layers-max-tokens 2048 --unrolled-layers-max-rows 128
+        python3 -m benchmarks.dispatch_cost $PROMPT_DISPATCH_ARGS --calls 20 \
+        --unrolled-layers-max-tokens 2048 --unrolled-layers-max-rows 128
     awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
          match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]+=substr($0, RSTART+15, RLENGTH-15)}
          END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p]}' \
