@@ -10,7 +10,9 @@ engine is unchanged): scheduling, dispatch (the runner's `execute`: input prepar
 jitted call; the call alone is shown as "jit call" where the runner's hook reports it), the wait for
 the previous step's sampled tokens (`result()`; with async scheduling this is step N-1's, read
 after step N is dispatched), the scheduler update, and the time outside the engine step (output
-processing, detokenization) until the next step starts.
+processing, detokenization) until the next step starts. Each step also records what it carried
+(new requests, new KV blocks) and the Python garbage collections that ran in it, and the summary
+sets the slowest 1% of steps beside the median ones ("the tail"): which part of the step grew.
 
 Device side, for a window of steady-decode steps (every row decoding, at full concurrency), a
 `jax.profiler` trace: the GPU's kernel and copy events (the "Stream" lines of the device), merged
@@ -27,6 +29,7 @@ On a CPU backend there are no device events: the device part is None, with a not
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -78,7 +81,17 @@ class StepRecorder(StepHooks):
         self.trace_done = trace_dir is None
         self._steady_seen = 0
         self._current: dict | None = None
+        self._gc_start: float | None = None
         self._wrap()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """A collection's time goes to the step it ran in (including that step's time outside)."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None and self._current is not None:
+            self._current["gc_ms"] += 1e3 * (time.perf_counter() - self._gc_start)
+            self._current["gc_gen"] = max(self._current["gc_gen"], info["generation"])
 
     def _wrap(self):
         import jax
@@ -95,6 +108,8 @@ class StepRecorder(StepHooks):
             add("schedule_ms", time.perf_counter() - t0)
             self._current["num_tokens"] = out.total_num_scheduled_tokens
             self._current["num_reqs"] = len(out.num_scheduled_tokens)
+            self._current["new_reqs"] = len(out.new_reqs)
+            self._current["new_blocks"] = sum(len(c.new_block_ids) for c in out.cached_reqs)
             return out
 
         def timed_execute(out):
@@ -113,6 +128,7 @@ class StepRecorder(StepHooks):
             index = len(self.steps)
             self._maybe_toggle_trace(index)
             self._current = record = {"step": index, "start": time.perf_counter(), "num_tokens": 0, "num_reqs": 0,
+                                      "new_reqs": 0, "new_blocks": 0, "gc_ms": 0.0, "gc_gen": -1,
                                       "schedule_ms": 0.0, "dispatch_ms": 0.0, "call_ms": 0.0, "wait_ms": 0.0,
                                       "update_ms": 0.0, "traced": self.tracing}
             if self.tracing:
@@ -160,6 +176,8 @@ class StepRecorder(StepHooks):
         """Close the trace if the run ended inside the window; fill in per-step derived times."""
         self.stop_trace()
         attach_hooks(self.engine, None)
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         for record, following in zip(self.steps, self.steps[1:] + [None]):
             engine_ms = 1e3 * (record["end"] - record["start"])
             record["engine_ms"] = engine_ms
@@ -220,6 +238,29 @@ def device_timeline(trace_path: str) -> dict:
 # --- the run ---------------------------------------------------------------------------------
 def medians(records: list[dict], keys) -> dict:
     return {k: statistics.median(r[k] for r in records) if records else None for k in keys}
+
+
+TAIL_FLAGS = {"with gc": lambda s: s["gc_ms"] > 0, "new requests": lambda s: s["new_reqs"] > 0,
+              "new blocks": lambda s: s["new_blocks"] > 0, "prefill": lambda s: s["num_tokens"] > s["num_reqs"]}
+
+
+def tail(steps: list[dict], parts, quantile: float = 0.99) -> dict | None:
+    """The slowest steps by wall time (at or above the quantile) beside all steps: each part's
+    median in both, and the share of steps in both that collected garbage, admitted requests,
+    added KV blocks or prefilled. Untraced steps only (the profiler slows the host)."""
+    steps = [s for s in steps if not s["traced"] and s["num_tokens"]]
+    if len(steps) < 2:
+        return None
+    walls = sorted(s["wall_ms"] for s in steps)
+    cut = walls[min(len(walls) - 1, int(quantile * len(walls)))]
+    slow = [s for s in steps if s["wall_ms"] >= cut]
+
+    def describe(group):
+        shares = {name: sum(map(test, group)) / len(group) for name, test in TAIL_FLAGS.items()}
+        return {"num_steps": len(group), "median": medians(group, (*parts, "gc_ms")), "share": shares}
+
+    return {"quantile": quantile, "wall_p50_ms": walls[len(walls) // 2], "wall_cut_ms": cut,
+            "slow": describe(slow), "all": describe(steps)}
 
 
 def run(args) -> dict:
@@ -285,6 +326,7 @@ def run(args) -> dict:
         "steady_median": medians([s for s in steady if not s["traced"]], parts),
         "window_median": medians(window, parts) | medians([s for s in window if "device_busy_ms" in s],
                                                           device_parts),
+        "tail": tail(steps, parts),
         "device": {k: v for k, v in device.items() if k != "steps"},
         "steps": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
                    if k not in ("start", "end")} for s in steps],
@@ -306,6 +348,15 @@ def print_summary(report: dict) -> None:
         m = report[key]
         print(f"{label:20} " + " ".join(f"{fmt(m.get(k)):>9}" for k in HOST_PARTS) + f" {fmt(m.get('call_ms')):>10} "
               + " ".join(f"{fmt(m.get(k)):>9}" for k in ("wall_ms", "device_busy_ms", "device_idle_ms")))
+    if report.get("tail"):
+        t = report["tail"]
+        print(f"the tail: wall P50 {t['wall_p50_ms']:.3f} ms, P{100 * t['quantile']:g} {t['wall_cut_ms']:.3f} ms")
+        for label in ("slow", "all"):
+            group = t[label]
+            m, share = group["median"], group["share"]
+            print(f"{label + ' steps (' + str(group['num_steps']) + ')':20} "
+                  + " ".join(f"{fmt(m.get(k)):>9}" for k in HOST_PARTS) + f" {fmt(m.get('call_ms')):>10} "
+                  + f"{fmt(m.get('wall_ms')):>9}   " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
     device = report["device"]
     if device.get("busy_fraction") is not None:
         print(f"GPU busy fraction over the window: {device['busy_fraction']:.1%} "

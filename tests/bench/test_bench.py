@@ -138,11 +138,33 @@ def test_bench_timeline_host_breakdown(tmp_path):
         assert s["schedule_ms"] + s["dispatch_ms"] + s["wait_ms"] + s["update_ms"] <= s["engine_ms"] + 1e-3
         assert s["engine_ms"] <= s["wall_ms"] + 1e-3
     assert sum(s["dispatch_ms"] > 0 for s in steps) >= len(steps) - 2
+    # Each prompt is admitted once; 8 + 12 tokens fit two 16-token blocks: the second is added
+    # while decoding. A garbage collection is timed where it ran (none is also possible).
+    assert sum(s["new_reqs"] for s in steps) == 8 and sum(s["new_blocks"] for s in steps) >= 8
+    assert all(s["gc_ms"] >= 0 and (s["gc_ms"] > 0) == (s["gc_gen"] >= 0) for s in steps)
+    assert report["tail"]["slow"]["num_steps"] >= 1 and report["tail"]["all"]["num_steps"] <= len(steps)
     for key in ("steady_median", "window_median"):
         assert report[key]["wall_ms"] > 0 and report[key]["schedule_ms"] > 0
     assert report["device"]["busy_fraction"] is None and "CPU" in report["device"]["note"]
     assert report["window_median"]["device_busy_ms"] is None
     assert (tmp_path / "timeline.trace.json.gz").stat().st_size > 0
+
+
+def test_timeline_tail_sets_the_slowest_steps_beside_all():
+    """The slowest 1% by wall time (2 of 200 steps here), their parts' medians and what they carried."""
+    from mrv2_jax.bench.timeline import tail
+
+    steps = [{"traced": False, "num_tokens": 4, "num_reqs": 4, "wall_ms": float(i), "dispatch_ms": 1.0,
+              "gc_ms": 0.0, "new_reqs": 0, "new_blocks": 0} for i in range(1, 201)]
+    steps[198].update(gc_ms=3.0, dispatch_ms=2.0)
+    steps[199].update(new_blocks=1, dispatch_ms=4.0)
+    steps[0].update(traced=True)  # traced steps are left out
+    t = tail(steps, ("dispatch_ms", "wall_ms"))
+    assert t["wall_cut_ms"] == 199.0 and t["wall_p50_ms"] == 101.0 and t["all"]["num_steps"] == 199
+    slow = t["slow"]
+    assert slow["num_steps"] == 2 and slow["median"] == {"dispatch_ms": 3.0, "wall_ms": 199.5, "gc_ms": 1.5}
+    assert slow["share"] == {"with gc": 0.5, "new requests": 0.0, "new blocks": 0.5, "prefill": 0.0}
+    assert t["all"]["share"]["with gc"] == 1 / 199
 
 
 def test_bench_timeline_window_from_a_step(tmp_path):
