@@ -440,6 +440,22 @@ unrolled||--unroll}" ;;
     for f in /tmp/xd_why/*jit_step*thunk_sequence_after_thunk_passes.txt; do
       echo "$(basename $f): $(grep -oE 'kConditional|kWhile|kCommandBuffer|kDynamicSlice[A-Za-z]*' $f | sort | uniq -c | tr '\n' ' ')"
     done | head -40 ;;
+  # Offline at --max-num-seqs 32 a 32-row decode call cost the host ~3.8 ms, at 256 ~0.7 ms (step-tail):
+  # the call at each max-num-seqs, then XLA's command-buffer updates per call (its log inflates times).
+  seqs-call)
+    for m in ${SEQS_CALL_MAX_SEQS:-32 256}; do
+      common="--model qwen3-0.6b --load-format dummy --rows 32 --max-model-len 1024 --max-num-seqs $m"
+      run_section seqs-call-$m python3 -m benchmarks.dispatch_cost $common --calls 50 \
+          --output-json "$OUT/seqs_call_$m.json"
+      run_section seqs-call-why-$m env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+          python3 -m benchmarks.dispatch_cost $common --calls 10
+      awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
+           match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]+=substr($0, RSTART+15, RLENGTH-15)}
+           /force=true/ {f[phase]++}
+           END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p] ", forced " f[p]+0}' \
+          "$OUT/seqs-call-why-$m.log"
+    done
+    grep -hE "^(rows|numpy packed|device packed)" "$OUT"/seqs-call-[0-9]*.log ;;
   # Whether a program from JAX's persistent cache serialises again completely on GPUs (XLA:CPU's does not:
   # runner/program_store.py then does not save it).
   reserialize) run_section reserialize python3 -m benchmarks.cache_reserialize ;;
