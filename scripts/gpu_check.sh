@@ -456,6 +456,17 @@ unrolled||--unroll}" ;;
           "$OUT/seqs-call-why-$m.log"
     done
     grep -hE "^(rows|numpy packed|device packed)" "$OUT"/seqs-call-[0-9]*.log ;;
+  # The same 32-row call at one max-num-seqs with the CUDA command buffer's own log: its messages
+  # (numbers stripped) counted per phase of dispatch_cost.
+  seqs-call-cuda)
+    m=${SEQS_CALL_MAX_SEQS:-32}
+    run_section seqs-call-cuda-$m env TF_CPP_MIN_LOG_LEVEL=0 \
+        TF_CPP_VMODULE=command_buffer_thunk=3,gpu_command_buffer=3,cuda_command_buffer=3 \
+        python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 32 --max-model-len 1024 \
+        --max-num-seqs $m --calls 10 > /dev/null
+    awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
+         /command_buffer/ {sub(/^[^]]*\] /, ""); gsub(/0x[0-9a-f]+|[0-9]+/, "N"); c[phase " | " substr($0, 1, 110)]++}
+         END {for (k in c) print c[k] "\t" k}' "$OUT/seqs-call-cuda-$m.log" | sort -t'|' -k1,1 -s | sort -rn | head -60 ;;
   # Whether a program from JAX's persistent cache serialises again completely on GPUs (XLA:CPU's does not:
   # runner/program_store.py then does not save it).
   reserialize) run_section reserialize python3 -m benchmarks.cache_reserialize ;;
