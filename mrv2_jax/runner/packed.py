@@ -42,16 +42,10 @@ class PackedLayout:
         return view.view(np.float32) if name in self.float_fields else view
 
     def unpack(self, buf: jax.Array) -> dict[str, jax.Array]:
-        """Inside a jit: the device buffer split back into named arrays.
-
-        The fields are materialised once (the optimisation barrier keeps XLA from fusing each
-        slice into its readers), so the step's kernels read XLA's own temp buffer rather than
-        the argument. The argument is a fresh allocation every call, and XLA records every
-        command that reads it into its command buffers (CUDA graphs) again when it moves: a
-        field fused into every layer's kernels made that a re-record of every layer."""
+        """Inside a jit: the device buffer split back into named arrays."""
         out = {}
         for name, shape in self.shapes.items():
             lo = self.offsets[name]
             part = buf[lo : lo + int(np.prod(shape))].reshape(shape)
             out[name] = jax.lax.bitcast_convert_type(part, jnp.float32) if name in self.float_fields else part
-        return jax.lax.optimization_barrier(out)
+        return out
