@@ -441,12 +441,14 @@ unrolled||--unroll}" ;;
       echo "$(basename $f): $(grep -oE 'kConditional|kWhile|kCommandBuffer|kDynamicSlice[A-Za-z]*' $f | sort | uniq -c | tr '\n' ' ')"
     done | head -40 ;;
   # Offline at --max-num-seqs 32 a 32-row decode call cost the host ~3.8 ms, at 256 ~0.7 ms (step-tail):
-  # the call at each max-num-seqs, then XLA's command-buffer updates per call (its log inflates times).
+  # the call at each max-num-seqs, then XLA's command-buffer updates per call (its log inflates times;
+  # SEQS_CALL_WHY= leaves the log out). XLA_FLAGS given here reach both.
   seqs-call)
     for m in ${SEQS_CALL_MAX_SEQS:-32 256}; do
       common="--model qwen3-0.6b --load-format dummy --rows 32 --max-model-len 1024 --max-num-seqs $m"
       run_section seqs-call-$m python3 -m benchmarks.dispatch_cost $common --calls 50 \
           --output-json "$OUT/seqs_call_$m.json"
+      [ -n "${SEQS_CALL_WHY-1}" ] || continue
       run_section seqs-call-why-$m env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
           python3 -m benchmarks.dispatch_cost $common --calls 10
       awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
