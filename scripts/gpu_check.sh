@@ -253,10 +253,11 @@ for s in $sections; do case $s in
   # included, into $OUT/serve_pyspy.txt (raw format); benchmarks.pyspy_engine keeps the engine loop's
   # busy samples (its idle waits fall out; the client's warm-up requests stay in). PYSPY_NATIVE=1
   # adds the C++ frames (what XLA's runtime does inside the program's call), at a higher sampling cost.
+  # --nonblocking: py-spy's default pauses a process for each sample, which slowed the server by ~30%.
   serve-pyspy)
     ( while ! grep -q "server ready" "$OUT"/serve-pyspy.log 2>/dev/null; do sleep 1; done
       server=$(pgrep -f "mrv2_jax.entrypoints.cli serve" | head -1)
-      .pyspy/py-spy record --subprocesses --idle --rate ${PYSPY_RATE:-200} --duration ${PYSPY_SECONDS:-120} \
+      .pyspy/py-spy record --subprocesses --idle --nonblocking --rate ${PYSPY_RATE:-200} --duration ${PYSPY_SECONDS:-120} \
           ${PYSPY_NATIVE:+--native} --format raw -o "$OUT/serve_pyspy.txt" --pid "$server" > "$OUT/py-spy.log" 2>&1 &
       # Whether the host's cores are contended while it serves (clients, API servers and the engine
       # share them): the load average and each server process's context switches (an involuntary
