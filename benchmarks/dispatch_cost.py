@@ -14,6 +14,9 @@ beside the `--rows` decoding rows (what a server's prompt step is; each call pre
                   never changes, so XLA's command buffers need no update for it)
   prefetched      numpy packed, put on the device one call ahead (`jax.device_put`), so the
                   transfer of call N+1 is under way while call N is made
+  put, held       numpy packed, put on the device by a transfer of its own inside the timed call,
+                  and kept alive until the next call's is made (as a runner holding its last
+                  packed input would): the new buffer cannot take the chunk the old one leaves
   pinned          numpy packed, copied into pinned host memory first, then onto the device
                   (GPUs only: a DMA from page-locked memory need not wait for the device)
   twins (GPUs)    numpy packed, calls alternating between two loaded copies of the same
@@ -144,6 +147,19 @@ def alternating(runner, programs: list):
     return lambda packed: runner.call_step(programs[next(turn) % len(programs)], packed)
 
 
+def put_and_hold(step):
+    """The step called on its packed input put on the device first, each call's buffer held until
+    the next call's exists."""
+    held = []
+
+    def call(packed):
+        on_device = jax.device_put(packed)
+        held[:] = [on_device]  # the previous call's buffer is released only now
+        return step(on_device)
+
+    return call
+
+
 def time_calls(call, make_packed, calls: int, before=None) -> dict:
     """`before()`, if given, runs ahead of each call: untimed for `call_ms`, inside the wall time
     of `pipelined_ms`."""
@@ -223,7 +239,8 @@ def main(argv=None, prog=None):
     step = alternating(runner, [compiled])
     ways = [("numpy packed", step, lambda: np.array(packed)),
             ("device packed", step, lambda: on_device),
-            ("prefetched", step, prefetching(lambda: jax.device_put(np.array(packed))))]
+            ("prefetched", step, prefetching(lambda: jax.device_put(np.array(packed)))),
+            ("put, held", put_and_hold(step), lambda: np.array(packed))]
     if jax.default_backend() == "gpu":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")

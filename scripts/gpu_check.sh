@@ -458,7 +458,7 @@ unrolled||--unroll}" ;;
            END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p] ", forced " f[p]+0}' \
           "$OUT/seqs-call-why-$m.log"
     done
-    grep -hE "^(rows|numpy packed|device packed)" "$OUT"/seqs-call-[0-9]*.log ;;
+    grep -hE "^(rows|numpy packed|device packed|put, held)" "$OUT"/seqs-call-[0-9]*.log ;;
   # The same 32-row call at one max-num-seqs with the CUDA command buffer's own log: its messages
   # (numbers stripped) counted per phase of dispatch_cost.
   seqs-call-cuda)

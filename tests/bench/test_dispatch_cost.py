@@ -7,7 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks.dispatch_cost import capture_decode_dispatch, capture_prompt_dispatch, moved_buffers, twin_of
+from benchmarks.dispatch_cost import (
+    capture_decode_dispatch,
+    capture_prompt_dispatch,
+    moved_buffers,
+    put_and_hold,
+    twin_of,
+)
 from mrv2_jax.llm import LLM
 
 
@@ -47,6 +53,21 @@ def test_donated_state_and_weights_keep_their_addresses():
     # The step's own result is a fresh set of buffers: at least one leaf, each its own allocation.
     result = runner.call_step(compiled, jax.device_put(np.array(packed)))
     assert 0 < moves["results"]["result"] <= len(jax.tree.leaves(result))
+
+
+def test_put_and_hold_hands_the_step_a_device_buffer_kept_until_the_next_call():
+    import gc
+    import weakref
+
+    got = []
+    call = put_and_hold(lambda packed: got.append(weakref.ref(packed)) or packed * 2)
+    first = np.arange(4, dtype=np.int32)
+    np.testing.assert_array_equal(np.asarray(call(first)), first * 2)
+    gc.collect()
+    assert isinstance(got[0](), jax.Array)  # on the device, and still alive after its call
+    np.testing.assert_array_equal(np.asarray(call(first + 1)), (first + 1) * 2)
+    gc.collect()
+    assert got[0]() is None and got[1]() is not None  # released once the next call's buffer exists
 
 
 def test_the_prompt_step_capture_keeps_the_step_that_admits_beside_decoding_rows():
