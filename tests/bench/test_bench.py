@@ -138,8 +138,8 @@ def test_bench_timeline_host_breakdown(tmp_path):
         assert s["schedule_ms"] + s["dispatch_ms"] + s["wait_ms"] + s["update_ms"] <= s["engine_ms"] + 1e-3
         assert s["engine_ms"] <= s["wall_ms"] + 1e-3
     assert sum(s["dispatch_ms"] > 0 for s in steps) >= len(steps) - 2
-    # Each prompt is admitted once; 8 + 12 tokens fit two 16-token blocks: the second is added
-    # while decoding. A garbage collection is timed where it ran (none is also possible).
+    # Each prompt is admitted once; its 8 + 12 tokens take five 4-token blocks, the last three added
+    # while it decodes. A garbage collection is timed where it ran (none is also possible).
     assert sum(s["new_reqs"] for s in steps) == 8 and sum(s["new_blocks"] for s in steps) >= 8
     assert all(s["gc_ms"] >= 0 and (s["gc_ms"] > 0) == (s["gc_gen"] >= 0) for s in steps)
     assert report["tail"]["slow"]["num_steps"] >= 1 and report["tail"]["all"]["num_steps"] <= len(steps)
