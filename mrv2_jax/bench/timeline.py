@@ -288,9 +288,11 @@ def run(args) -> dict:
     recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir,
                             from_step=args.trace_from_step)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
-    elapsed = time.perf_counter() - t0
-    steps = recorder.finish()
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
+        elapsed = time.perf_counter() - t0
+    finally:  # a failed run still stops its trace and unhooks the engine and the collector
+        steps = recorder.finish()
 
     device = {"note": "no trace taken (--window 0)", "steps": {}, "busy_fraction": None}
     trace_path = find_trace(trace_dir) if trace_dir else None
