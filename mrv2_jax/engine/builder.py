@@ -116,7 +116,7 @@ def enable_compilation_cache() -> None:
     # On GPUs every program is kept, so that a warm start compiles nothing (small programs such as the
     # dummy-weight initialisers add up). On CPUs only the slower ones: the test suite makes thousands
     # of tiny programs, each of which would be a cache write and a file.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if jax.default_backend() == "gpu" else 0.1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if jax.default_backend() == "gpu" else 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     # A size limit turns on JAX's file lock around every cache read and write. Without it a
     # process can read an entry another process is still writing (the write is not atomic),
