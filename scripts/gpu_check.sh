@@ -62,6 +62,15 @@ serve_compare() {
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} "$@"
 }
 
+# XLA's command-buffer updates (TF_CPP_VMODULE=command_buffer_thunk=3) per phase of a
+# benchmarks.dispatch_cost log: how many, the allocations they found moved, how many a command forced.
+updates_per_phase() {  # log file
+  awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
+       match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]+=substr($0, RSTART+15, RLENGTH-15)}
+       /force=true/ {f[phase]++}
+       END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p] ", forced " f[p]+0}' "$1"
+}
+
 run_section() {  # name, command...
   local name=$1; shift
   echo "=== $name ==="
@@ -253,7 +262,7 @@ for s in $sections; do case $s in
   # included, into $OUT/serve_pyspy.txt (raw format); benchmarks.pyspy_engine keeps the engine loop's
   # busy samples (its idle waits fall out; the client's warm-up requests stay in). PYSPY_NATIVE=1
   # adds the C++ frames (what XLA's runtime does inside the program's call), at a higher sampling cost.
-  # --nonblocking: py-spy's default pauses a process for each sample, which slowed the server by ~30%.
+  # --nonblocking: py-spy's default pauses a process for each sample, which slows the server it measures.
   serve-pyspy)
     ( while ! grep -q "server ready" "$OUT"/serve-pyspy.log 2>/dev/null; do sleep 1; done
       server=$(pgrep -f "mrv2_jax.entrypoints.cli serve" | head -1)
@@ -416,10 +425,7 @@ unrolled||--unroll}" ;;
     run_section prompt-dispatch-why env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
         python3 -m benchmarks.dispatch_cost $PROMPT_DISPATCH_ARGS --calls 20 \
         --unrolled-layers-max-tokens 2048 --unrolled-layers-max-rows 128
-    awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
-         match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]+=substr($0, RSTART+15, RLENGTH-15)}
-         END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p]}' \
-        "$OUT/prompt-dispatch-why.log" ;;
+    updates_per_phase "$OUT/prompt-dispatch-why.log" ;;
   # Issue 25, next: why XLA re-records the decode step's command buffer on every call. XLA's own
   # log says per call how many allocations moved and whether a command forced the update; the dump
   # lists every step program's thunks (a conditional or while loop inside the graph forces updates).
@@ -441,8 +447,8 @@ unrolled||--unroll}" ;;
     for f in /tmp/xd_why/*jit_step*thunk_sequence_after_thunk_passes.txt; do
       echo "$(basename $f): $(grep -oE 'kConditional|kWhile|kCommandBuffer|kDynamicSlice[A-Za-z]*' $f | sort | uniq -c | tr '\n' ' ')"
     done | head -40 ;;
-  # Offline at --max-num-seqs 32 a 32-row decode call cost the host ~3.8 ms, at 256 ~0.7 ms (step-tail):
-  # the call at each max-num-seqs, then XLA's command-buffer updates per call (its log inflates times;
+  # Offline, a 32-row decode call cost the host several times more at --max-num-seqs 32 than at 256
+  # (step-tail; docs/benchmarks.md, session 30): the call at each max-num-seqs, then XLA's command-buffer updates per call (its log inflates times;
   # SEQS_CALL_WHY= leaves the log out). XLA_FLAGS given here reach both.
   seqs-call)
     for m in ${SEQS_CALL_MAX_SEQS:-32 256}; do
@@ -452,11 +458,7 @@ unrolled||--unroll}" ;;
       [ -n "${SEQS_CALL_WHY-1}" ] || continue
       run_section seqs-call-why-$m env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
           python3 -m benchmarks.dispatch_cost $common --calls 10
-      awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
-           match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]+=substr($0, RSTART+15, RLENGTH-15)}
-           /force=true/ {f[phase]++}
-           END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p] ", forced " f[p]+0}' \
-          "$OUT/seqs-call-why-$m.log"
+      updates_per_phase "$OUT/seqs-call-why-$m.log"
     done
     grep -hE "^(rows|numpy packed|device packed|put, held)" "$OUT"/seqs-call-[0-9]*.log ;;
   # The same 32-row call at one max-num-seqs with the CUDA command buffer's own log: its messages
@@ -469,7 +471,7 @@ unrolled||--unroll}" ;;
         --max-num-seqs $m --calls 10 > /dev/null
     awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
          /command_buffer/ {sub(/^[^]]*\] /, ""); gsub(/0x[0-9a-f]+|[0-9]+/, "N"); c[phase " | " substr($0, 1, 110)]++}
-         END {for (k in c) print c[k] "\t" k}' "$OUT/seqs-call-cuda-$m.log" | sort -t'|' -k1,1 -s | sort -rn | head -60 ;;
+         END {for (k in c) print c[k] "\t" k}' "$OUT/seqs-call-cuda-$m.log" | sort -rn | head -60 ;;
   # Whether a program from JAX's persistent cache serialises again completely on GPUs (XLA:CPU's does not:
   # runner/program_store.py then does not save it).
   reserialize) run_section reserialize python3 -m benchmarks.cache_reserialize ;;
