@@ -17,6 +17,8 @@ beside the `--rows` decoding rows (what a server's prompt step is; each call pre
   put, held       numpy packed, put on the device by a transfer of its own inside the timed call,
                   and kept alive until the next call's is made (as a runner holding its last
                   packed input would): the new buffer cannot take the chunk the old one leaves
+  copied, held    the same, the transfer made by a jitted copy (a call of jax's C++ fast path
+                  instead of `jax.device_put`'s Python)
   pinned          numpy packed, copied into pinned host memory first, then onto the device
                   (GPUs only: a DMA from page-locked memory need not wait for the device)
   twins (GPUs)    numpy packed, calls alternating between two loaded copies of the same
@@ -48,6 +50,7 @@ import time
 from collections import defaultdict
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mrv2_jax import envs
@@ -147,13 +150,13 @@ def alternating(runner, programs: list):
     return lambda packed: runner.call_step(programs[next(turn) % len(programs)], packed)
 
 
-def put_and_hold(step):
-    """The step called on its packed input put on the device first, each call's buffer held until
-    the next call's exists."""
+def put_and_hold(step, put=jax.device_put):
+    """The step called on its packed input put on the device first (by `put`), each call's buffer
+    held until the next call's exists."""
     held = []
 
     def call(packed):
-        on_device = jax.device_put(packed)
+        on_device = put(packed)
         held[:] = [on_device]  # the previous call's buffer is released only now
         return step(on_device)
 
@@ -240,7 +243,8 @@ def main(argv=None, prog=None):
     ways = [("numpy packed", step, lambda: np.array(packed)),
             ("device packed", step, lambda: on_device),
             ("prefetched", step, prefetching(lambda: jax.device_put(np.array(packed)))),
-            ("put, held", put_and_hold(step), lambda: np.array(packed))]
+            ("put, held", put_and_hold(step), lambda: np.array(packed)),
+            ("copied, held", put_and_hold(step, jax.jit(jnp.copy)), lambda: np.array(packed))]
     if jax.default_backend() == "gpu":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")

@@ -452,7 +452,7 @@ unrolled||--unroll}" ;;
   # SEQS_CALL_WHY= leaves the log out). XLA_FLAGS given here reach both.
   seqs-call)
     for m in ${SEQS_CALL_MAX_SEQS:-32 256}; do
-      common="--model qwen3-0.6b --load-format dummy --rows 32 --max-model-len 1024 --max-num-seqs $m"
+      common="--model qwen3-0.6b --load-format dummy --rows ${SEQS_CALL_ROWS:-32} --max-model-len 1024 --max-num-seqs $m"
       run_section seqs-call-$m python3 -m benchmarks.dispatch_cost $common --calls 50 \
           --output-json "$OUT/seqs_call_$m.json"
       [ -n "${SEQS_CALL_WHY-1}" ] || continue
@@ -460,7 +460,7 @@ unrolled||--unroll}" ;;
           python3 -m benchmarks.dispatch_cost $common --calls 10
       updates_per_phase "$OUT/seqs-call-why-$m.log"
     done
-    grep -hE "^(rows|numpy packed|device packed|put, held)" "$OUT"/seqs-call-[0-9]*.log ;;
+    grep -hE "^(rows|numpy packed|device packed|put, held|copied, held|pinned)" "$OUT"/seqs-call-[0-9]*.log ;;
   # The same 32-row call at one max-num-seqs with the CUDA command buffer's own log: its messages
   # (numbers stripped) counted per phase of dispatch_cost.
   seqs-call-cuda)
