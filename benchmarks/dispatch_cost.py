@@ -26,6 +26,9 @@ beside the `--rows` decoding rows (what a server's prompt step is; each call pre
                   buffers it sees recur from its own call before (the engine's results alternate
                   between two sets of addresses, as each call's result is still alive when the
                   next call is made)
+  device twins    the twins, called on the same device-resident buffer every call: no
+                  allocation a recorded command uses moves, so no command buffer is updated
+                  (what a step with stable input and result addresses would cost)
   among decodes   (`--admit` only) numpy packed, each timed call after 4 calls of the decode step
                   that ran just before the admission, as a server interleaves them: what the
                   prompt step costs when other programs ran since its last call (its
@@ -251,7 +254,9 @@ def main(argv=None, prog=None):
         on_gpu = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         ways.append(("pinned", step, lambda: jax.device_put(jax.device_put(np.array(packed), pinned), on_gpu)))
         # (XLA:CPU cannot serialize the step's executables, so no twin there)
-        ways.append(("twins", alternating(runner, [compiled, twin_of(compiled)]), lambda: np.array(packed)))
+        twins = alternating(runner, [compiled, twin_of(compiled)])
+        ways.append(("twins", twins, lambda: np.array(packed)))
+        ways.append(("device twins", twins, lambda: on_device))
     results = {}
     for name, call, make_packed in ways:
         phase_mark(name)

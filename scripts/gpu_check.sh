@@ -460,7 +460,7 @@ unrolled||--unroll}" ;;
           python3 -m benchmarks.dispatch_cost $common --calls 10
       updates_per_phase "$OUT/seqs-call-why-$m.log"
     done
-    grep -hE "^(rows|numpy packed|device packed|put, held|copied, held|pinned)" "$OUT"/seqs-call-[0-9]*.log ;;
+    grep -hE "^(rows|numpy packed|device packed|put, held|copied, held|pinned|twins|device twins)" "$OUT"/seqs-call-[0-9]*.log ;;
   # The same 32-row call at one max-num-seqs with the CUDA command buffer's own log: its messages
   # (numbers stripped) counted per phase of dispatch_cost.
   seqs-call-cuda)
