@@ -13,7 +13,9 @@ traced calls, per call.
 The profiler turns XLA's command buffers off while it runs unless
 `--xla_enable_command_buffers_during_profiling=true` is in XLA_FLAGS; this benchmark adds it, so
 the traced calls run the same program the untimed ones do. Compare `call ms` with and without
-tracing: the trace's own overhead is in the difference.
+tracing: the trace's own overhead is in the difference. On GPUs the same is done once more with
+nothing moved between calls (two loaded copies of the step alternated on one device-resident
+input, so no recorded command buffer is updated): what the call costs without updates.
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ def traced_calls(call, calls: int) -> dict:
         shutil.rmtree(trace_dir, ignore_errors=True)
 
 
+def print_split(split: dict, top: int) -> None:
+    for name, us in list(split["self_us"].items())[:top]:
+        print(f"  {us:9.1f} us  {name}")
+
+
 def enable_command_buffers_while_profiling() -> None:
     from mrv2_jax import envs
 
@@ -151,7 +158,7 @@ def main(argv=None, prog=None):
     import jax
     import numpy as np
 
-    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch, time_calls
+    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch, time_calls, twin_of
     from mrv2_jax import envs
     from mrv2_jax.bench.environment import flag_probe_report
     from mrv2_jax.llm import LLM
@@ -174,8 +181,17 @@ def main(argv=None, prog=None):
         print(f"\nrows {rows}: call {timed['call_ms']:.3f} ms untraced ({resident['call_ms']:.3f} ms with the "
               f"input on the device), {split['call_us'] / 1e3:.3f} ms traced ({split['calls']} calls); "
               "host self time per call:")
-        for name, us in list(split["self_us"].items())[: args.top]:
-            print(f"  {us:9.1f} us  {name}")
+        print_split(split, args.top)
+        if jax.default_backend() == "gpu":  # XLA:CPU cannot serialize the step for a twin
+            # Nothing moved: two copies of the step alternated on one device-resident input, so
+            # no recorded command buffer is updated (dispatch_cost's `device twins`).
+            twins = alternating(runner, [compiled, twin_of(compiled)])
+            still = time_calls(twins, lambda: on_device, args.calls)
+            still_split = traced_calls(lambda: twins(on_device), args.traced_calls)
+            results[rows] |= {"nothing_moved": still, "nothing_moved_traced": still_split}
+            print(f"rows {rows}, nothing moved: call {still['call_ms']:.3f} ms untraced, "
+                  f"{still_split['call_us'] / 1e3:.3f} ms traced; host self time per call:")
+            print_split(still_split, args.top)
     print(f"XLA_FLAGS={envs.get_xla_flags()}")
     return flag_probe_report(args, results, args.output_json)
 
