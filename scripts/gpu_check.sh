@@ -472,6 +472,21 @@ unrolled||--unroll}" ;;
     awk '/=== phase/ {sub(/.*=== phase /, ""); phase=$0; next}
          /command_buffer/ {sub(/^[^]]*\] /, ""); gsub(/0x[0-9a-f]+|[0-9]+/, "N"); c[phase " | " substr($0, 1, 110)]++}
          END {for (k in c) print c[k] "\t" k}' "$OUT/seqs-call-cuda-$m.log" | sort -rn | head -60 ;;
+  # Issue 25: where the host time of one decode step's call goes, untraced: benchmarks.call_loop calls
+  # the captured step (CALL_NATIVE_ROWS rows, device-resident input) for 40 s while py-spy samples its
+  # C++ frames (carried as the ignored .pyspy/py-spy; --native needs py-spy's blocking mode, which
+  # pauses the process per sample: shares, not times), then benchmarks.pyspy_tree splits the call.
+  call-native)
+    rm -f /tmp/call_loop_ready
+    python3 -m benchmarks.call_loop --model qwen3-0.6b --load-format dummy --rows ${CALL_NATIVE_ROWS:-1} \
+        --max-model-len 1024 --ready-file /tmp/call_loop_ready --seconds 40 > "$OUT/call-loop.log" 2>&1 &
+    loop=$!
+    while [ ! -f /tmp/call_loop_ready ] && kill -0 $loop 2>/dev/null; do sleep 1; done
+    .pyspy/py-spy record --native --rate 500 --duration 25 --format raw -o "$OUT/call_native.txt" --pid $loop \
+        > "$OUT/py-spy.log" 2>&1
+    wait $loop; tail -1 "$OUT/call-loop.log"
+    python3 -m benchmarks.pyspy_tree "$OUT/call_native.txt" --root ModelRunnerV2.call_step --flat 30 \
+        --output-json "$OUT/call_native.json" ;;
   # Whether a program from JAX's persistent cache serialises again completely on GPUs (XLA:CPU's does not:
   # runner/program_store.py then does not save it).
   reserialize) run_section reserialize python3 -m benchmarks.cache_reserialize ;;
