@@ -3,16 +3,17 @@
 from benchmarks.pyspy_tree import call_tree, flat_shares, frame_name, stacks_below, tree_rows
 
 ROOT = "ModelRunnerV2.call_step (/r/v2.py:437)"
+RUN_GPU_ASYNC = "xla::RunGpuAsync(xla::LocalExecutable&, int) (xla_cuda_plugin.so)"
 PROFILE = [
     # the call: jax's fast path into XLA's execute (C++ frames as py-spy --native writes them)
     f"process 7;<module> (loop.py:12);{ROOT};Compiled.__call__ (/j/stages.py:9);"
-    "jax::PjitFunction::Call (jaxlib/libjax_common.so);xla::RunGpuAsync(xla::LocalExecutable&, int) (xla_cuda_plugin.so) 60\n",
+    f"jax::PjitFunction::Call (jaxlib/libjax_common.so);{RUN_GPU_ASYNC} 60\n",
     f"process 7;<module> (loop.py:12);{ROOT};Compiled.__call__ (/j/stages.py:9);"
     "jax::PjitFunction::Call (jaxlib/libjax_common.so) 20\n",
     # the old state's arrays freed, and a frame lost by the unwinder (PjitFunction::Call missing)
     f"process 7;<module> (loop.py:12);{ROOT};PyArray_tp_dealloc (jaxlib/libjax_common.so) 15\n",
     f"process 7;<module> (loop.py:12);{ROOT};Compiled.__call__ (/j/stages.py:9);"
-    "xla::RunGpuAsync(xla::LocalExecutable&, int) (xla_cuda_plugin.so) 5\n",
+    f"{RUN_GPU_ASYNC} 5\n",
     # waiting for the device: outside the root
     "process 7;<module> (loop.py:13);block_until_ready (/j/api.py:3) 300\n",
 ]
