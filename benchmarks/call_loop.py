@@ -14,7 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
-from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+from mrv2_jax.entrypoints.cli import add_engine_args
 
 
 def main(argv=None):
@@ -28,13 +28,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     import jax
 
-    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch
-    from mrv2_jax.llm import LLM
+    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch, one_step_engine
 
-    kwargs = engine_kwargs(args)
-    kwargs["max_fused_steps"] = 1
-    llm = LLM(**kwargs)
-    llm.wait_for_compiles()
+    llm = one_step_engine(args)
     compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
     on_device = jax.device_put(packed)
     step = alternating(llm.engine.runner, [compiled])

@@ -64,6 +64,17 @@ from mrv2_jax.bench.step_log import StepLog, attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 
 
+def one_step_engine(args):
+    """The engine of the parsed engine arguments, one decode step per call, its programs compiled."""
+    from mrv2_jax.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs["max_fused_steps"] = 1
+    llm = LLM(**kwargs)
+    llm.wait_for_compiles()
+    return llm
+
+
 def capture_decode_dispatch(llm, rows: int, output_len: int, input_len: int):
     """(compiled step, packed numpy buffer) of a mid-run decode step with `rows` rows."""
     from mrv2_jax.sampling_params import SamplingParams
@@ -228,12 +239,7 @@ def main(argv=None, prog=None):
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     args = p.parse_args(argv)
-    from mrv2_jax.llm import LLM
-
-    kwargs = engine_kwargs(args)
-    kwargs["max_fused_steps"] = 1
-    llm = LLM(**kwargs)
-    llm.wait_for_compiles()
+    llm = one_step_engine(args)
     runner = llm.engine.runner
     decode = None
     if args.admit:

@@ -150,7 +150,7 @@ def main(argv=None, prog=None):
     p.add_argument("--traced-calls", type=int, default=20)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--output-json", default=None)
-    from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+    from mrv2_jax.entrypoints.cli import add_engine_args
 
     add_engine_args(p)
     args = p.parse_args(argv)
@@ -158,15 +158,11 @@ def main(argv=None, prog=None):
     import jax
     import numpy as np
 
-    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch, time_calls, twin_of
+    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch, one_step_engine, time_calls, twin_of
     from mrv2_jax import envs
     from mrv2_jax.bench.environment import flag_probe_report
-    from mrv2_jax.llm import LLM
 
-    kwargs = engine_kwargs(args)
-    kwargs["max_fused_steps"] = 1
-    llm = LLM(**kwargs)
-    llm.wait_for_compiles()
+    llm = one_step_engine(args)
     runner = llm.engine.runner
     results = {}
     for rows in args.rows:
