@@ -48,11 +48,15 @@ def fixtures_dir() -> Path:
 # module-scoped fixture (a compiled engine, a live server) is built once, not once per worker; and
 # the modules of a group in ONE_WORKER_GROUPS form a single unit: the server modules each build a
 # model + a live server, and one after the other on one worker every build after the first loads
-# its compiled steps from the persistent compilation cache. (The `xdist_group` marker would say
-# this, but pytest-xdist 3.8's loadgroup does not work with pytest 9: it renames `item._nodeid`,
-# which pytest 9 no longer reads. So the grouping is done here, by file name.)
+# its compiled steps from the persistent compilation cache; the tensor-, pipeline- and
+# expert-parallel modules read one child process's runs (tests/parity.py parallel_child), made once
+# on their worker. (The `xdist_group` marker would say this, but pytest-xdist 3.8's loadgroup does
+# not work with pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads. So the grouping
+# is done here, by file name.)
 ONE_WORKER_GROUPS = {"test_openai_server.py": "server", "test_server_bad_input.py": "server",
-                     "test_serve_cli.py": "server", "test_engine_process.py": "server"}
+                     "test_serve_cli.py": "server", "test_engine_process.py": "server",
+                     "test_tensor_parallel.py": "parallel", "test_pipeline_parallel.py": "parallel",
+                     "test_expert_parallel.py": "parallel"}
 # The speculative-decoding modules go first, one to each worker, so that they run in fresh worker
 # processes: XLA:CPU (jax 0.11.2) aborted compiling their steps in workers that had run much of the
 # suite before, never in fresh ones. Each is one unit, so its engines (functools.cache in the
@@ -62,9 +66,9 @@ SPEC_FIRST = ("test_spec_decode.py", "test_spec_decode_mtp.py")
 # two workers finish together; test_bench.py a few units after test_engine.py, whose engine shape it
 # shares, so that it loads those steps from the persistent cache rather than compiling them beside it.
 # Units not named here follow in xdist's order.
-LONGEST_FIRST = ("group:server", "test_engine.py", "test_benchmarks.py", "test_moe.py", "test_tensor_parallel.py",
+LONGEST_FIRST = ("group:server", "test_engine.py", "test_benchmarks.py", "test_moe.py", "group:parallel",
                  "test_bench.py", "test_api_servers.py", "test_lazy_programs.py", "test_notebooks.py",
-                 "test_data_parallel.py", "test_expert_parallel.py", "test_sampler.py", "test_sampling_engine.py",
+                 "test_data_parallel.py", "test_sampler.py", "test_sampling_engine.py",
                  "test_structured_engine.py", "test_ragged_paged_attention.py", "test_prompt_logprobs.py",
                  "test_fp8.py", "test_multihost.py", "test_bench_compare.py", "test_bench_serve.py",
                  "test_fused_decode.py", "test_runner_v2.py", "test_stream_in_call.py", "test_paged_model.py",

@@ -1,5 +1,6 @@
 """Helpers for comparing our models' logits with Hugging Face golden fixtures."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -47,3 +48,10 @@ def run_on_virtual_devices(module: str, devices: int = 4) -> dict:
                          text=True, timeout=600, env=envs.subprocess_env(XLA_FLAGS=flags))
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def parallel_child() -> dict:
+    """The tensor-, pipeline- and expert-parallel runs (tests/runner/parallel_run.py), made once per
+    process for the three modules that check them (one xdist unit: tests/conftest.py)."""
+    return run_on_virtual_devices("tests.runner.parallel_run")

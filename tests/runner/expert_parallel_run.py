@@ -65,18 +65,22 @@ def experts_under_shard_map() -> dict:
     return out
 
 
-def main() -> None:
+def results() -> dict:
+    """Every run's outputs and the experts' differences."""
     ep = dict(enable_expert_parallel=True)
     # One bucket of 8 tokens (prompts in chunks of 8): one step program per engine (and the fused one).
     engine = dict(prompts=PROMPTS_64, max_num_batched_tokens=8)
     with tempfile.TemporaryDirectory() as tmp:
         wide = wide_moe(Path(tmp))
         # The fixture (trained to the HF reference, f32; MoE, dense, MoE layers) with fused decode.
-        result = {"moe": {n: run(FIXTURES / "qwen3-moe-tiny", n, **engine, **(ep if n > 1 else {})) for n in (1, 2)},
-                  "wide": {n: run(wide, n, load_format="dummy", max_fused_steps=1, **engine, **(ep if n > 1 else {}))
-                           for n in (1, 4) if n <= jax.device_count()},
-                  "experts": experts_under_shard_map()}
-    print(json.dumps(result), file=sys.stdout)
+        return {"moe": {n: run(FIXTURES / "qwen3-moe-tiny", n, **engine, **(ep if n > 1 else {})) for n in (1, 2)},
+                "wide": {n: run(wide, n, load_format="dummy", max_fused_steps=1, **engine, **(ep if n > 1 else {}))
+                         for n in (1, 4) if n <= jax.device_count()},
+                "experts": experts_under_shard_map()}
+
+
+def main() -> None:
+    print(json.dumps(results()), file=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -40,19 +40,24 @@ def run(model, n: int, sample: bool = False, **extra) -> dict:
     return out
 
 
-def main() -> None:
+def results(one_device_tiny: dict | None = None) -> dict:
+    """Every run's outputs; `one_device_tiny`: the tiny model's one-device run, when tensor_parallel_run
+    made it already (its engine is this one's at pipeline_parallel_size 1)."""
     tiny = FIXTURES / "qwen3-tiny"
     with tempfile.TemporaryDirectory() as tmp:
         moe = moe_model(Path(tmp))
-        result = {"tiny": {n: run(tiny, n, sample=True) for n in (1, 2)},
-                  # 7 tokens a step: 2 does not divide them, so each step runs as one micro-batch.
-                  "odd": run(tiny, 2, max_num_batched_tokens=7, max_num_seqs=7),
-                  "v1": run(tiny, 2, sample=True, runner="v1", max_fused_steps=1),
-                  "glm": {n: run(FIXTURES / "glm4-tiny", n) for n in (1, 2)},
-                  "glm_reference": [greedy_reference(FIXTURES / "glm4-tiny", p, GREEDY.max_tokens) for p in PROMPTS],
-                  "moe": {n: run(moe, n, load_format="dummy", max_fused_steps=1) for n in (1, 2)},
-                  "reference": [greedy_reference(tiny, p, GREEDY.max_tokens) for p in PROMPTS]}
-    print(json.dumps(result), file=sys.stdout)
+        return {"tiny": {1: one_device_tiny or run(tiny, 1, sample=True), 2: run(tiny, 2, sample=True)},
+                # 7 tokens a step: 2 does not divide them, so each step runs as one micro-batch.
+                "odd": run(tiny, 2, max_num_batched_tokens=7, max_num_seqs=7),
+                "v1": run(tiny, 2, sample=True, runner="v1", max_fused_steps=1),
+                "glm": {n: run(FIXTURES / "glm4-tiny", n) for n in (1, 2)},
+                "glm_reference": [greedy_reference(FIXTURES / "glm4-tiny", p, GREEDY.max_tokens) for p in PROMPTS],
+                "moe": {n: run(moe, n, load_format="dummy", max_fused_steps=1) for n in (1, 2)},
+                "reference": [greedy_reference(tiny, p, GREEDY.max_tokens) for p in PROMPTS]}
+
+
+def main() -> None:
+    print(json.dumps(results()), file=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -137,17 +137,21 @@ def kernels_under_shard_map() -> dict:
             for m in (None, mesh) for kern in (False, True)}
 
 
-def main() -> None:
+def results() -> dict:
+    """Every run's outputs and the kernels' differences."""
     with tempfile.TemporaryDirectory() as tmp:
         wide = wide_model(Path(tmp))
         # Fused decode (the default) on the fixture, one step per call on the wide model.
-        result = {"tiny": {n: run(FIXTURES / "qwen3-tiny", n, sample=True) for n in (1, 2)},
-                  # The trained demo model in bf16 (4 heads, 2 KV heads): real logit gaps, bf16 sums.
-                  "demo": {n: run("demo", n, dtype="bfloat16") for n in (1, 2)},
-                  "wide": {n: run(wide, n, load_format="dummy", max_fused_steps=1) for n in (1, 2, 4)
-                           if n <= jax.device_count()},
-                  "kernels": kernels_under_shard_map()}
-    print(json.dumps(result), file=sys.stdout)
+        return {"tiny": {n: run(FIXTURES / "qwen3-tiny", n, sample=True) for n in (1, 2)},
+                # The trained demo model in bf16 (4 heads, 2 KV heads): real logit gaps, bf16 sums.
+                "demo": {n: run("demo", n, dtype="bfloat16") for n in (1, 2)},
+                "wide": {n: run(wide, n, load_format="dummy", max_fused_steps=1) for n in (1, 2, 4)
+                         if n <= jax.device_count()},
+                "kernels": kernels_under_shard_map()}
+
+
+def main() -> None:
+    print(json.dumps(results()), file=sys.stdout)
 
 
 if __name__ == "__main__":

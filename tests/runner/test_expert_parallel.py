@@ -3,20 +3,17 @@ tokens at N = 2 and 4 equal N = 1's, each device holds num_experts / N whole exp
 communicates one all-reduce per attention block and one per MoE (or dense MLP) block and never
 gathers the experts, and what is not supported is refused by name.
 
-The engines run in a child process with 4 virtual CPU devices (tests/runner/expert_parallel_run.py),
-as tests/runner/test_tensor_parallel.py's do."""
-
-import functools
+The engines run in a child process with 4 virtual CPU devices (tests/runner/expert_parallel_run.py,
+started through tests/runner/parallel_run.py), the one tests/runner/test_tensor_parallel.py's run in."""
 
 import pytest
 
 from mrv2_jax.engine.engine_config import EngineConfig
-from tests.parity import fixture_model_state, run_on_virtual_devices
+from tests.parity import fixture_model_state, parallel_child
 
 
-@functools.cache
 def child() -> dict:
-    return run_on_virtual_devices("tests.runner.expert_parallel_run")
+    return parallel_child()["ep"]
 
 
 @pytest.mark.parametrize("model,n", [("moe", "2"), ("wide", "4")])

@@ -2,20 +2,18 @@
 independent dense reference's, the layer weights and the KV cache are split on their layer axis,
 a step passes the hidden states between the stages, and what is not supported yet is refused by name.
 
-The engines run in a child process with 4 virtual CPU devices (tests/runner/pipeline_parallel_run.py):
+The engines run in a child process with 4 virtual CPU devices (tests/runner/pipeline_parallel_run.py,
+started through tests/runner/parallel_run.py with the other parallel modules' runs):
 the rest of the suite keeps one CPU device, and XLA_FLAGS is read once per process."""
-
-import functools
 
 import pytest
 
 from mrv2_jax.engine.engine_config import EngineConfig
-from tests.parity import FIXTURES, fixture_model_state, run_on_virtual_devices
+from tests.parity import FIXTURES, fixture_model_state, parallel_child
 
 
-@functools.cache
 def child() -> dict:
-    return run_on_virtual_devices("tests.runner.pipeline_parallel_run")
+    return parallel_child()["pp"]
 
 
 @pytest.mark.parametrize("model", ["tiny", "moe", "glm"])

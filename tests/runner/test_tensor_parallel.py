@@ -2,22 +2,20 @@
 weights and the KV cache sit where docs/parallelism.md says, a step communicates one all-reduce per
 attention block and one per MLP block, and what is not supported yet is refused by name.
 
-The engines run in a child process with 4 virtual CPU devices (tests/runner/tensor_parallel_run.py):
+The engines run in a child process with 4 virtual CPU devices (tests/runner/tensor_parallel_run.py,
+started through tests/runner/parallel_run.py with the other parallel modules' runs):
 the rest of the suite keeps one CPU device, and XLA_FLAGS is read once per process."""
-
-import functools
 
 import numpy as np
 import pytest
 
 from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.models.tensor_parallel import interleave_shards, split_sharded
-from tests.parity import FIXTURES, fixture_model_state, run_on_virtual_devices
+from tests.parity import FIXTURES, fixture_model_state, parallel_child
 
 
-@functools.cache
 def child() -> dict:
-    return run_on_virtual_devices("tests.runner.tensor_parallel_run")
+    return parallel_child()["tp"]
 
 
 @pytest.mark.parametrize("model,sizes", [("tiny", ("2",)), ("demo", ("2",)), ("wide", ("2", "4"))])
