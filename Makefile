@@ -29,7 +29,9 @@ $(VENV)/.installed: pyproject.toml
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (jax >= 0.11 needs it); install it, e.g. 'pyenv install 3.12.1'" >&2; exit 1; fi
 	$(PYTHON312) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e ".[test,server,notebook]"
+# --no-compile: Python byte-compiles each module at its first import instead, so only the modules
+# the engine and the tests import are compiled, not every installed file.
+	$(VENV)/bin/python -m pip install -q --no-compile -e ".[test,server,notebook]"
 	touch $@
 
 clean:
