@@ -487,6 +487,9 @@ unrolled||--unroll}" ;;
     wait $loop; tail -1 "$OUT/call-loop.log"
     python3 -m benchmarks.pyspy_tree "$OUT/call_native.txt" --root ModelRunnerV2.call_step --flat 30 \
         --output-json "$OUT/call_native.json" ;;
+  # Issue 25: the host cost of N donated arrays per call, against read-only ones and one table.
+  carried-arrays) run_section carried-arrays python3 -m benchmarks.carried_arrays --counts 1 8 16 32 64 \
+      --output-json "$OUT/carried_arrays.json" ;;
   # Whether a program from JAX's persistent cache serialises again completely on GPUs (XLA:CPU's does not:
   # runner/program_store.py then does not save it).
   reserialize) run_section reserialize python3 -m benchmarks.cache_reserialize ;;
