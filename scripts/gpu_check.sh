@@ -111,6 +111,20 @@ for s in $sections; do case $s in
         done
       done
     done ;;
+  # The host cost of one decode call, the old tree (.ab_old, as for ab-s1-before-after) against this
+  # one: dispatch_cost at CALL_AB_ROWS rows, ROUNDS rounds, trees alternated.
+  call-before-after)
+    for rows in ${CALL_AB_ROWS:-1 32}; do
+      for round in $(seq ${ROUNDS:-2}); do
+        for tree in old new; do
+          path=.; [ $tree = old ] && path=.ab_old:.
+          PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section call-$rows-$tree-$round \
+            python3 -P -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows $rows \
+            --max-model-len 1024 --calls 100 --output-json "$OUT/call_${rows}_${tree}_$round.json"
+        done
+      done
+    done
+    grep -H -E "^(numpy packed|device packed)" "$OUT"/call-*-*-*.log ;;
   ab-s1-1024) run_section ab-s1-1024 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 1024 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_1024.json" --plot "$OUT/ab_s1_1024.png" ;;
