@@ -22,8 +22,8 @@ import time
 import mrv2_jax  # noqa: F401  (the engine's XLA flags)
 
 
-def call_ms(call, state, calls: int) -> tuple[float, object]:
-    """Median host ms of `state = call(state)`, each call waited for -> (ms, last state)."""
+def call_ms(call, state, calls: int) -> float:
+    """Median host ms of `state = call(state)`, each call waited for."""
     import jax
 
     state = call(state)
@@ -34,7 +34,7 @@ def call_ms(call, state, calls: int) -> tuple[float, object]:
         state = call(state)
         times.append(time.perf_counter() - start)
         jax.block_until_ready(state)
-    return 1e3 * statistics.median(times), state
+    return 1e3 * statistics.median(times)
 
 
 def ways(count: int, rows: int):
@@ -63,7 +63,7 @@ def main(argv=None):
     results = {}
     print(f"{'arrays':>6} {'donated ms':>11} {'read only ms':>13} {'one table ms':>13}")
     for count in args.counts:
-        r = results[count] = {way: call_ms(call, state, args.calls)[0]
+        r = results[count] = {way: call_ms(call, state, args.calls)
                               for way, (call, state) in ways(count, args.rows).items()}
         print(f"{count:6d} {r['donated']:11.4f} {r['read only']:13.4f} {r['one table']:13.4f}")
     report = describe_environment() | {"settings": vars(args), "results": results}
