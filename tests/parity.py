@@ -9,8 +9,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from mrv2_jax import envs
+from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.models.loader import load_hf_config, load_model
 from mrv2_jax.models.model_state import model_state_for
 
@@ -19,12 +21,45 @@ FAMILY_FIXTURES = ("qwen3-tiny", "qwen3-tiny-tied", "glm4-tiny", "qwen3-moe-tiny
                    "glm4-moe-tiny-plain")
 
 
+# The tests' forward passes run as jitted programs, the weights an argument: on XLA:CPU one compile is a
+# few times cheaper than running a forward op by op (a small program per op).
+
+def dense_logits(lm, ids, positions, segment_ids) -> jax.Array:
+    """`lm.forward_dense(ids, positions, segment_ids)`, jitted."""
+    graphdef, weights = nnx.split(lm)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return _dense_forward(graphdef)(weights, i32(ids), i32(positions), i32(segment_ids))
+
+
+@functools.cache
+def _dense_forward(graphdef):
+    return jax.jit(lambda weights, *args: nnx.merge(graphdef, weights).forward_dense(*args))
+
+
+def paged_chunk_logits(lm, kv, ids, positions, attention_arrays, **attention_options):
+    """One chunk of tokens through `lm` on the paged KV cache, jitted: `attention_arrays` are
+    PagedAttention's arrays, `attention_options` its keywords -> (logits of every token, new KV cache)."""
+    graphdef, weights = nnx.split(lm)
+    forward = _paged_forward(graphdef, tuple(sorted(attention_options.items())))
+    return forward(weights, kv, jnp.asarray(ids, jnp.int32), jnp.asarray(positions, jnp.int32),
+                   *(jnp.asarray(a, jnp.int32) for a in attention_arrays))
+
+
+@functools.cache
+def _paged_forward(graphdef, attention_options: tuple):
+    def forward(weights, kv, ids, positions, *attention_arrays):
+        model = nnx.merge(graphdef, weights)
+        hidden, kv = model(ids, positions, PagedAttention(*attention_arrays, **dict(attention_options)), kv)
+        return model.compute_logits(hidden), kv
+
+    return jax.jit(forward)
+
+
 def max_logit_error(model_dir, expected: dict, **load_kwargs) -> float:
     """Largest |our logits - expected logits| for the fixture's flattened ragged batch."""
     _, lm, _ = load_model(model_dir, dtype="float32", **load_kwargs)
     with jax.default_matmul_precision("highest"):  # no TF32 on GPUs
-        logits = lm.forward_dense(jnp.asarray(expected["input_ids"]), jnp.asarray(expected["positions"]),
-                                  jnp.asarray(expected["segment_ids"]))
+        logits = dense_logits(lm, expected["input_ids"], expected["positions"], expected["segment_ids"])
     return float(np.abs(np.asarray(logits) - expected["logits"]).max())
 
 

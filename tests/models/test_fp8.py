@@ -11,7 +11,7 @@ import pytest
 
 from mrv2_jax.models.loader import load_model, save_hf_checkpoint
 from mrv2_jax.models.qwen3_moe import Qwen3MoeModelState
-from tests.parity import FIXTURES, load_expected
+from tests.parity import FIXTURES, dense_logits, load_expected
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "quantize_fp8.py"
 _spec = importlib.util.spec_from_file_location("quantize_fp8", _SCRIPT)
@@ -24,8 +24,7 @@ BLOCK = 16  # the tiny models' widths are multiples of 16 (real checkpoints: 128
 def _logits(model_dir, expected):
     _, lm, _ = load_model(model_dir, dtype="float32")
     with jax.default_matmul_precision("highest"):
-        return np.asarray(lm.forward_dense(jnp.asarray(expected["input_ids"]), jnp.asarray(expected["positions"]),
-                                           jnp.asarray(expected["segment_ids"]))), lm
+        return np.asarray(dense_logits(lm, expected["input_ids"], expected["positions"], expected["segment_ids"])), lm
 
 
 @pytest.fixture(scope="module", params=["qwen3-moe-tiny", "glm4-moe-tiny"])
@@ -86,5 +85,5 @@ def test_dummy_fp8_init_for_a_quantised_config(quantised):
     spec, lm, _ = load_model(tmp / "fp8", dtype="bfloat16", load_format="dummy")
     assert lm.moe_layers.experts_down[...].dtype == jnp.float8_e4m3fn
     ids = jnp.arange(8, dtype=jnp.int32) % spec.vocab_size
-    logits = lm.forward_dense(ids, jnp.arange(8, dtype=jnp.int32), jnp.zeros(8, jnp.int32))
+    logits = dense_logits(lm, ids, np.arange(8), np.zeros(8))
     assert bool(jnp.isfinite(logits).all())

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mrv2_jax.models.attention import DenseAttention, PagedAttention
+from mrv2_jax.models.attention import DenseAttention
 from mrv2_jax.models.loader import load_model, save_hf_checkpoint
 from mrv2_jax.models.moe import (
     grouped_sigmoid_router,
@@ -15,7 +15,7 @@ from mrv2_jax.models.moe import (
 )
 from mrv2_jax.models.qwen3_moe import Qwen3MoeModelState
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
-from tests.parity import FIXTURES, load_expected, max_logit_error
+from tests.parity import FIXTURES, dense_logits, load_expected, max_logit_error, paged_chunk_logits
 
 MOE_FIXTURES = ("qwen3-moe-tiny", "glm4-moe-tiny", "glm4-moe-tiny-plain")
 
@@ -188,13 +188,10 @@ def test_chunked_paged_prefill_with_padding_matches_dense(name):
         pos = np.arange(start, start + n, dtype=np.int32)
         slots = np.full(pad, -1, np.int32)
         slots[:n] = table[0, pos // block] * block + pos % block
-        attention = PagedAttention(jnp.asarray(slots), jnp.asarray(table), jnp.array([start + n], jnp.int32),
-                                   jnp.array([0, n], jnp.int32), jnp.int32(1), use_kernels=False)
-        hidden, kv = lm(jnp.asarray(np.pad(ids, (0, pad - n))), jnp.asarray(np.pad(pos, (0, pad - n))),
-                        attention, kv)
-        logits.append(np.asarray(lm.compute_logits(hidden[:n])))
-    dense = lm.forward_dense(jnp.asarray(prompt), jnp.arange(len(prompt), dtype=jnp.int32),
-                             jnp.zeros(len(prompt), jnp.int32))
+        chunk_logits, kv = paged_chunk_logits(lm, kv, np.pad(ids, (0, pad - n)), np.pad(pos, (0, pad - n)),
+                                              (slots, table, [start + n], [0, n], 1), use_kernels=False)
+        logits.append(np.asarray(chunk_logits[:n]))
+    dense = dense_logits(lm, prompt, np.arange(len(prompt)), np.zeros(len(prompt)))
     assert np.abs(np.concatenate(logits) - np.asarray(dense)).max() <= 1e-4
 
 

@@ -4,10 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mrv2_jax.models.attention import PagedAttention
 from mrv2_jax.models.loader import load_model
 from mrv2_jax.runner.kv_cache import allocate_kv_cache
-from tests.parity import FIXTURES
+from tests.parity import FIXTURES, dense_logits, paged_chunk_logits
 
 BLOCK_SIZE = 4
 
@@ -26,15 +25,11 @@ def paged_logits_in_chunks(name, prompt, chunk, use_kernels):
         pos = np.arange(start, start + n, dtype=np.int32)
         slots = np.full(pad, -1, np.int32)
         slots[:n] = blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        attention = PagedAttention(
-            jnp.asarray(slots), jnp.asarray(table), jnp.array([start + n, 0], jnp.int32),
-            jnp.array([0, n, n], jnp.int32), jnp.int32(1), use_kernels=use_kernels,
-            interpret=use_kernels)
-        hidden, kv = lm(jnp.asarray(np.pad(ids, (0, pad - n))), jnp.asarray(np.pad(pos, (0, pad - n))),
-                        attention, kv)
-        logits.append(np.asarray(lm.compute_logits(hidden[:n])))
-    dense = lm.forward_dense(jnp.asarray(prompt, jnp.int32), jnp.arange(len(prompt), dtype=jnp.int32),
-                             jnp.zeros(len(prompt), jnp.int32))
+        chunk_logits, kv = paged_chunk_logits(lm, kv, np.pad(ids, (0, pad - n)), np.pad(pos, (0, pad - n)),
+                                              (slots, table, [start + n, 0], [0, n, n], 1),
+                                              use_kernels=use_kernels, interpret=use_kernels)
+        logits.append(np.asarray(chunk_logits[:n]))
+    dense = dense_logits(lm, prompt, np.arange(len(prompt)), np.zeros(len(prompt)))
     return np.concatenate(logits), np.asarray(dense)
 
 
