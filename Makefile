@@ -28,10 +28,10 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (jax >= 0.11 needs it); install it, e.g. 'pyenv install 3.12.1'" >&2; exit 1; fi
 	$(PYTHON312) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-# --no-compile: Python byte-compiles each module at its first import instead, so only the modules
-# the engine and the tests import are compiled, not every installed file.
-	$(VENV)/bin/python -m pip install -q --no-compile -e ".[test,server,notebook]"
+# uv installs the packages: it downloads them in parallel and does not byte-compile them (Python
+# compiles each module at its first import, so only what the engine and the tests import).
+	$(VENV)/bin/python -m pip install -q uv==0.13.8
+	$(VENV)/bin/uv pip install -q --python $(VENV)/bin/python -e ".[test,server,notebook]"
 	touch $@
 
 clean:
