@@ -27,8 +27,7 @@ FAMILY_FIXTURES = ("qwen3-tiny", "qwen3-tiny-tied", "glm4-tiny", "qwen3-moe-tiny
 def dense_logits(lm, ids, positions, segment_ids) -> jax.Array:
     """`lm.forward_dense(ids, positions, segment_ids)`, jitted."""
     graphdef, weights = nnx.split(lm)
-    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return _dense_forward(graphdef)(weights, i32(ids), i32(positions), i32(segment_ids))
+    return _dense_forward(graphdef)(weights, *(jnp.asarray(a, jnp.int32) for a in (ids, positions, segment_ids)))
 
 
 @functools.cache
