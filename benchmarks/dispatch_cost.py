@@ -4,9 +4,11 @@
     python -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows 128 --admit 10
 
 Runs `--rows` requests into steady decode, keeps one decode dispatch (the compiled step and its
-packed input buffer), then calls that step again and again on the runner's live state. With
-`--admit N`, the step kept is instead the one that admits N new prompts of `--input-len` tokens
-beside the `--rows` decoding rows (what a server's prompt step is; each call prefills them again):
+packed input buffer), then calls that step again and again on the runner's live state, each way
+below from a copy of the state the capture left (every call advances the captured rows by one
+token, so `--calls` must leave them inside `--max-model-len`: it is checked). With `--admit N`,
+the step kept is instead the one that admits N new prompts of `--input-len` tokens beside the
+`--rows` decoding rows (what a server's prompt step is; each call prefills them again):
 
   numpy packed    a fresh host buffer per call, as the engine sends it (a host->device copy and
                   a new device allocation every call)
@@ -136,6 +138,15 @@ def capture_prompt_dispatch(llm, rows: int, admit: int, input_len: int, output_l
     return capture.dispatch, capture.decode
 
 
+def replay_room(runner, compiled, packed, max_model_len: int) -> int:
+    """How many more calls of the captured step its rows have room for. Each call advances its
+    rows by one token on the device (the step reads their lengths from the runner's state), and a
+    row past max_model_len indexes past its block table: out of bounds on a GPU."""
+    layout = next(layout for layout, programs in runner.compiled.values() if compiled in programs)
+    slots = layout.view(packed, "idx_mapping")[: int(layout.view(packed, "num_reqs"))]
+    return max_model_len - int(np.asarray(runner.state.num_tokens)[slots].max())
+
+
 def twin_of(compiled):
     """A second loaded executable of `compiled` (no compile: its serialized form loaded again)."""
     from jax.experimental import serialize_executable
@@ -247,6 +258,14 @@ def main(argv=None, prog=None):
         compiled, packed = prompt.compiled, prompt.packed
     else:
         compiled, packed = capture_decode_dispatch(llm, args.rows, args.output_len, args.input_len)
+    # Every way replays the step from the captured state, and no way walks a row past max_model_len.
+    calls_per_way = (2 * args.calls + 1) * (5 if decode is not None else 1)  # among decodes: 4 decodes a call
+    room = replay_room(runner, compiled, packed, llm.config.max_model_len)
+    if calls_per_way > room:
+        raise SystemExit(f"--calls {args.calls} advances the captured rows by {calls_per_way} tokens per way, but they "
+                         f"have room for {room} before --max-model-len {llm.config.max_model_len}: lower --calls "
+                         "or --output-len, or raise --max-model-len")
+    captured_state = jax.tree.map(jnp.copy, runner.state)
     on_device = jax.device_put(packed)
     step = alternating(runner, [compiled])
     ways = [("numpy packed", step, lambda: np.array(packed)),
@@ -264,14 +283,19 @@ def main(argv=None, prog=None):
         ways.append(("twins", twins, lambda: np.array(packed)))
         ways.append(("device twins", twins, lambda: on_device))
     results = {}
+    def from_the_capture():
+        runner.state = jax.tree.map(jnp.copy, captured_state)
+
     for name, call, make_packed in ways:
         phase_mark(name)
+        from_the_capture()
         results[name] = time_calls(call, make_packed, args.calls)
     if decode is not None:
         def four_decodes():
             for _ in range(4):
                 runner.call_step(decode.compiled, np.array(decode.packed))
         phase_mark("among decodes")
+        from_the_capture()
         results["among decodes"] = time_calls(step, lambda: np.array(packed), args.calls, before=four_decodes)
     phase_mark("moved buffers")
     bucket = next((b for b, (_, programs) in runner.compiled.items() if compiled in programs), None)
@@ -283,6 +307,7 @@ def main(argv=None, prog=None):
         print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
     results["bucket"] = None if bucket is None else {"tokens": bucket.num_tokens, "rows": bucket.num_reqs,
                                                      "layers_unrolled": unrolled}
+    from_the_capture()
     results["buffers moved per call"] = moves = moved_buffers(runner, compiled, packed, min(args.calls, 20))
     for kind, groups in moves.items():
         print(f"{kind} moved per call: " + ", ".join(f"{name} {n:g}" for name, n in groups.items()))

@@ -112,8 +112,7 @@ for s in $sections; do case $s in
       done
     done ;;
   # The host cost of one decode call, the old tree (.ab_old, as for ab-s1-before-after) against this
-  # one: dispatch_cost at CALL_AB_ROWS rows, ROUNDS rounds, trees alternated. 50 calls per arm: at 32
-  # rows, ~500 replays of the captured step ended in an illegal address (docs/benchmarks.md, session 32).
+  # one: dispatch_cost at CALL_AB_ROWS rows, ROUNDS rounds, trees alternated, 50 calls per arm.
   call-before-after)
     for rows in ${CALL_AB_ROWS:-1 32}; do
       for round in $(seq ${ROUNDS:-2}); do

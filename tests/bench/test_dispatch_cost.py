@@ -12,6 +12,7 @@ from benchmarks.dispatch_cost import (
     capture_prompt_dispatch,
     moved_buffers,
     put_and_hold,
+    replay_room,
     twin_of,
 )
 from mrv2_jax.llm import LLM
@@ -53,6 +54,17 @@ def test_donated_state_and_weights_keep_their_addresses():
     # The step's own result is a fresh set of buffers: at least one leaf, each its own allocation.
     result = runner.call_step(compiled, jax.device_put(np.array(packed)))
     assert 0 < moves["results"]["result"] <= len(jax.tree.leaves(result))
+
+
+def test_replay_room_is_the_calls_that_keep_the_rows_within_max_model_len():
+    runner, compiled, packed = _captured_demo_step()
+    # The captured rows finished at 4 prompt + 8 output tokens; the engine's max_model_len is 64.
+    room = replay_room(runner, compiled, packed, max_model_len=64)
+    assert room == 64 - (4 + 8)
+    for _ in range(room):  # each call of the captured step advances its two rows by one token
+        runner.call_step(compiled, np.array(packed))
+    assert np.asarray(runner.state.num_tokens)[:2].tolist() == [64, 64]
+    assert replay_room(runner, compiled, packed, max_model_len=64) == 0
 
 
 def test_put_and_hold_hands_the_step_a_device_buffer_kept_until_the_next_call():
