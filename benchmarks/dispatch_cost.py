@@ -282,10 +282,10 @@ def main(argv=None, prog=None):
         twins = alternating(runner, [compiled, twin_of(compiled)])
         ways.append(("twins", twins, lambda: np.array(packed)))
         ways.append(("device twins", twins, lambda: on_device))
-    results = {}
     def from_the_capture():
         runner.state = jax.tree.map(jnp.copy, captured_state)
 
+    results = {}
     for name, call, make_packed in ways:
         phase_mark(name)
         from_the_capture()
