@@ -112,7 +112,7 @@ for s in $sections; do case $s in
       done
     done ;;
   # The host cost of one decode call, the old tree (.ab_old, as for ab-s1-before-after) against this
-  # one: dispatch_cost at CALL_AB_ROWS rows, ROUNDS rounds, trees alternated, 50 calls per arm.
+  # one: dispatch_cost at CALL_AB_ROWS rows, ROUNDS rounds, trees alternated, CALL_AB_CALLS calls per way.
   call-before-after)
     for rows in ${CALL_AB_ROWS:-1 32}; do
       for round in $(seq ${ROUNDS:-2}); do
@@ -120,7 +120,7 @@ for s in $sections; do case $s in
           path=.; [ $tree = old ] && path=.ab_old:.
           PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section call-$rows-$tree-$round \
             python3 -P -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows $rows \
-            --max-model-len 1024 --calls 50 --output-json "$OUT/call_${rows}_${tree}_$round.json"
+            --max-model-len 1024 --calls ${CALL_AB_CALLS:-200} --output-json "$OUT/call_${rows}_${tree}_$round.json"
         done
       done
     done
