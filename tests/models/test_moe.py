@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from mrv2_jax.models.attention import DenseAttention
 from mrv2_jax.models.loader import load_model, save_hf_checkpoint
@@ -18,6 +19,11 @@ from mrv2_jax.runner.kv_cache import allocate_kv_cache
 from tests.parity import FIXTURES, dense_logits, load_expected, max_logit_error, paged_chunk_logits
 
 MOE_FIXTURES = ("qwen3-moe-tiny", "glm4-moe-tiny", "glm4-moe-tiny-plain")
+
+# The code under test jitted: run op by op, each op would compile a small XLA program of its own.
+_softmax_topk_router = jax.jit(softmax_topk_router, static_argnums=(1, 2))
+_grouped_sigmoid_router = jax.jit(grouped_sigmoid_router, static_argnums=(2, 3, 4, 5, 6))
+_routed_experts = jax.jit(routed_experts, static_argnames="backend")
 
 
 # --- numpy references ----------------------------------------------------------------------
@@ -77,7 +83,7 @@ ROUTING_CASES = {
 @pytest.mark.parametrize("normalize", [True, False])
 def test_softmax_router_matches_numpy(case, normalize):
     logits = ROUTING_CASES[case].astype(np.float32)
-    w, ids = softmax_topk_router(jnp.asarray(logits), 3, normalize)
+    w, ids = _softmax_topk_router(jnp.asarray(logits), 3, normalize)
     w_np, ids_np = softmax_topk_np(logits.astype(np.float64), 3, normalize)
     np.testing.assert_array_equal(np.asarray(ids), ids_np)
     np.testing.assert_allclose(np.asarray(w), w_np, rtol=1e-6, atol=1e-7)
@@ -88,7 +94,7 @@ def test_softmax_router_matches_numpy(case, normalize):
 def test_grouped_sigmoid_router_matches_numpy(case, n_group, topk_group):
     logits = ROUTING_CASES[case].astype(np.float32)
     bias = np.linspace(-0.05, 0.05, 8).astype(np.float32) if case == "random" else np.zeros(8, np.float32)
-    w, ids = grouped_sigmoid_router(jnp.asarray(logits), jnp.asarray(bias), 2, n_group, topk_group, True, 2.5)
+    w, ids = _grouped_sigmoid_router(jnp.asarray(logits), jnp.asarray(bias), 2, n_group, topk_group, True, 2.5)
     w_np, ids_np = grouped_sigmoid_np(logits.astype(np.float64), bias, 2, n_group, topk_group, True, 2.5)
     np.testing.assert_array_equal(np.asarray(ids), ids_np)
     np.testing.assert_allclose(np.asarray(w), w_np, rtol=1e-6, atol=1e-7)
@@ -111,8 +117,8 @@ def test_routed_experts_match_numpy(backend, case):
     else:  # every token's both slots on expert 4 (duplicate ids are still summed)
         ids = np.full((t, k), 4)
     w = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
-    out = routed_experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids, jnp.int32), jnp.asarray(gate_up),
-                         jnp.asarray(down), backend=backend)
+    out = _routed_experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ids, jnp.int32), jnp.asarray(gate_up),
+                          jnp.asarray(down), backend=backend)
     np.testing.assert_allclose(np.asarray(out), experts_np(x, w, ids, gate_up, down), rtol=1e-4, atol=1e-4)
 
 
@@ -128,7 +134,7 @@ def test_routed_experts_mgpu_matches_ragged_dot(case):
     experts = range(e) if case == "random" else [1, 3, 4]  # else experts 0, 2, 5 get nothing
     ids = jnp.asarray(np.stack([rng.permutation(list(experts))[:k] for _ in range(t)]), jnp.int32)
     w = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
-    out, ref = (np.asarray(routed_experts(x, w, ids, gate_up, down, backend=b), np.float32)
+    out, ref = (np.asarray(_routed_experts(x, w, ids, gate_up, down, backend=b), np.float32)
                 for b in ("mgpu", "ragged_dot"))
     np.testing.assert_allclose(out, ref, rtol=2**-6, atol=2**-6 * np.abs(ref).max())
 
@@ -162,12 +168,18 @@ def test_layer_groups_stack_dense_and_moe_layers_separately():
 def test_mtp_layer_matches_hugging_face():
     expected = load_expected("glm4-moe-tiny")
     _, lm, _ = load_model(FIXTURES / "glm4-moe-tiny", dtype="float32")
+    graphdef, weights = nnx.split(lm)
+
+    @jax.jit
+    def mtp(weights, ids, prev_hidden, pos):
+        model = nnx.merge(graphdef, weights)
+        hidden, _ = model.forward_mtp(0, ids, prev_hidden, pos, DenseAttention(jnp.zeros_like(pos), pos))
+        return hidden, model.compute_logits(hidden)
+
     ids = jnp.asarray(expected["mtp_input_ids"])
-    pos = jnp.arange(ids.shape[0], dtype=jnp.int32)
     with jax.default_matmul_precision("highest"):
-        hidden, _ = lm.forward_mtp(0, ids, jnp.asarray(expected["mtp_prev_hidden"]), pos,
-                           DenseAttention(jnp.zeros_like(pos), pos))
-        logits = lm.compute_logits(hidden)
+        hidden, logits = mtp(weights, ids, jnp.asarray(expected["mtp_prev_hidden"]),
+                             jnp.arange(ids.shape[0], dtype=jnp.int32))
     assert np.abs(np.asarray(hidden) - expected["mtp_hidden"]).max() <= 1e-4
     assert np.abs(np.asarray(logits) - expected["mtp_logits"]).max() <= 1e-4
 

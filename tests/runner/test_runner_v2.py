@@ -18,6 +18,13 @@ from tests.parity import FIXTURES
 MODEL = FIXTURES / "qwen3-tiny"
 ARMS = [("v1", False), ("v2", False), ("v2", True)]
 
+# The input preparation jitted, as in the step: run op by op, each op would compile a small XLA program.
+_prepare_inputs = jax.jit(prepare.prepare_inputs, static_argnums=5)
+_post_update = jax.jit(prepare.post_update)
+_diverged_rows = jax.jit(prepare.diverged_rows)
+_apply_new_requests = jax.jit(prepare.apply_new_requests)
+_apply_block_writes = jax.jit(prepare.apply_block_writes)
+
 
 def make_llm(runner, async_scheduling, **overrides):
     # 26 blocks of 4 tokens force preemptions; test_sampling_engine's engines have this shape.
@@ -93,8 +100,8 @@ def test_prepare_inputs_matches_plain_loop(seed):
     for r in range(num_reqs):  # never past the known tokens, as the scheduler guarantees
         num_scheduled[r] = rng.integers(0, nt[idx_mapping[r]] - nc[idx_mapping[r]] + 1)
     chunk = rng.integers(0, 1000, 32).astype(np.int32)
-    new_state, inputs = prepare.prepare_inputs(state, jnp.asarray(idx_mapping), jnp.asarray(num_scheduled),
-                                               jnp.int32(num_reqs), jnp.asarray(chunk), 4)
+    new_state, inputs = _prepare_inputs(state, jnp.asarray(idx_mapping), jnp.asarray(num_scheduled),
+                                        jnp.int32(num_reqs), jnp.asarray(chunk), 4)
     ids, pos, slots, qsl, seq_lens, logits_idx, samples, token_ids = reference_prepare(
         state, idx_mapping, num_scheduled, num_reqs, chunk, 4)
     total = qsl[num_reqs] if num_reqs else 0
@@ -109,16 +116,18 @@ def test_prepare_inputs_matches_plain_loop(seed):
     np.testing.assert_array_equal(np.array(inputs.block_tables)[:num_reqs],
                                   np.array(state.block_table)[idx_mapping[:num_reqs]])
 
-    sampled = jnp.asarray(rng.integers(0, 1000, 5), jnp.int32)
-    after = prepare.post_update(new_state, jnp.asarray(idx_mapping), jnp.int32(num_reqs), inputs, sampled)
+    sampled = rng.integers(0, 1000, 5).astype(np.int32)
+    after = _post_update(new_state, jnp.asarray(idx_mapping), jnp.int32(num_reqs), inputs, jnp.asarray(sampled))
+    after_computed, after_tokens, after_num_tokens = (np.asarray(a) for a in (after.num_computed, after.token_ids,
+                                                                               after.num_tokens))
     for r in range(num_reqs):
         s = idx_mapping[r]
-        assert int(after.num_computed[s]) == seq_lens[r]
+        assert int(after_computed[s]) == seq_lens[r]
         if samples[r]:
-            assert int(after.token_ids[s, seq_lens[r]]) == int(sampled[r])
-            assert int(after.num_tokens[s]) == seq_lens[r] + 1
+            assert int(after_tokens[s, seq_lens[r]]) == int(sampled[r])
+            assert int(after_num_tokens[s]) == seq_lens[r] + 1
         else:
-            assert int(after.num_tokens[s]) == nt[s]
+            assert int(after_num_tokens[s]) == nt[s]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -137,7 +146,7 @@ def test_diverged_rows_match_plain_loop(seed):
     idx_mapping = np.zeros(5, np.int32)
     idx_mapping[:num_reqs] = rng.permutation(6)[:num_reqs]
     num_scheduled = rng.integers(0, 3, 5).astype(np.int32)
-    got = prepare.diverged_rows(state, jnp.asarray(idx_mapping), jnp.asarray(num_scheduled), jnp.int32(num_reqs))
+    got = _diverged_rows(state, jnp.asarray(idx_mapping), jnp.asarray(num_scheduled), jnp.int32(num_reqs))
     nc, nt, prefill = (np.array(getattr(state, f)) for f in ("num_computed", "num_tokens", "prefill_len"))
     want = [bool(r < num_reqs and num_scheduled[r] > 0 and nc[s] >= prefill[s] and nt[s] != nc[s] + 1)
             for r, s in enumerate(idx_mapping)]
@@ -146,7 +155,7 @@ def test_diverged_rows_match_plain_loop(seed):
 
 def test_new_requests_and_block_writes_reuse_freed_slots():
     state = random_state(np.random.default_rng(9))
-    state = prepare.apply_new_requests(
+    state = _apply_new_requests(
         state, jnp.array([3, -1, 0], jnp.int32), jnp.array([7, 99, 5], jnp.int32), jnp.array([4, 99, 0], jnp.int32),
         num_prompt=jnp.array([6, 99, 5], jnp.int32), sampler_row=jnp.array([3, 99, -1], jnp.int32),
         sampling={"temperature": jnp.array([0.5, 9.0, 0.0], jnp.float32), "seeds": jnp.array([11, 99, 12], jnp.int32)})
@@ -154,11 +163,12 @@ def test_new_requests_and_block_writes_reuse_freed_slots():
     assert np.array(state.num_computed)[[3, 0]].tolist() == [4, 0]
     assert np.array(state.num_prompt)[[3, 0]].tolist() == [6, 5]
     assert np.array(state.sampler_row)[[3, 0]].tolist() == [3, -1]
-    assert float(state.sampling["temperature"][3]) == 0.5 and int(state.sampling["seeds"][0]) == 12
-    assert float(state.sampling["top_p"][3]) == 1.0  # fields not given are neutral
+    sampling = {name: np.asarray(table) for name, table in state.sampling.items()}
+    assert float(sampling["temperature"][3]) == 0.5 and int(sampling["seeds"][0]) == 12
+    assert float(sampling["top_p"][3]) == 1.0  # fields not given are neutral
     before = np.array(state.block_table)
-    state = prepare.apply_block_writes(state, jnp.array([3, -1, 3], jnp.int32), jnp.array([0, 5, 1], jnp.int32),
-                                       jnp.array([42, 77, 43], jnp.int32))
+    state = _apply_block_writes(state, jnp.array([3, -1, 3], jnp.int32), jnp.array([0, 5, 1], jnp.int32),
+                                jnp.array([42, 77, 43], jnp.int32))
     expected = before.copy()
     expected[3, :2] = [42, 43]
     np.testing.assert_array_equal(np.array(state.block_table), expected)

@@ -15,6 +15,14 @@ from mrv2_jax.spec_decode.config import SpeculativeConfig
 from mrv2_jax.spec_decode.ngram import ngram_drafts, ngram_drafts_one
 from mrv2_jax.spec_decode.verify import verify_indices
 
+# The code under test jitted and its inputs made with numpy: run op by op, each op would compile a small
+# XLA program of its own.
+_probabilistic = jax.jit(rejection.probabilistic)
+_strict = jax.jit(rejection.strict)
+_synthetic = jax.jit(rejection.synthetic)
+_verify_indices = jax.jit(verify_indices, static_argnums=2)
+_ngram_drafts = jax.jit(ngram_drafts, static_argnums=(2, 3, 4))
+
 # --- rejection ----------------------------------------------------------------------------------
 
 V = 6
@@ -32,14 +40,13 @@ def first_token_counts(draft_probs, num_draws=20000, seed=0):
     rng = np.random.default_rng(seed)
     q = np.broadcast_to(draft_probs, (num_draws, V))
     drafts = np.array([rng.choice(V, p=row) for row in q[:64]] + list(rng.choice(V, num_draws - 64, p=draft_probs)))
-    target_probs = jnp.broadcast_to(jnp.asarray(P, jnp.float32), (num_draws, 2, V))
+    target_probs = np.broadcast_to(P.astype(np.float32), (num_draws, 2, V))
     # The target's own picks (index 1 is the bonus position); only index 0's fate matters here.
-    target_tokens = jnp.asarray(rng.choice(V, (num_draws, 2), p=P), jnp.int32)
-    tokens, accepted = jax.jit(rejection.probabilistic)(
-        target_tokens, target_probs, jnp.asarray(drafts[:, None], jnp.int32),
-        jnp.asarray(q[:, None, :], jnp.float32), jnp.ones(num_draws, jnp.int32),
-        jnp.arange(num_draws, dtype=jnp.int32), jnp.full((num_draws, 2), 17, jnp.int32))
-    return np.bincount(np.asarray(tokens[:, 0]), minlength=V), np.asarray(accepted)
+    target_tokens = rng.choice(V, (num_draws, 2), p=P).astype(np.int32)
+    tokens, accepted = _probabilistic(
+        target_tokens, target_probs, drafts[:, None].astype(np.int32), q[:, None, :].astype(np.float32),
+        np.ones(num_draws, np.int32), np.arange(num_draws, dtype=np.int32), np.full((num_draws, 2), 17, np.int32))
+    return np.bincount(np.asarray(tokens)[:, 0], minlength=V), np.asarray(accepted)
 
 
 def test_probabilistic_rejection_preserves_the_target_distribution():
@@ -57,11 +64,10 @@ def test_probabilistic_rejection_with_one_hot_drafts():
     rng = np.random.default_rng(1)
     n = 20000
     drafts = np.full((n, 1), 3, np.int32)  # an n-gram proposer keeps drafting token 3
-    tokens, accepted = rejection.probabilistic(
-        jnp.asarray(rng.choice(V, (n, 2), p=P), jnp.int32), jnp.broadcast_to(jnp.asarray(P, jnp.float32), (n, 2, V)),
-        jnp.asarray(drafts), None, jnp.ones(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-        jnp.full((n, 2), 5, jnp.int32))
-    counts = np.bincount(np.asarray(tokens[:, 0]), minlength=V)
+    tokens, accepted = _probabilistic(
+        rng.choice(V, (n, 2), p=P).astype(np.int32), np.broadcast_to(P.astype(np.float32), (n, 2, V)),
+        drafts, None, np.ones(n, np.int32), np.arange(n, dtype=np.int32), np.full((n, 2), 5, np.int32))
+    counts = np.bincount(np.asarray(tokens)[:, 0], minlength=V)
     assert chi_square(counts, P) < 20.5, counts
     assert abs(np.asarray(accepted).mean() - P[3]) < 0.02
 
@@ -69,21 +75,21 @@ def test_probabilistic_rejection_with_one_hot_drafts():
 def test_strict_and_synthetic_rules():
     target = jnp.array([[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]], jnp.int32)
     drafts = jnp.array([[5, 6, 9], [5, 6, 7], [1, 2, 3]], jnp.int32)
-    tokens, accepted = rejection.strict(target, drafts, jnp.array([3, 3, 1], jnp.int32))
+    tokens, accepted = _strict(target, drafts, jnp.array([3, 3, 1], jnp.int32))
     assert accepted.tolist() == [2, 3, 1]
     assert tokens.tolist() == target.tolist()
     n = 4000
     rate = 0.7
-    _, accepted = rejection.synthetic(jnp.zeros((n, 4), jnp.int32), jnp.ones((n, 3), jnp.int32),
-                                      jnp.full(n, 3, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                                      jnp.broadcast_to(jnp.arange(9, 13, dtype=jnp.int32), (n, 4)), rate)
+    _, accepted = _synthetic(np.zeros((n, 4), np.int32), np.ones((n, 3), np.int32), np.full(n, 3, np.int32),
+                             np.arange(n, dtype=np.int32), np.broadcast_to(np.arange(9, 13, dtype=np.int32), (n, 4)),
+                             rate)
     mean = np.asarray(accepted).mean()
     assert abs(mean - (rate + rate**2 + rate**3)) < 0.08
 
 
 def test_verify_indices():
     qsl = jnp.array([0, 4, 5, 9], jnp.int32)  # rows of 4, 1 and 4 tokens
-    index = verify_indices(qsl, jnp.array([3, 0, 2], jnp.int32), 3)
+    index = _verify_indices(qsl, jnp.array([3, 0, 2], jnp.int32), 3)
     assert index.tolist() == [[0, 1, 2, 3], [4, 4, 4, 4], [6, 7, 8, 8]]
 
 
@@ -99,7 +105,7 @@ def test_ngram_on_device_matches_the_plain_rule():
         lengths.append(n)
     rows = np.stack(rows).astype(np.int32)
     for k, lo, hi in [(3, 1, 3), (5, 2, 4), (1, 2, 2)]:
-        got = np.asarray(ngram_drafts(jnp.asarray(rows), jnp.asarray(lengths, jnp.int32), k, lo, hi))
+        got = np.asarray(_ngram_drafts(rows, np.asarray(lengths, np.int32), k, lo, hi))
         want = np.stack([ngram_drafts_one(r[:n], k, lo, hi) for r, n in zip(rows, lengths)])
         np.testing.assert_array_equal(got, want)
     # A loop: the continuation repeats with the loop's period.
