@@ -52,15 +52,19 @@ def init_kind(name: str) -> str:
     return "random"
 
 
+# The value each constant kind of init_kind starts at.
+CONSTANT_INITS = {"ones": 1.0, "scales": 0.02, "zeros": 0.0}
+
+
+def random_init_scale(dtype) -> float:
+    """The standard deviation of a "random" parameter: 1 in 8-bit dtypes (fp8), else 0.02."""
+    return 1.0 if jnp.dtype(dtype).itemsize == 1 else 0.02
+
+
 def init_of_kind(kind: str, shape, dtype, key) -> jax.Array:
-    if kind == "ones":
-        return jnp.ones(shape, dtype)
-    if kind == "scales":
-        return jnp.full(shape, 0.02, dtype)
-    if kind == "zeros":
-        return jnp.zeros(shape, dtype)
-    scale = 1.0 if jnp.dtype(dtype).itemsize == 1 else 0.02
-    return _random_normal(key, tuple(shape), dtype, scale)
+    if kind in CONSTANT_INITS:
+        return jnp.full(shape, CONSTANT_INITS[kind], dtype)
+    return _random_normal(key, tuple(shape), dtype, random_init_scale(dtype))
 
 
 def _random_normal(key, shape, dtype, scale):

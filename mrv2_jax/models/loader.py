@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from mrv2_jax.models.decoder import CausalLM, init_kind, init_of_kind
+from mrv2_jax.models.decoder import CONSTANT_INITS, CausalLM, init_kind, init_of_kind, random_init_scale
 from mrv2_jax.models.model_state import ModelState, WeightSource, model_state_for
 from mrv2_jax.models.paths import CHECKPOINTS_DIR, DEFAULT_MODEL, resolve_model_path  # noqa: F401 (re-exported)
 from mrv2_jax.transformers_lock import TRANSFORMERS_LOCK
@@ -79,12 +79,14 @@ def init_dummy(lm: CausalLM, seed: int = 0) -> None:
     """Fill `lm` (abstract or concrete) with random weights made on the device, one parameter
     per jitted call: fast even for 100B models, and the peak memory is the weights plus one
     parameter's temporaries (one jit over the whole model may keep tens of GB of random-number
-    temporaries alive next to its outputs, too many for a 110 GB model on a 141 GB GPU)."""
+    temporaries alive next to its outputs, too many for a 110 GB model on a 141 GB GPU).
+    On a CPU backend numpy draws them instead: there the models are small, and each parameter
+    shape would otherwise compile an XLA program of its own."""
+    make = _host_dummy_param if jax.default_backend() == "cpu" else _dummy_param
     params = [(p, node) for p, node in nnx.iter_graph(lm) if isinstance(node, nnx.Param)]
     for i, (param_path, param) in enumerate(params):
         value = param.get_value()
-        param.set_value(_dummy_param(init_kind(str(param_path[-1])), tuple(value.shape), jnp.dtype(value.dtype),
-                                     seed, i))
+        param.set_value(make(init_kind(str(param_path[-1])), tuple(value.shape), jnp.dtype(value.dtype), seed, i))
 
 
 # Keyed by how the parameter starts, its shape and dtype (not its name): parameters alike share a
@@ -93,6 +95,16 @@ def init_dummy(lm: CausalLM, seed: int = 0) -> None:
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _dummy_param(kind, shape, dtype, seed, index):
     return init_of_kind(kind, shape, dtype, jax.random.fold_in(jax.random.key(seed), index))
+
+
+def _host_dummy_param(kind, shape, dtype, seed, index) -> jax.Array:
+    """What _dummy_param makes (the same kinds and scales, other random values), drawn by numpy."""
+    if kind in CONSTANT_INITS:
+        values = np.full(shape, CONSTANT_INITS[kind], np.float32)
+    else:
+        values = np.random.default_rng((seed, index)).standard_normal(shape, np.float32)
+        values *= np.float32(random_init_scale(dtype))
+    return jnp.asarray(values.astype(dtype))
 
 
 # --- safetensors ------------------------------------------------------------------------
