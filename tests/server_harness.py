@@ -2,6 +2,7 @@
 real HTTP server on a free port of 127.0.0.1, run in this process on a background thread (so
 tests can look at the engine's state directly, e.g. that every KV block is free again)."""
 
+import functools
 import json
 import os
 import signal
@@ -23,6 +24,14 @@ ENGINE_ARGS = dict(dtype="float32", runner="v2", max_num_seqs=16, max_num_batche
 
 def make_llm(**overrides) -> LLM:
     return LLM(MODEL_NAME, **(ENGINE_ARGS | overrides))
+
+
+@functools.cache
+def reference_llm() -> LLM:
+    """One offline engine of this configuration per test process, shared by the modules whose
+    served outputs are compared with its `generate`. Their requests are greedy or seeded, so what
+    ran on it before does not change what it gives."""
+    return make_llm()
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from mrv2_jax.entrypoints.api_servers import ApiServerProcesses, default_api_ser
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.sampling_params import SamplingParams
 from tests.entrypoints.test_serve_cli import ENGINE_FLAGS, _children, _free_port, _gone
-from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, wait_until
+from tests.server_harness import ENGINE_ARGS, MODEL_NAME, reference_llm, wait_until
 
 PROMPTS = [["The king said", "A soldier cried", "The queen asked"],  # to API process 0
            ["Romeo whispered", "Juliet answered", "The duke swore"]]  # to API process 1
@@ -78,7 +78,7 @@ def test_two_api_processes_stream_their_own_requests_and_drain_together(tmp_path
                                  "--port", str(port), "--api-server-count", "2", "--log-level", "warning",
                                  "--shutdown-timeout", "60", *ENGINE_FLAGS], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    llm = make_llm()  # one offline engine for both references
+    llm = reference_llm()
     reference = _reference(llm, PROMPTS[0] + PROMPTS[1] + ["Once upon a time,"], GREEDY)
     reference_long = _reference(llm, ["Once upon a time,"], LONG)[0]
     try:

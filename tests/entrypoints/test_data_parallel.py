@@ -16,7 +16,7 @@ from mrv2_jax.data_parallel import replica_devices, summed_stats
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.entrypoints.openai_server import ServerThread
 from mrv2_jax.sampling_params import SamplingParams
-from tests.server_harness import ENGINE_ARGS, MODEL_NAME, error_event_after_kill, make_llm, stream_all, wait_until
+from tests.server_harness import ENGINE_ARGS, MODEL_NAME, error_event_after_kill, reference_llm, stream_all, wait_until
 
 PROMPTS = [f"{who} {verb}" for who in ("The king", "Romeo", "A soldier", "Juliet") for verb in ("said", "cried")]
 PARAMS = [dict(max_tokens=12, temperature=0.0, ignore_eos=True) if i % 2 else
@@ -25,7 +25,7 @@ PARAMS = [dict(max_tokens=12, temperature=0.0, ignore_eos=True) if i % 2 else
 
 def test_two_replicas_share_the_streams_and_give_the_offline_outputs():
     engine = AsyncLLM.from_engine_args(MODEL_NAME, data_parallel_size=2, **ENGINE_ARGS)
-    reference = [o.outputs[0].text for o in make_llm().generate(
+    reference = [o.outputs[0].text for o in reference_llm().generate(
         PROMPTS, [SamplingParams(**kw) for kw in PARAMS], use_tqdm=False)]
     replicas = engine.client.replicas
     try:
@@ -77,7 +77,7 @@ def test_two_replicas_behind_two_api_processes(tmp_path):
     url = f"http://127.0.0.1:{port}"
     greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [PROMPTS[:2], PROMPTS[2:4]]  # to API process 0, to API process 1
-    reference = [o.outputs[0].text for o in make_llm().generate(
+    reference = [o.outputs[0].text for o in reference_llm().generate(
         prompts[0] + prompts[1], SamplingParams(**greedy), use_tqdm=False)]
     try:
         wait_until(lambda: proc.poll() is not None or _healthy(url), timeout=300, what="the server to come up")

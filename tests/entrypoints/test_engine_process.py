@@ -27,7 +27,7 @@ from tests.server_harness import (
     ENGINE_ARGS,
     MODEL_NAME,
     error_event_after_kill,
-    make_llm,
+    reference_llm,
     stream_all,
     stream_completion,
     wait_until,
@@ -62,7 +62,7 @@ def engine_and_reference():
     # The engine process starts (and loads its compiled steps) while this process builds the reference.
     with ThreadPoolExecutor(1) as pool:
         starting = pool.submit(AsyncLLM.from_engine_args, MODEL_NAME, **ENGINE_ARGS, stream_interval=STREAM_INTERVAL)
-        llm = make_llm()
+        llm = reference_llm()
         params = [SamplingParams(**kw) for kw in CONCURRENT_PARAMS]
         reference = {
             "concurrent": [o.outputs[0].text for o in llm.generate(CONCURRENT, params, use_tqdm=False)],

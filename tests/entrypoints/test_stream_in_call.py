@@ -10,7 +10,7 @@ import pytest
 
 from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.sampling_params import SamplingParams
-from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, wait_until
+from tests.server_harness import ENGINE_ARGS, MODEL_NAME, make_llm, reference_llm, wait_until
 
 LONG_PROMPT = "Once upon a time, in a far country,"
 FUSED = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -23,7 +23,7 @@ SAMPLED = [dict(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True) for i i
 def engine_and_reference():
     with ThreadPoolExecutor(1) as pool:
         starting = pool.submit(AsyncLLM.from_engine_args, MODEL_NAME, **ENGINE_ARGS, stream_in_call=True)
-        llm = make_llm()
+        llm = reference_llm()
 
         def offline(prompts, params):
             return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
