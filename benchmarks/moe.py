@@ -45,6 +45,7 @@ SWEEP = [  # (block_m, block_n, block_k, num_warps, num_stages)
 ]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def make_inputs(tokens: int, E, TOP_K, H, I, seed: int = 0):
     keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (tokens, H), jnp.bfloat16)
@@ -54,6 +55,7 @@ def make_inputs(tokens: int, E, TOP_K, H, I, seed: int = 0):
     return x, weights, ids, gate_up, down
 
 
+@jax.jit
 def quantize_fp8(w):
     """bf16 [E, K, N] -> (float8 [E, K, N], f32 scales [E, K/128, N/128]); device-side."""
     e, k, n = w.shape
@@ -108,10 +110,7 @@ def run_cases(tokens: int, opts) -> list[dict]:
         record(f"layer/{backend}", fn, (x, weights, ids, gate_up, down), True)
 
     # The gate_up GEMM alone, on rows already sorted by expert.
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    lhs = x[order // TOP_K]
-    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    lhs, sizes = _sorted_rows(x, ids, E)
     record("gemm/pallas", gemm, (lhs, gate_up, sizes), False)
     if "mgpu" in opts.backends:
         record("gemm/mgpu", functools.partial(grouped_gemm_mgpu, interpret=interpret), (lhs, gate_up, sizes), False)
@@ -123,6 +122,14 @@ def run_cases(tokens: int, opts) -> list[dict]:
                                    num_stages=stages)
             record(f"sweep/m{bm}_n{bn}_k{bk}_w{warps}_s{stages}", fn, (lhs, gate_up, sizes), False)
     return results
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _sorted_rows(x, ids, num_experts: int):
+    """The rows of x each token's experts read, sorted by expert, and each expert's row count."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return x[order // ids.shape[1]], jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
 
 
 def _layer_fp8(x, weights, ids, gu8, d8, gu_s, d_s, backend):
