@@ -34,7 +34,7 @@ def make(sizes, k, n, extra=0, seed=0, fp8=False):
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     rhs = jnp.asarray(0.05 * rng.standard_normal((len(sizes), k, n)), jnp.bfloat16)
     if fp8:
-        return lhs, *quantize_fp8(rhs), jnp.asarray(sizes, jnp.int32)
+        return lhs, *jax.jit(quantize_fp8)(rhs), jnp.asarray(sizes, jnp.int32)
     return lhs, rhs, jnp.asarray(sizes, jnp.int32)
 
 
@@ -129,10 +129,10 @@ def test_interpreter_finds_no_race_in_the_pipeline():
 
     lhs, rhs, gs = make((7, 0, 19, 2), 256, 64, extra=3)
     params = plgpu.InterpretGPUParams(detect_races=True)
-    out = jax.block_until_ready(grouped_gemm_mgpu(lhs, rhs, gs, config=GroupedConfig(64, 64, 16, 3),
-                                                  interpret=params))
+    out = jax.block_until_ready(jax.jit(functools.partial(grouped_gemm_mgpu, config=GroupedConfig(64, 64, 16, 3),
+                                                          interpret=params))(lhs, rhs, gs))
     assert not gpu_callbacks.get_races().races_found
-    ref = grouped_gemm_reference(lhs, rhs, gs)
+    ref = jax.jit(grouped_gemm_reference)(lhs, rhs, gs)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2**-7, atol=1e-2)
 
 
@@ -229,7 +229,8 @@ def test_cuda_lowering_refuses_too_much_shared_memory():
 def test_bad_input_raises(lhs, rhs, gs, dtypes, config, match):
     ld, rd, gd = dtypes or ("bfloat16", "bfloat16", "int32")
     with pytest.raises(ValueError, match=match):
-        grouped_gemm_mgpu(jnp.zeros(lhs, ld), jnp.zeros(rhs, rd), jnp.zeros(gs, gd), config=config, interpret=True)
+        grouped_gemm_mgpu(np.zeros(lhs, jnp.dtype(ld)), np.zeros(rhs, jnp.dtype(rd)), np.zeros(gs, gd), config=config,
+                          interpret=True)
 
 
 @pytest.mark.parametrize(("rhs_dtype", "k", "scale_shape", "config", "match"), [
@@ -239,9 +240,8 @@ def test_bad_input_raises(lhs, rhs, gs, dtypes, config, match):
 ])
 def test_bad_fp8_input_raises(rhs_dtype, k, scale_shape, config, match):
     with pytest.raises(ValueError, match=match):
-        grouped_gemm_mgpu(jnp.zeros((8, k), jnp.bfloat16), jnp.zeros((2, k, 128), rhs_dtype),
-                          jnp.zeros((2,), jnp.int32), jnp.ones(scale_shape, jnp.float32), config=config,
-                          interpret=True)
+        grouped_gemm_mgpu(np.zeros((8, k), jnp.bfloat16), np.zeros((2, k, 128), jnp.dtype(rhs_dtype)),
+                          np.zeros((2,), np.int32), np.ones(scale_shape, np.float32), config=config, interpret=True)
 
 
 # --- on the GPU ----------------------------------------------------------------------------------

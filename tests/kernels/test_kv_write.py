@@ -35,18 +35,14 @@ def make_case(*, T, L=3, NB=10, H=2, bs=16, D=32, n_pad=3, dtype=jnp.float32, se
     k_new = rng.standard_normal((T, H, D)).astype(np.float32)
     v_new = rng.standard_normal((T, H, D)).astype(np.float32)
     nd = new_dtype or dtype
-    return (
-        jnp.asarray(k, dtype),
-        jnp.asarray(v, dtype),
-        jnp.asarray(k_new, nd),
-        jnp.asarray(v_new, nd),
-        jnp.asarray(slots),
-    )
+    # Converted on the host: jnp.asarray would compile a conversion per shape.
+    return tuple(jax.device_put(x.astype(dt)) for x, dt in ((k, dtype), (v, dtype), (k_new, nd), (v_new, nd),
+                                                             (slots, np.int32)))
 
 
 def numpy_write(cache, new, slots, layer):
-    new = np.asarray(new.astype(cache.dtype).astype(jnp.float32))  # rounded like the cache
-    cache = np.array(cache.astype(jnp.float32))  # bf16 -> f32 is exact, NaNs kept
+    new = np.asarray(new).astype(cache.dtype).astype(np.float32)  # rounded like the cache
+    cache = np.asarray(cache).astype(np.float32)  # bf16 -> f32 is exact, NaNs kept
     bs = cache.shape[3]
     for t, s in enumerate(np.asarray(slots)):
         if s >= 0:
@@ -59,6 +55,9 @@ def bits(x):
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
+reference = jax.jit(write_kv_reference)
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_fn(kernel=write_kv, **kw):
     return jax.jit(functools.partial(kernel, interpret=not on_gpu, **kw))
@@ -67,14 +66,14 @@ def kernel_fn(kernel=write_kv, **kw):
 def check(case, layer, kernel=write_kv, **kw):
     """`kernel`'s result == the reference's, bit for bit, and the reference == a numpy loop."""
     k, v, k_new, v_new, slots = case
-    k_out, v_out = kernel_fn(kernel, **kw)(k, v, k_new, v_new, slots, jnp.int32(layer))
-    k_ref, v_ref = jax.jit(write_kv_reference)(k, v, k_new, v_new, slots, jnp.int32(layer))
+    k_out, v_out = kernel_fn(kernel, **kw)(k, v, k_new, v_new, slots, np.int32(layer))
+    k_ref, v_ref = reference(k, v, k_new, v_new, slots, np.int32(layer))
     # Kernel == reference bit for bit (NaN poison included) ...
     np.testing.assert_array_equal(bits(k_out), bits(k_ref))
     np.testing.assert_array_equal(bits(v_out), bits(v_ref))
     # ... and the reference == an independent numpy loop.
-    np.testing.assert_array_equal(np.asarray(k_ref.astype(jnp.float32)), numpy_write(k, k_new, slots, layer))
-    np.testing.assert_array_equal(np.asarray(v_ref.astype(jnp.float32)), numpy_write(v, v_new, slots, layer))
+    np.testing.assert_array_equal(np.asarray(k_ref).astype(np.float32), numpy_write(k, k_new, slots, layer))
+    np.testing.assert_array_equal(np.asarray(v_ref).astype(np.float32), numpy_write(v, v_new, slots, layer))
     return k_out, v_out
 
 
@@ -95,7 +94,7 @@ def test_bf16_cache_with_f32_inputs():
 
 def test_all_padding_writes_nothing():
     k, v, k_new, v_new, slots = make_case(T=8)
-    k_out, v_out = check((k, v, k_new, v_new, jnp.full_like(slots, -1)), 1)
+    k_out, v_out = check((k, v, k_new, v_new, np.full(slots.shape, -1, np.int32)), 1)
     np.testing.assert_array_equal(bits(k_out), bits(k))
     np.testing.assert_array_equal(bits(v_out), bits(v))
 
@@ -109,7 +108,7 @@ def test_traced_layer_inside_scan_with_donation():
     k, v, _, _, slots = make_case(T=12)
     L = k.shape[0]
     rng = np.random.default_rng(1)
-    k_new_all = jnp.asarray(rng.standard_normal((L, 12, 2, 32)), jnp.float32)
+    k_new_all = rng.standard_normal((L, 12, 2, 32)).astype(np.float32)
     v_new_all = k_new_all + 1
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -123,8 +122,8 @@ def test_traced_layer_inside_scan_with_donation():
 
     want_k, want_v = np.asarray(k), np.asarray(v)
     for layer in range(L):
-        want_k = numpy_write(jnp.asarray(want_k), k_new_all[layer], slots, layer)
-        want_v = numpy_write(jnp.asarray(want_v), v_new_all[layer], slots, layer)
+        want_k = numpy_write(want_k, k_new_all[layer], slots, layer)
+        want_v = numpy_write(want_v, v_new_all[layer], slots, layer)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Some donated buffers were not usable")
         k_out, v_out = step(k, v)
@@ -140,7 +139,7 @@ def test_in_place_when_donated():
     k, v = jnp.copy(k), jnp.copy(v)
     k_ptr, v_ptr = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
     f = jax.jit(functools.partial(write_kv, interpret=not on_gpu), donate_argnums=(0, 1))
-    k_out, v_out = f(k, v, k_new, v_new, slots, jnp.int32(1))
+    k_out, v_out = f(k, v, k_new, v_new, slots, np.int32(1))
     assert k_out.unsafe_buffer_pointer() == k_ptr and v_out.unsafe_buffer_pointer() == v_ptr
 
 
@@ -193,7 +192,7 @@ def test_mgpu_many_heads_other_block_size():
 
 def test_mgpu_all_padding_writes_nothing():
     k, v, k_new, v_new, slots = make_case(T=4, D=64)
-    k_out, v_out = check_mgpu((k, v, k_new, v_new, jnp.full_like(slots, -1)), 1, block_t=4)
+    k_out, v_out = check_mgpu((k, v, k_new, v_new, np.full(slots.shape, -1, np.int32)), 1, block_t=4)
     np.testing.assert_array_equal(bits(k_out), bits(k))
     np.testing.assert_array_equal(bits(v_out), bits(v))
 
@@ -210,7 +209,7 @@ def test_mgpu_traced_layer_inside_scan_with_donation_in_place():
     k, v = jnp.copy(k), jnp.copy(v)  # device-owned buffers (see test_in_place_when_donated)
     L = k.shape[0]
     rng = np.random.default_rng(3)
-    k_new_all = jnp.asarray(rng.standard_normal((L, 5, 2, 64)), jnp.float32)
+    k_new_all = rng.standard_normal((L, 5, 2, 64)).astype(np.float32)
     v_new_all = k_new_all + 1
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -224,7 +223,7 @@ def test_mgpu_traced_layer_inside_scan_with_donation_in_place():
 
     want_k, want_v = k, v
     for layer in range(L):
-        want_k, want_v = write_kv_reference(want_k, want_v, k_new_all[layer], v_new_all[layer], slots, layer)
+        want_k, want_v = reference(want_k, want_v, k_new_all[layer], v_new_all[layer], slots, np.int32(layer))
     want_k, want_v = np.asarray(want_k), np.asarray(want_v)
     k_ptr, v_ptr = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
     with warnings.catch_warnings():

@@ -25,6 +25,17 @@ from pallas_kernels import logit_stats as pk
 from tests.triton_lowering import verify_triton_lowering
 
 ON_GPU = jax.default_backend() == "gpu"
+# The jnp code under test, each run as one program (op by op, every op would compile its own).
+# Host arrays reach the device by device_put or as jit arguments: jnp.asarray(numpy) compiles a
+# program per shape.
+logit_stats_reference = jax.jit(ls.logit_stats_reference)
+block_max_and_sumexp = jax.jit(ls.block_max_and_sumexp)
+mass_from_blocks = jax.jit(ls.mass_from_blocks)
+logsumexp_from_blocks = jax.jit(ls.logsumexp_from_blocks)
+count_above_reference = jax.jit(functools.partial(ls.count_above, mode="reference"))
+refresh_blocks = jax.jit(ls.refresh_blocks)
+top_n = jax.jit(top_n_by_blocks, static_argnums=1)
+top_k = jax.jit(jax.lax.top_k, static_argnums=1)
 
 
 def random_case(rng, r, v, num_slots, logits_dtype=jnp.bfloat16, counts_dtype=np.uint16):
@@ -37,17 +48,17 @@ def random_case(rng, r, v, num_slots, logits_dtype=jnp.bfloat16, counts_dtype=np
     rows = rng.permutation(num_slots)[:r]
     t = SamplingTensors.neutral(r, max_bias=0, max_stop=0, xp=jnp)
     t = dataclasses.replace(
-        t, repetition_penalty=jnp.asarray(rng.uniform(0.5, 2, r), jnp.float32),
-        frequency_penalty=jnp.asarray(rng.uniform(-1, 1, r), jnp.float32),
-        presence_penalty=jnp.asarray(rng.uniform(-1, 1, r), jnp.float32))
-    data = PenaltyData(jnp.asarray(counts.astype(counts_dtype)), jnp.asarray(pack_token_mask(prompt, np)),
-                       jnp.asarray(rows, jnp.int32))
-    return jnp.asarray(logits, logits_dtype), t, data, dict(counts=counts, prompt=prompt, rows=rows)
+        t, repetition_penalty=jax.device_put(rng.uniform(0.5, 2, r).astype(np.float32)),
+        frequency_penalty=jax.device_put(rng.uniform(-1, 1, r).astype(np.float32)),
+        presence_penalty=jax.device_put(rng.uniform(-1, 1, r).astype(np.float32)))
+    data = PenaltyData(jax.device_put(counts.astype(counts_dtype)), jax.device_put(pack_token_mask(prompt, np)),
+                       jax.device_put(rows.astype(np.int32)))
+    return jax.device_put(logits.astype(logits_dtype)), t, data, dict(counts=counts, prompt=prompt, rows=rows)
 
 
 def numpy_stats(logits, t, raw_np, divisor):
     """Independent: the penalty formula per element in numpy, blocks by explicit slicing."""
-    x = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)
+    x = np.asarray(logits).astype(np.float64)
     counts = raw_np["counts"][raw_np["rows"]]
     seen = raw_np["prompt"][raw_np["rows"]] | (counts > 0)
     rep = np.asarray(t.repetition_penalty, np.float64)[:, None]
@@ -82,20 +93,20 @@ def test_stats_match_numpy(impl, logits_dtype, counts_dtype):
     rng = np.random.default_rng(0)
     r, v = 5, 3 * 128 * 2 + 77  # tails in the last block and in the last tile (tile_blocks=2)
     logits, t, data, raw_np = random_case(rng, r, v, 7, logits_dtype, counts_dtype)
-    divisor = jnp.asarray([1.0, 0.7, 2.0, 1.0, 0.3], jnp.float32)
+    divisor = jax.device_put(np.array([1.0, 0.7, 2.0, 1.0, 0.3], np.float32))
     if impl.startswith("kernel"):
         launch = dict(interpret=True, tile_blocks=2, tiles_per_program=2 if impl == "kernel_loop" else 1)
         got = pk.logit_stats(logits, divisor, penalty_arrays(t, data), **launch)
         plain = pk.logit_stats(logits, divisor, **launch)
     else:
-        got = ls.logit_stats_reference(logits, t, data, divisor)
-        plain = ls.logit_stats_reference(logits, None, None, divisor)
+        got = logit_stats_reference(logits, t, data, divisor)
+        plain = logit_stats_reference(logits, None, None, divisor)
     pen, pen_blocks, raw_blocks = numpy_stats(logits, t, raw_np, divisor)
     assert_stats(got, pen, pen_blocks, raw_blocks)
     # Without penalties the "penalised" logits are the raw ones in f32.
-    raw = np.asarray(jnp.asarray(logits, jnp.float32), np.float64)
+    raw = np.asarray(logits).astype(np.float64)
     _, raw_scaled_blocks, _ = numpy_stats(logits, dataclasses.replace(
-        t, repetition_penalty=jnp.ones(r), frequency_penalty=jnp.zeros(r), presence_penalty=jnp.zeros(r)),
+        t, repetition_penalty=np.ones(r), frequency_penalty=np.zeros(r), presence_penalty=np.zeros(r)),
         raw_np, divisor)
     assert_stats(plain, raw, raw_scaled_blocks, raw_blocks)
 
@@ -105,7 +116,7 @@ def test_mass_from_blocks_matches_numpy():
     x = rng.normal(0, 4, (3, 900)).astype(np.float32)
     x[2, 100:] = -np.inf
     divisor = np.array([1.0, 0.5, 1.7], np.float32)
-    got = ls.mass_from_blocks(*ls.block_max_and_sumexp(jnp.asarray(x), jnp.asarray(divisor)), jnp.asarray(divisor))
+    got = mass_from_blocks(*block_max_and_sumexp(x, divisor), divisor)
     xd = x.astype(np.float64)
     want = np.exp((xd - xd.max(axis=1, keepdims=True)) / divisor[:, None]).sum(axis=1)
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -116,7 +127,7 @@ def test_logsumexp_from_blocks_matches_numpy():
     x = rng.normal(0, 5, (4, 1000)).astype(np.float32)
     x[1, :900] = -np.inf
     x[2] = -np.inf
-    got = ls.logsumexp_from_blocks(*ls.block_max_and_sumexp(jnp.asarray(x)))
+    got = logsumexp_from_blocks(*block_max_and_sumexp(x))
     with np.errstate(divide="ignore"):
         want = np.log(np.exp(x.astype(np.float64)).sum(axis=1))
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -129,29 +140,28 @@ def test_count_above_matches_numpy(impl):
     x = rng.normal(0, 2, (r, v)).astype(np.float32)
     x[3] = -np.inf
     if impl == "kernel":  # the kernel reads the logits in their own dtype
-        x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+        x = x.astype(jnp.bfloat16).astype(np.float32)
     threshold = np.array([x[0].max(), np.inf, -np.inf, 0.0, x[4, 17], np.sort(x[5])[-40]], np.float32)
-    block_max, _ = ls.block_max_and_sumexp(jnp.asarray(x))
+    block_max, _ = block_max_and_sumexp(x)
     if impl == "kernel":
-        got = pk.count_above(jnp.asarray(x, jnp.bfloat16), block_max, jnp.asarray(threshold), interpret=True,
-                             tile_blocks=2)
+        got = pk.count_above(x.astype(jnp.bfloat16), block_max, threshold, interpret=True, tile_blocks=2)
     else:
-        got = ls.count_above(jnp.asarray(x), block_max, jnp.asarray(threshold), mode="reference")
+        got = count_above_reference(x, block_max, threshold)
     np.testing.assert_array_equal(got, (x > threshold[:, None]).sum(axis=1))
 
 
 def test_refresh_blocks_recomputes_edited_blocks():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 700)).astype(np.float32)
-    divisor = jnp.asarray([1.0, 0.5, 2.0], jnp.float32)
-    blocks = ls.block_max_and_sumexp(jnp.asarray(x), divisor)
+    divisor = np.array([1.0, 0.5, 2.0], np.float32)
+    blocks = block_max_and_sumexp(x, divisor)
     ids = np.array([[0, 129, 699], [5, 6, 700], [700, 700, 300]])  # 700 = no id
     edited = x.copy()
     for i, row in enumerate(ids):
         for j in row[row < 700]:
             edited[i, j] = -np.inf if j % 2 else 50.0
-    got = ls.refresh_blocks(*blocks, jnp.asarray(edited), jnp.asarray(ids), divisor)
-    want = ls.block_max_and_sumexp(jnp.asarray(edited), divisor)
+    got = refresh_blocks(*blocks, edited, ids.astype(np.int32), divisor)
+    want = block_max_and_sumexp(edited, divisor)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
     assert not np.array_equal(want[0], blocks[0])  # the edits moved some maxima
@@ -161,10 +171,10 @@ def test_top_n_from_given_block_maxima():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(4, 64 * 128 + 900)).astype(np.float32)
     x[1, ::300] = 9.0  # ties spread over blocks
-    block_max, _ = ls.block_max_and_sumexp(jnp.asarray(x))
+    block_max, _ = block_max_and_sumexp(x)
     for n in (20, 64):
-        got = top_n_by_blocks(jnp.asarray(x), n, block_max=block_max)
-        want = jax.lax.top_k(jnp.asarray(x), n)
+        got = top_n(x, n, block_max=block_max)
+        want = top_k(x, n)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
 
@@ -175,20 +185,21 @@ def every_feature_case(logits_dtype=jnp.float32, v=64 * 128 + 300):
     rng = np.random.default_rng(6)
     r = 6
     logits, t, data, _ = random_case(rng, r, v, 8, jnp.float32, np.int32)
-    logits = logits.at[1].set(jnp.asarray(rng.normal(0, 3, v), jnp.float32))  # no row of -inf here
-    t = dataclasses.replace(
-        t, temperature=jnp.asarray([0, 0.8, 1, 1, 0.5, 1.2], jnp.float32),
-        top_k=jnp.asarray([0, 50, 0, 200, 20, 0], jnp.int32), top_p=jnp.asarray([1, 0.9, 0.7, 1, 1, 0.95], jnp.float32),
-        min_p=jnp.asarray([0, 0.05, 0, 0, 0.1, 0], jnp.float32), seeds=jnp.arange(r, dtype=jnp.int32) * 7919,
-        bias_ids=jnp.asarray(rng.integers(0, v, (r, 4)), jnp.int32),
-        bias_values=jnp.asarray(rng.normal(0, 20, (r, 4)), jnp.float32))
+    logits = np.array(logits)
+    logits[1] = rng.normal(0, 3, v)  # no row of -inf here
+    columns = dict(
+        temperature=np.array([0, 0.8, 1, 1, 0.5, 1.2], np.float32), top_k=np.array([0, 50, 0, 200, 20, 0], np.int32),
+        top_p=np.array([1, 0.9, 0.7, 1, 1, 0.95], np.float32), min_p=np.array([0, 0.05, 0, 0, 0.1, 0], np.float32),
+        seeds=np.arange(r, dtype=np.int32) * 7919, bias_ids=rng.integers(0, v, (r, 4)).astype(np.int32),
+        bias_values=rng.normal(0, 20, (r, 4)).astype(np.float32))
+    t = dataclasses.replace(t, **{name: jax.device_put(value) for name, value in columns.items()})
     f = SamplerFeatures.all(prompt_logprobs=False, min_tokens=False)
 
     @functools.partial(jax.jit, static_argnames="kernels")
     def step(x, t, pen, kernels=SamplerKernels()):
         return sample(x, t, jnp.arange(r, dtype=jnp.int32), f.replace(kernels=kernels), pen)
 
-    return logits.astype(logits_dtype), t, data, step
+    return jax.device_put(logits.astype(logits_dtype)), t, data, step
 
 
 def test_sampler_with_kernels_matches_without():
@@ -217,7 +228,7 @@ def test_sampler_reads_bf16_logits_as_their_f32_values(mode):
     kernels = SamplerKernels(logit_stats=mode)
     logits, t, data, step = every_feature_case(jnp.bfloat16)
     got = step(logits, t, data, kernels=kernels)
-    want = step(logits.astype(jnp.float32), t, data, kernels=kernels)
+    want = step(np.asarray(logits).astype(np.float32), t, data, kernels=kernels)
     for name in ("tokens", "logprob_token_ids", "sampled_rank"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)

@@ -22,6 +22,16 @@ on_gpu = jax.default_backend() == "gpu"
 HQ, HKV, D, BS = 16, 8, 128, 16
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "q_shape"))
+def random_qkv(seed, dead, poison, *, shape, q_shape):
+    """Random bf16 q and caches, the caches' `dead` slots (unless None) set to `poison`."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in (kk, kv))
+    if dead is not None:
+        k, v = (jnp.where(dead, poison.astype(jnp.bfloat16), x) for x in (k, v))
+    return jax.random.normal(kq, q_shape, jnp.bfloat16), k, v
+
+
 def make_batch(seq_lens, *, rows=None, hq, hkv, d, bs, max_blocks, num_layers=2, layer=1, seed=0,
                poison=np.nan):
     """A decode batch: ``seq_lens`` real rows (then padding rows up to ``rows``) on shuffled pages;
@@ -39,16 +49,15 @@ def make_batch(seq_lens, *, rows=None, hq, hkv, d, bs, max_blocks, num_layers=2,
         lens[i] = n
         slots = blocks[np.arange(n) // bs] * bs + np.arange(n) % bs
         live[slots] = True
-    shape = (num_layers, num_blocks, hkv, bs, d)
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in (kk, kv))
+    dead = None
     if poison is not None:
         dead = (np.arange(num_layers) != layer)[:, None, None, None, None] | ~live.reshape(num_blocks, bs)[
             None, :, None, :, None]
-        k, v = (jnp.where(jnp.asarray(dead), jnp.asarray(poison, jnp.bfloat16), x) for x in (k, v))
-    q = jax.random.normal(kq, (rows, hq, d), jnp.bfloat16)
-    return dict(q=q, k_cache=k, v_cache=v, block_tables=jnp.asarray(block_tables),
-                seq_lens=jnp.asarray(lens), num_seqs=jnp.int32(len(seq_lens)), layer=jnp.int32(layer))
+    q, k, v = random_qkv(seed, dead, np.float32(0 if poison is None else poison),
+                         shape=(num_layers, num_blocks, hkv, bs, d), q_shape=(rows, hq, d))
+    # device_put, not jnp.asarray (which compiles a program per shape).
+    return dict(q=q, k_cache=k, v_cache=v, block_tables=jax.device_put(block_tables), seq_lens=jax.device_put(lens),
+                num_seqs=jax.device_put(np.int32(len(seq_lens))), layer=jax.device_put(np.int32(layer)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,16 +118,22 @@ def test_fused_decode_attention_through_the_decode_kernel_matches_the_reference_
 
     batch = make_batch([37, 20, 70], rows=4, hq=4, hkv=2, d=64, bs=16, max_blocks=6, poison=None)
     q_rows, bt, lens = batch["q"], batch["block_tables"], np.asarray(batch["seq_lens"])
-    q = jnp.concatenate([q_rows[0:1], q_rows[2:3], jnp.zeros((2, 4, 64), jnp.bfloat16)])  # tokens, padded to 4
+    q = np.concatenate([np.asarray(q_rows)[[0, 2]], np.zeros((2, 4, 64), jnp.bfloat16)])  # tokens, padded to 4
     k_new, v_new = (jax.random.normal(jax.random.key(s), (4, 2, 64), jnp.bfloat16) for s in (7, 8))
     table = np.asarray(bt)
     slots = [table[r, (lens[r] - 1) // 16] * 16 + (lens[r] - 1) % 16 for r in (0, 2)]
-    meta = dict(slot_mapping=jnp.asarray(slots + [-1, -1], jnp.int32), block_tables=bt, seq_lens=batch["seq_lens"],
-                query_start_loc=jnp.asarray([0, 1, 1, 2, 2], jnp.int32), num_seqs=batch["num_seqs"])
+    meta = dict(slot_mapping=np.array(slots + [-1, -1], np.int32), block_tables=bt, seq_lens=batch["seq_lens"],
+                query_start_loc=np.array([0, 1, 1, 2, 2], np.int32), num_seqs=batch["num_seqs"])
     cache = (batch["k_cache"], batch["v_cache"])
-    want, want_cache = PagedAttention(**meta, use_kernels=False)(q, k_new, v_new, batch["layer"], cache, 0.125)
-    got, got_cache = PagedAttention(**meta, use_kernels=True, interpret=not on_gpu, one_token_rows=True,
-                                    decode_kernel="mgpu")(q, k_new, v_new, batch["layer"], cache, 0.125)
+
+    @functools.partial(jax.jit, static_argnames="options")
+    def attend(meta, q, k_new, v_new, layer, cache, options):
+        return PagedAttention(**meta, **dict(options))(q, k_new, v_new, layer, cache, 0.125)
+
+    want, want_cache = attend(meta, q, k_new, v_new, batch["layer"], cache, options=(("use_kernels", False),))
+    got, got_cache = attend(meta, q, k_new, v_new, batch["layer"], cache,
+                            options=(("use_kernels", True), ("interpret", not on_gpu), ("one_token_rows", True),
+                                     ("decode_kernel", "mgpu")))
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     np.testing.assert_array_equal(got[2:], 0.0)
     assert np.abs(got - want).max() / np.abs(want).max() <= 1e-2
@@ -141,7 +156,8 @@ def test_interpreter_finds_no_race_in_the_ring():
 
     batch = make_batch([300, 20], rows=3, hq=4, hkv=2, d=64, bs=16, max_blocks=19, seed=5)
     params = plgpu.InterpretGPUParams(detect_races=True)
-    out = paged_decode_attention_mgpu(**batch, sm_scale=0.125, config=DecodeConfig(1, 2), interpret=params)
+    out = jax.jit(functools.partial(paged_decode_attention_mgpu, sm_scale=0.125, config=DecodeConfig(1, 2),
+                                    interpret=params))(**batch)
     assert not gpu_callbacks.get_races().races_found
     ref = reference_fn(0.125)(**batch)
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -187,8 +203,8 @@ def test_cuda_lowering_refuses_too_much_shared_memory():
 
 def _bad(q=(4, 4, 64), cache=(2, 8, 2, 16, 64), bt=(4, 3), lens=(4,), dtypes=None, v_cache=None):
     qd, kd = dtypes or (jnp.bfloat16, jnp.bfloat16)
-    return (jnp.zeros(q, qd), jnp.zeros(cache, kd), jnp.zeros(v_cache or cache, kd), jnp.zeros(bt, jnp.int32),
-            jnp.zeros(lens, jnp.int32), jnp.int32(1))
+    return (np.zeros(q, qd), np.zeros(cache, kd), np.zeros(v_cache or cache, kd), np.zeros(bt, np.int32),
+            np.zeros(lens, np.int32), np.int32(1))
 
 
 @pytest.mark.parametrize(("args", "config", "match"), [

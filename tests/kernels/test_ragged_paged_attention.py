@@ -76,7 +76,7 @@ def build_batch(
     v = np.where(dead, poison, v)
     q = rng.standard_normal((T, Hq, D)).astype(np.float32)  # padding tokens too: ignored
     # Round through the dtype so the numpy oracle sees exactly what the kernel sees.
-    q, k, v = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k, v))
+    q, k, v = (x.astype(dtype).astype(np.float32) for x in (q, k, v))
     return dict(
         q=q,
         k=k,
@@ -92,16 +92,18 @@ def build_batch(
 
 def device_args(b):
     dt = b["dtype"]
-    return (
-        jnp.asarray(b["q"], dt),
-        jnp.asarray(b["k"], dt),
-        jnp.asarray(b["v"], dt),
-        jnp.int32(b["layer"]),
-        jnp.asarray(b["block_tables"]),
-        jnp.asarray(b["seq_lens"]),
-        jnp.asarray(b["qsl"]),
-        jnp.int32(b["num_seqs"]),
+    # Converted on the host and device_put: jnp.asarray would compile a conversion per shape.
+    host = (
+        b["q"].astype(dt),
+        b["k"].astype(dt),
+        b["v"].astype(dt),
+        np.int32(b["layer"]),
+        b["block_tables"],
+        b["seq_lens"],
+        b["qsl"],
+        np.int32(b["num_seqs"]),
     )
+    return tuple(jax.device_put(x) for x in host)
 
 
 def numpy_attention(b, sm_scale, window=None):
@@ -180,19 +182,22 @@ COMPOSITIONS = {
 # ----------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnames=("formulation", "window"))
+def reference_formulation(q, k, v, layer, bt, sl, qsl, ns, *, formulation, window):
+    row, pos, valid = rpa_mod._token_metadata(q.shape[0], bt, sl, qsl, ns)
+    k_rows = rpa_mod._row_kv(k, layer, bt, sl)
+    v_rows = rpa_mod._row_kv(v, layer, bt, sl)
+    if formulation == "per_token":
+        return rpa_mod._reference_per_token(q, k_rows, v_rows, row, pos, valid, 0.25, window)
+    return rpa_mod._reference_per_row(q, k_rows, v_rows, row, pos, valid, qsl, 0.25, window)
+
+
 @pytest.mark.parametrize("formulation", ["per_token", "per_row"])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("name", ["mixed", "chunked_prefill", "all_decode"])
 def test_reference_matches_numpy(name, window, formulation):
     b = build_batch(COMPOSITIONS[name], **FAM, seed=1)
-    q, k, v, layer, bt, sl, qsl, ns = device_args(b)
-    row, pos, valid = rpa_mod._token_metadata(q.shape[0], bt, sl, qsl, ns)
-    k_rows = rpa_mod._row_kv(k, layer, bt, sl)
-    v_rows = rpa_mod._row_kv(v, layer, bt, sl)
-    if formulation == "per_token":
-        out = rpa_mod._reference_per_token(q, k_rows, v_rows, row, pos, valid, 0.25, window)
-    else:
-        out = rpa_mod._reference_per_row(q, k_rows, v_rows, row, pos, valid, qsl, 0.25, window)
+    out = reference_formulation(*device_args(b), formulation=formulation, window=window)
     np.testing.assert_allclose(np.asarray(out), numpy_attention(b, 0.25, window), atol=1e-5, rtol=0)
 
 
@@ -201,7 +206,7 @@ def test_reference_public_entry_picks_both_formulations():
     cfg = dict(Hq=4, Hkv=2, D=32, bs=16, num_blocks=24, max_blocks=8)
     for rows, T, R in [([(1, 40)] * 4, 4, 4), ([(60, 100)], 64, 1)]:
         b = build_batch(rows, T=T, R=R, **cfg, seed=2)
-        out = ragged_paged_attention_reference(*device_args(b), sm_scale=0.3)
+        out = reference_fn(sm_scale=0.3)(*device_args(b))
         np.testing.assert_allclose(np.asarray(out), numpy_attention(b, 0.3), atol=1e-5, rtol=0)
 
 
@@ -311,9 +316,8 @@ def test_kernel_random_batches(case):
 def test_kernel_is_jittable_under_scan_over_layers():
     # The model calls it inside lax.scan over layers with a traced layer index.
     b = build_batch(COMPOSITIONS["mixed"], **FAM, seed=10)
+    b["k"], b["v"] = np.nan_to_num(b["k"]), np.nan_to_num(b["v"])
     q, k, v, _, bt, sl, qsl, ns = device_args(b)
-    k = jnp.nan_to_num(k)
-    v = jnp.nan_to_num(v)
     attn = functools.partial(
         ragged_paged_attention, sm_scale=0.25, interpret=not on_gpu, block_m=16, block_n=16, num_kv_splits=1
     )
@@ -327,7 +331,7 @@ def test_kernel_is_jittable_under_scan_over_layers():
 
     outs = run(q, k, v)
     for layer in range(k.shape[0]):
-        ref = ragged_paged_attention_reference(q, k, v, layer, bt, sl, qsl, ns, sm_scale=0.25)
+        ref = reference_fn(sm_scale=0.25, sliding_window=None)(q, k, v, np.int32(layer), bt, sl, qsl, ns)
         np.testing.assert_allclose(np.asarray(outs[layer]), np.asarray(ref), atol=1e-5, rtol=0)
 
 

@@ -30,7 +30,7 @@ def search_case(rng, v, cases):
     for i, (mp, ki, pi) in enumerate(cases):
         if pi is None:
             p[i] = ref.safe_top_p(scaled[i], ref.kept_tokens(scaled[i], min_p=mp, top_k=int(ki)), rng)
-    floor = np.asarray(topk_topp.min_p_threshold(jnp.asarray(scaled.max(1)), jnp.asarray(min_p, jnp.float32)))
+    floor = np.asarray(jax.jit(topk_topp.min_p_threshold)(scaled.max(1), min_p.astype(np.float32)))
     return x, divisor, scaled, floor, min_p, k.astype(np.int32), p.astype(np.float32)
 
 
@@ -58,8 +58,7 @@ def test_kernel_matches_the_jnp_search():
     for top_p on these rows (the sums' orders differ, the cut-offs are away from rounding)."""
     rng = np.random.default_rng(5)
     x, divisor, scaled, floor, _, k, p = search_case(rng, 3000, CASES)
-    want = topk_topp.top_k_top_p_threshold_search(jnp.asarray(scaled), jnp.asarray(floor), jnp.asarray(k),
-                                                  jnp.asarray(p))
+    want = jax.jit(topk_topp.top_k_top_p_threshold_search)(scaled, floor, k, p)
     needed = np.ones(len(CASES), bool)
     got = kernel.threshold_search(x, divisor, scaled.max(1), floor, k, p, needed, interpret=True)
     np.testing.assert_array_equal(got, want)
@@ -74,7 +73,7 @@ def test_row_mass_kernel_matches_reference():
     want = np.where(s >= floor[:, None], np.exp(s - s.max(1, keepdims=True)), 0).sum(1)
     np.testing.assert_allclose(got[needed], want[needed], rtol=1e-5)
     assert not got[~needed].any()
-    jnp_mass = np.asarray(kernel.row_mass_reference(x, divisor, scaled.max(1), floor, needed))
+    jnp_mass = np.asarray(jax.jit(kernel.row_mass_reference)(x, divisor, scaled.max(1), floor, needed))
     np.testing.assert_allclose(jnp_mass[needed], want[needed], rtol=1e-5)
     assert not jnp_mass[~needed].any()
 

@@ -21,6 +21,11 @@ from tests import sampler_reference as ref
 
 ALL = SamplerFeatures.all()
 MB, MS = 8, 4  # small sparse widths keep the tests quick
+# The jnp functions under test as one program each (op by op, every op compiles its own).
+# Host arrays go to them as numpy: jnp.asarray(numpy) compiles a program per shape.
+noise = jax.jit(gumbel_noise, static_argnums=2)
+top_n = jax.jit(top_n_by_blocks, static_argnums=1, static_argnames="blocks")
+lax_top_k = jax.jit(jax.lax.top_k, static_argnums=1)
 
 
 def make_tensors(num_rows, **columns) -> SamplingTensors:
@@ -31,7 +36,7 @@ def make_tensors(num_rows, **columns) -> SamplingTensors:
         value = np.array(getattr(t, f.name))
         if f.name in columns:
             value[...] = columns[f.name]
-        fields[f.name] = jnp.asarray(value)
+        fields[f.name] = jax.device_put(value)
     return SamplingTensors(**fields)
 
 
@@ -82,7 +87,7 @@ def test_bias_min_tokens_penalties_match_reference(penalties_on):
     logits = rng.normal(0, 3, (r, v)).astype(np.float32)
     f = ALL.replace(penalties=penalties_on)
     got = jax.jit(lambda x, t, p: adjust_logits(x, t, f, p))(
-        jnp.asarray(logits), tensors_for(rows), penalties_for(rows, v) if penalties_on else None)
+        logits, tensors_for(rows), penalties_for(rows, v) if penalties_on else None)
     for i, row in enumerate(rows):
         want = ref.process_row(logits[i], **row)
         np.testing.assert_allclose(np.asarray(got[i]), want, rtol=1e-6, atol=1e-5)
@@ -111,7 +116,7 @@ def test_truncation_matches_reference(features):
             before = ref.kept_tokens(scaled[i], min_p=mp, top_k=k)
             top_p[i] = ref.safe_top_p(scaled[i], before, rng)
     t = make_tensors(len(cases), temperature=1.0, min_p=min_p, top_k=top_k.astype(int), top_p=top_p)
-    thresh = np.asarray(jax.jit(lambda s, t: truncation_threshold(s, t, features))(jnp.asarray(scaled), t))
+    thresh = np.asarray(jax.jit(lambda s, t: truncation_threshold(s, t, features))(scaled, t))
     for i in range(len(cases)):
         want = ref.kept_tokens(scaled[i], min_p=min_p[i], top_k=int(top_k[i]), top_p=top_p[i])
         got = scaled[i] >= thresh[i]
@@ -138,20 +143,20 @@ def test_truncation_fast_path_on_wide_rows(runtime_skip):
             top_p[i] = ref.safe_top_p(scaled[i], ref.kept_tokens(scaled[i], min_p=mp, top_k=k), rng)
     t = make_tensors(len(cases), temperature=1.0, min_p=min_p, top_k=top_k.astype(int), top_p=top_p)
     f = ALL.replace(runtime_skip=runtime_skip)
-    thresh = np.asarray(jax.jit(lambda s, t: truncation_threshold(s, t, f))(jnp.asarray(scaled), t))
+    thresh = np.asarray(jax.jit(lambda s, t: truncation_threshold(s, t, f))(scaled, t))
     # The sampled token: rows whose kept tokens are all among the top candidates sample from
     # those alone; it must be the whole-row argmax of (kept logit + the row's noise).
-    positions = jnp.arange(len(cases), dtype=jnp.int32) * 7
-    t = dataclasses.replace(t, seeds=jnp.arange(len(cases), dtype=jnp.int32) + 99)
+    positions = np.arange(len(cases), dtype=np.int32) * 7
+    t = dataclasses.replace(t, seeds=np.arange(len(cases), dtype=np.int32) + 99)
     trunc_only = f.replace(logit_bias=False, min_tokens=False, penalties=False, num_logprobs=None,
                            prompt_logprobs=False)
     sample_fn = jax.jit(lambda s, t, p: sample(s, t, p, trunc_only).tokens)
-    tokens = np.asarray(sample_fn(jnp.asarray(scaled), t, positions))
-    noise = np.asarray(gumbel_noise(t.seeds, positions, v))
+    tokens = np.asarray(sample_fn(scaled, t, positions))
+    row_noise = np.asarray(noise(t.seeds, positions, v))
     for i in range(len(cases)):
         want = ref.kept_tokens(scaled[i], min_p=min_p[i], top_k=int(top_k[i]), top_p=top_p[i])
         assert ((scaled[i] >= thresh[i]) == want).all(), f"case {cases[i]} (p={top_p[i]:.4f}), row {i}"
-        assert tokens[i] == np.argmax(np.where(want, scaled[i] + noise[i], -np.inf)), f"case {cases[i]}, row {i}"
+        assert tokens[i] == np.argmax(np.where(want, scaled[i] + row_noise[i], -np.inf)), f"case {cases[i]}, row {i}"
 
 
 def test_kth_largest_search_is_exact_on_awkward_values():
@@ -160,12 +165,12 @@ def test_kth_largest_search_is_exact_on_awkward_values():
     special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-30, -1e-30, 3.4e38, -3.4e38, 1.0, 1.0, 1.0], np.float32)
     x = np.concatenate([rng.choice(special, (6, 40)), rng.normal(size=(6, 60)).astype(np.float32)], axis=1)
     k = rng.integers(1, 100, 6)
-    got = np.asarray(top_k_threshold_search(jnp.asarray(x), jnp.asarray(k)))
+    got = np.asarray(jax.jit(top_k_threshold_search)(x, k.astype(np.int32)))
     want = [np.sort(row)[::-1][kk - 1] for row, kk in zip(x, k)]
     np.testing.assert_array_equal(got, np.float32(want) + np.float32(0))  # -0.0 == 0.0
-    keys = np.asarray(_ordered_key(jnp.asarray(x))).astype(np.int64)
+    keys = np.asarray(jax.jit(_ordered_key)(x)).astype(np.int64)
     assert (np.diff(np.take_along_axis(keys, np.argsort(x, axis=1), 1), axis=1) >= 0).all()
-    np.testing.assert_array_equal(np.asarray(_key_to_float(jnp.asarray(keys, jnp.uint32))), x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_key_to_float)(keys.astype(np.uint32))), x)
 
 
 # --- sampled distributions --------------------------------------------------------------------
@@ -187,7 +192,7 @@ def test_sampled_frequencies_match_distribution(case):
     t = make_tensors(n, seeds=77, **params)
     # One request sampled at 20K positions = 20K independent draws (counter-based keys).
     f = ALL.replace(penalties=False, logit_bias=False, min_tokens=False, num_logprobs=None)
-    tokens = run(f, jnp.broadcast_to(jnp.asarray(logits), (n, v)), t, jnp.arange(n, dtype=jnp.int32), None).tokens
+    tokens = run(f, np.broadcast_to(logits, (n, v)), t, np.arange(n, dtype=np.int32), None).tokens
     counts = np.bincount(np.asarray(tokens), minlength=v)
     scaled = logits / params["temperature"]
     keep = ref.kept_tokens(scaled, min_p=params.get("min_p", 0.0), top_k=params.get("top_k", 0),
@@ -225,8 +230,8 @@ def test_runtime_skips_static_variants_and_sort_agree():
         rows, t = random_batch(rng, r, v)
         if not uses_features:  # a batch that uses nothing: the skipping branches run
             t = make_tensors(r, temperature=np.asarray(t.temperature), seeds=np.asarray(t.seeds))
-        logits = jnp.asarray(rng.normal(0, 2, (r, v)), jnp.float32)
-        pos, pen = jnp.asarray(rng.integers(0, 1000, r), jnp.int32), penalties_for(rows, v)
+        logits = rng.normal(0, 2, (r, v)).astype(np.float32)
+        pos, pen = rng.integers(0, 1000, r).astype(np.int32), penalties_for(rows, v)
         needed = needed_features(jax.tree.map(np.asarray, t), v)
         outs = [run(f, logits, t, pos, pen).tokens for f in
                 (ALL, ALL.replace(runtime_skip=False), ALL.replace(top_k_top_p="sort"),
@@ -251,11 +256,11 @@ def test_mixed_batch_on_wide_rows_matches_the_sort_reference():
     t = tensors_for(rows, **extra)
     logits = rng.normal(0, 2, (r, v)).astype(np.float32)
     logits[11, rng.choice(v, 40, replace=False)] += 14  # peaked: top_p alone settles on the top 64
-    pos, pen = jnp.asarray(rng.integers(0, 1000, r), jnp.int32), penalties_for(rows, v)
+    pos, pen = rng.integers(0, 1000, r).astype(np.int32), penalties_for(rows, v)
     f = ALL.replace(num_logprobs=None, prompt_logprobs=False)
-    fast = jax.jit(lambda x, t, p, pen: sample(x, t, p, f, pen))(jnp.asarray(logits), t, pos, pen).tokens
+    fast = jax.jit(lambda x, t, p, pen: sample(x, t, p, f, pen))(logits, t, pos, pen).tokens
     ref_f = f.replace(top_k_top_p="sort")
-    want = jax.jit(lambda x, t, p, pen: sample(x, t, p, ref_f, pen))(jnp.asarray(logits), t, pos, pen).tokens
+    want = jax.jit(lambda x, t, p, pen: sample(x, t, p, ref_f, pen))(logits, t, pos, pen).tokens
     np.testing.assert_array_equal(fast, want)
     greedy = np.asarray(extra["temperature"]) == 0
     processed = np.stack([ref.process_row(logits[i], **rows[i]) for i in np.flatnonzero(greedy)])
@@ -266,9 +271,9 @@ def test_greedy_rows_take_argmax_of_processed_logits():
     rng = np.random.default_rng(5)
     r, v = 16, 200  # the shapes of the other whole-sampler tests: one compile
     rows, t = random_batch(rng, r, v)
-    t = dataclasses.replace(t, temperature=jnp.zeros(r))  # greedy; top_k / top_p must not matter
+    t = dataclasses.replace(t, temperature=np.zeros(r, np.float32))  # greedy; top_k / top_p must not matter
     logits = rng.normal(0, 2, (r, v)).astype(np.float32)
-    tokens = run(ALL, jnp.asarray(logits), t, jnp.arange(r), penalties_for(rows, v)).tokens
+    tokens = run(ALL, logits, t, np.arange(r, dtype=np.int32), penalties_for(rows, v)).tokens
     want = [np.argmax(ref.process_row(logits[i], **rows[i])) for i in range(r)]
     np.testing.assert_array_equal(tokens, want)
 
@@ -281,16 +286,17 @@ def test_seeded_row_is_batch_invariant(num_others):
     logits = rng.normal(0, 2, (num_others + 1, v)).astype(np.float32)
     pos = rng.integers(0, 500, num_others + 1).astype(np.int32)
     # Row 0 is the request under test: seeded, sampled, every feature on.
-    t = dataclasses.replace(t, **{name: getattr(t, name).at[0].set(value) for name, value in dict(
-        temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seeds=4242, num_logprobs=5).items()})
+    t = jax.tree.map(np.array, t)  # edited and sliced on the host
+    for name, value in dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seeds=4242, num_logprobs=5).items():
+        getattr(t, name)[0] = value
     f = ALL.replace(runtime_skip=False)  # the quickest variant to compile with every feature
-    pen = penalties_for(rows, v)
+    pen = jax.tree.map(np.asarray, penalties_for(rows, v))
     t_alone = jax.tree.map(lambda a: a[:1], t)
-    pen_alone = PenaltyData(pen.output_counts[:1], pen.prompt_mask[:1], jnp.zeros(1, jnp.int32))
+    pen_alone = PenaltyData(pen.output_counts[:1], pen.prompt_mask[:1], np.zeros(1, np.int32))
     for step in range(3):  # a few positions of the same request
-        p = jnp.asarray(pos) + step
-        batched = run(f, jnp.asarray(logits), t, p, pen)
-        single = run(f, jnp.asarray(logits[:1]), t_alone, p[:1], pen_alone)
+        p = pos + step
+        batched = jax.tree.map(np.asarray, run(f, logits, t, p, pen))
+        single = jax.tree.map(np.asarray, run(f, logits[:1], t_alone, p[:1], pen_alone))
         assert int(batched.tokens[0]) == int(single.tokens[0])
         np.testing.assert_array_equal(batched.logprob_token_ids[0], single.logprob_token_ids[0])
         # Values may differ in the last bit: the logsumexp reduction depends on the batch shape.
@@ -299,16 +305,21 @@ def test_seeded_row_is_batch_invariant(num_others):
 
 def test_noise_keys_are_unchanged():
     """(seed, position) -> noise is a compatibility promise: seeded outputs must not drift."""
-    noise = gumbel_noise(jnp.array([1234, 0]), jnp.array([7, 0]), 6)
+    got = noise(np.array([1234, 0], np.int32), np.array([7, 0], np.int32), 6)
     # Values from the float64 numpy reference of the hash (as in the test below), 2026-11-30.
-    np.testing.assert_allclose(noise, [[1.01809951, -0.24014176, -0.49949522, -1.54605308, 1.07762704, 0.01217014],
+    np.testing.assert_allclose(got, [[1.01809951, -0.24014176, -0.49949522, -1.54605308, 1.07762704, 0.01217014],
                                        [1.08421633, 0.98342993, 0.79348211, 1.33712219, -1.23380572, 0.39527367]],
                                rtol=1e-5, atol=1e-6)
-    logits = jnp.asarray(np.random.default_rng(7).normal(size=(4, 50)), jnp.float32)
-    temperature = jnp.array([0.0, 0.5, 1.0, 2.0])
-    seeds, pos = jnp.array([1, 2, 3, 4]), jnp.array([10, 20, 30, 40])
-    want = jnp.argmax(logits / jnp.maximum(temperature, 1e-6)[:, None] + gumbel_noise(seeds, pos, 50), -1)
-    want = jnp.where(temperature > 0, want, jnp.argmax(logits, -1))
+    logits = np.random.default_rng(7).normal(size=(4, 50)).astype(np.float32)
+    temperature = np.array([0.0, 0.5, 1.0, 2.0], np.float32)
+    seeds, pos = np.array([1, 2, 3, 4], np.int32), np.array([10, 20, 30, 40], np.int32)
+
+    @jax.jit
+    def noisy_argmax(logits, temperature, seeds, pos):
+        want = jnp.argmax(logits / jnp.maximum(temperature, 1e-6)[:, None] + gumbel_noise(seeds, pos, 50), -1)
+        return jnp.where(temperature > 0, want, jnp.argmax(logits, -1))
+
+    want = noisy_argmax(logits, temperature, seeds, pos)
     np.testing.assert_array_equal(jax.jit(sample_tokens)(logits, temperature, seeds, pos), want)
 
 
@@ -320,7 +331,7 @@ def test_logprobs_and_ranks_match_log_softmax_of_raw_logits():
     rows, t = random_batch(rng, r, v)
     logits = rng.normal(0, 3, (r, v)).astype(np.float32)
     logits[0, :5] = logits[0].max() + 1  # ties at the top
-    out = run(ALL, jnp.asarray(logits), t, jnp.arange(r), penalties_for(rows, v))
+    out = run(ALL, logits, t, np.arange(r, dtype=np.int32), penalties_for(rows, v))
     want = ref.log_softmax(logits)
     tokens = np.asarray(out.tokens)
     ids, lps = np.asarray(out.logprob_token_ids), np.asarray(out.logprobs)
@@ -330,7 +341,7 @@ def test_logprobs_and_ranks_match_log_softmax_of_raw_logits():
         np.testing.assert_allclose(lps[i], want[i, ids[i]], atol=1e-5)
         np.testing.assert_allclose(lps[i, 1:], np.sort(want[i])[::-1][:20], atol=1e-5)
         assert out.sampled_rank[i] == 1 + (logits[i] > logits[i, tokens[i]]).sum()
-    no_logprobs = run(ALL.replace(num_logprobs=None), jnp.asarray(logits), t, jnp.arange(r),
+    no_logprobs = run(ALL.replace(num_logprobs=None), logits, t, np.arange(r, dtype=np.int32),
                       penalties_for(rows, v))
     assert no_logprobs.logprobs is None
     np.testing.assert_array_equal(no_logprobs.tokens, out.tokens)
@@ -347,7 +358,7 @@ def test_block_top_n_matches_top_k(blocks):
     x[4, :] = -np.inf
     x[4, 4000:4003] = 1.0
     for n in (1, 3, 20):
-        got, want = top_n_by_blocks(jnp.asarray(x), n, blocks=blocks), jax.lax.top_k(jnp.asarray(x), n)
+        got, want = top_n(x, n, blocks=blocks), lax_top_k(x, n)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
 
@@ -362,7 +373,7 @@ def _np_fmix32(h):
 
 def test_gumbel_noise_matches_numpy_and_is_gumbel():
     seeds, pos, v = np.array([1234, 0, 2**31 - 1]), np.array([7, 0, 99]), 20_000
-    got = np.asarray(gumbel_noise(jnp.asarray(seeds), jnp.asarray(pos), v))
+    got = np.asarray(noise(seeds.astype(np.int32), pos.astype(np.int32), v))
     with np.errstate(over="ignore"):
         golden = np.uint32(0x9E3779B9)
         key = _np_fmix32(seeds.astype(np.uint32) ^ _np_fmix32(pos.astype(np.uint32) * golden + np.uint32(1)))

@@ -16,6 +16,14 @@ from mrv2_jax.sample.penalties import PenaltyData, apply_penalties, pack_token_m
 from mrv2_jax.sample.tensors import needed_features, row_needs, seed_to_int32
 from mrv2_jax.sampling_params import SamplingParams
 
+# The jnp functions under test as one program each (op by op, every op compiles its own); host
+# arrays go in as numpy (jnp.asarray(numpy) compiles a program per shape).
+pack = jax.jit(pack_token_mask)
+unpack = jax.jit(unpack_token_mask, static_argnums=1)
+batch_inputs = jax.jit(slot_state.batch_inputs)
+penalize = jax.jit(apply_penalties)
+count_sampled = jax.jit(slot_state.count_sampled)
+
 
 def test_sampling_row_values():
     rng = np.random.default_rng(0)
@@ -94,8 +102,8 @@ def test_prompt_mask_packing_round_trips():
     mask = np.random.default_rng(1).random((3, 70)) < 0.3
     words = pack_token_mask(mask, np)
     assert words.shape == (3, 3) and words.dtype == np.uint32
-    np.testing.assert_array_equal(unpack_token_mask(jnp.asarray(words), 70), mask)
-    np.testing.assert_array_equal(pack_token_mask(jnp.asarray(mask)), words)
+    np.testing.assert_array_equal(unpack(words, 70), mask)
+    np.testing.assert_array_equal(pack(mask), words)
 
 
 @pytest.mark.parametrize("max_model_len", [None, 2048])
@@ -114,16 +122,16 @@ def test_slot_tables_write_count_and_gather(max_model_len):
     assert not owns
     counts = np.asarray(state.output_counts)
     np.testing.assert_array_equal(counts[1], np.bincount(tokens[12:], minlength=v))
-    np.testing.assert_array_equal(np.asarray(unpack_token_mask(state.prompt_mask[1], v)),
+    np.testing.assert_array_equal(np.asarray(unpack(np.asarray(state.prompt_mask)[1], v)),
                                   np.isin(np.arange(v), tokens[:12]))
     # A new request in the same slot starts from a clean row.
     state, _ = writer.write(state, 1, row, [5, 6], num_prompt_tokens=2)
-    assert np.asarray(state.output_counts[1]).sum() == 0
+    assert np.asarray(state.output_counts)[1].sum() == 0
     # The step bumps counts only for rows that own their table rows.
-    state = jax.jit(slot_state.count_sampled)(state, jnp.array([1, -1, 1]), jnp.array([9, 9, 3]))
-    assert np.asarray(state.output_counts[1])[[9, 3]].tolist() == [1, 1]
-    assert np.asarray(state.output_counts[2]).sum() == 0
-    t, pen = slot_state.batch_inputs(state, SamplingTensors.neutral(2, 0, 0, xp=jnp), jnp.array([1, -1]))
+    state = count_sampled(state, np.array([1, -1, 1], np.int32), np.array([9, 9, 3], np.int32))
+    assert np.asarray(state.output_counts)[1][[9, 3]].tolist() == [1, 1]
+    assert np.asarray(state.output_counts)[2].sum() == 0
+    t, pen = batch_inputs(state, SamplingTensors.neutral(2, 0, 0, xp=jnp), np.array([1, -1], np.int32))
     assert np.asarray(t.bias_ids).tolist() == [[4, -1, -1, -1], [-1] * 4]
     assert np.asarray(t.stop_ids).tolist() == [[0, -1], [-1, -1]]
     assert np.asarray(pen.rows).tolist() == [1, 0]
@@ -148,12 +156,14 @@ def test_counts_are_narrow_only_when_no_count_can_wrap():
     # The largest count a u16 table must hold, reached by repeated in-step bumps, stays exact and
     # penalises exactly as the same count in an i32 table.
     state = slot_state.init_slot_state(1, 8, max_bias=1, max_stop=1, max_model_len=65_535)
-    state = state._replace(output_counts=state.output_counts.at[0, 3].set(65_534))
-    state = jax.jit(slot_state.count_sampled)(state, jnp.array([0]), jnp.array([3]))
-    assert int(state.output_counts[0, 3]) == 65_535
-    t = dataclasses.replace(SamplingTensors.neutral(1, 1, 1, xp=jnp), frequency_penalty=jnp.array([1e-3], jnp.float32))
-    logits = jnp.zeros((1, 8), jnp.float32)
-    wide = PenaltyData(state.output_counts.astype(jnp.int32), state.prompt_mask, jnp.zeros(1, jnp.int32))
-    narrow = PenaltyData(state.output_counts, state.prompt_mask, jnp.zeros(1, jnp.int32))
-    np.testing.assert_array_equal(apply_penalties(logits, t, narrow), apply_penalties(logits, t, wide))
-    assert float(apply_penalties(logits, t, narrow)[0, 3]) == pytest.approx(-65.535, rel=1e-6)
+    counts = np.array(state.output_counts)
+    counts[0, 3] = 65_534
+    state = count_sampled(state._replace(output_counts=jax.device_put(counts)), np.array([0], np.int32),
+                          np.array([3], np.int32))
+    assert int(np.asarray(state.output_counts)[0, 3]) == 65_535
+    t = dataclasses.replace(SamplingTensors.neutral(1, 1, 1), frequency_penalty=np.array([1e-3], np.float32))
+    logits = np.zeros((1, 8), np.float32)
+    wide = PenaltyData(np.asarray(state.output_counts).astype(np.int32), state.prompt_mask, np.zeros(1, np.int32))
+    narrow = PenaltyData(state.output_counts, state.prompt_mask, np.zeros(1, np.int32))
+    np.testing.assert_array_equal(penalize(logits, t, narrow), penalize(logits, t, wide))
+    assert float(np.asarray(penalize(logits, t, narrow))[0, 3]) == pytest.approx(-65.535, rel=1e-6)
