@@ -3,11 +3,18 @@
 import contextlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite starts dozens of Python processes (the xdist workers, engine and API processes, servers, CLI
+# runs, notebook kernels), each importing jax, flax and the engine. Where PYTHONDONTWRITEBYTECODE is set
+# (some machine images set it) none of them keeps the bytecode it compiles, so every process compiles
+# each module it imports from source again; the suite's processes write it and reuse it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 os.environ.setdefault("MRV2_STRICT_COMPILES", "1")  # any compile inside an engine step fails
 # XLA:CPU compiles the engine's step programs about twice as fast without LLVM's optimisations, and
 # compiling is most of the suite's time; tests check what programs compute, not how fast they run.
