@@ -88,5 +88,5 @@ def penalty_data_from_tokens(prompts: list[list[int]], outputs: list[list[int]],
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         mask[i, prompt] = True
         np.add.at(counts[i], np.asarray(output, np.int64), 1)
-    return PenaltyData(jnp.asarray(counts), jnp.asarray(pack_token_mask(mask, np)),
-                       jnp.arange(n, dtype=jnp.int32))
+    # device_put: jnp.asarray and jnp.arange would each compile a small program per shape.
+    return PenaltyData(*jax.device_put((counts, pack_token_mask(mask, np), np.arange(n, dtype=np.int32))))
