@@ -104,7 +104,7 @@ def _host_dummy_param(kind, shape, dtype, seed, index) -> jax.Array:
     else:
         values = np.random.default_rng((seed, index)).standard_normal(shape, np.float32)
         values *= np.float32(random_init_scale(dtype))
-    return jnp.asarray(values.astype(dtype))
+    return jax.device_put(values.astype(dtype))  # jnp.asarray would compile a program per shape
 
 
 # --- safetensors ------------------------------------------------------------------------
