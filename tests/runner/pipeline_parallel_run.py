@@ -12,7 +12,7 @@ from pathlib import Path
 from mrv2_jax.llm import LLM
 from tests.engine_reference import greedy_reference
 from tests.parity import FIXTURES
-from tests.runner.tensor_parallel_run import ENGINE, GREEDY, PROMPTS, SAMPLED, collectives, placement
+from tests.runner.tensor_parallel_run import ENGINE, GREEDY, PROMPTS, SAMPLED, collectives, placement, sampled_variants
 
 
 def moe_model(root: Path) -> Path:
@@ -27,7 +27,7 @@ def moe_model(root: Path) -> Path:
 
 
 def run(model, n: int, sample: bool = False, **extra) -> dict:
-    llm = LLM(str(model), pipeline_parallel_size=n, **(ENGINE | extra))
+    llm = LLM(str(model), pipeline_parallel_size=n, **(ENGINE | sampled_variants(sample) | extra))
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY)]
     sampled = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], SAMPLED)] if sample else None
     runner = llm.engine.runner
@@ -50,7 +50,7 @@ def results(one_device_tiny: dict | None = None) -> dict:
                 # 7 tokens a step: 2 does not divide them, so each step runs as one micro-batch.
                 "odd": run(tiny, 2, max_num_batched_tokens=7, max_num_seqs=7),
                 "v1": run(tiny, 2, sample=True, runner="v1", max_fused_steps=1),
-                "glm": {n: run(FIXTURES / "glm4-tiny", n) for n in (1, 2)},
+                "glm": {n: run(FIXTURES / "glm4-tiny", n, max_fused_steps=1) for n in (1, 2)},
                 "glm_reference": [greedy_reference(FIXTURES / "glm4-tiny", p, GREEDY.max_tokens) for p in PROMPTS],
                 "moe": {n: run(moe, n, load_format="dummy", max_fused_steps=1) for n in (1, 2)},
                 "reference": [greedy_reference(tiny, p, GREEDY.max_tokens) for p in PROMPTS]}
