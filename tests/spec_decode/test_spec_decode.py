@@ -40,7 +40,7 @@ def _key(spec):
 
 
 # The engines that sampled or logprobs batches run too (the tests below share them with the greedy
-# ones) compile the CPU default, `all` alone. Every other engine here but PLAIN_ENGINES' runs greedy
+# ones) compile `all` alone, which serves both. Every other engine here but PLAIN_ENGINES' runs greedy
 # batches only and lists the greedy sampler variant first: it compiles in about a third of `all`'s
 # time, and `all` stays listed (compiled only if a batch needs it).
 SAMPLING_ENGINES = {
@@ -63,7 +63,7 @@ def engine(runner="v2", spec=None) -> LLM:
 @functools.cache
 def _engine(runner, spec) -> LLM:
     if (runner, spec) in SAMPLING_ENGINES:
-        variants = None
+        variants = "all"
     else:
         variants = "plain,all" if (runner, spec) in PLAIN_ENGINES else "greedy,all"
     # The reference (no speculation) runs one decode step per call, as the speculating engines must:
