@@ -17,9 +17,10 @@ from mrv2_jax.llm import LLM
 
 MODEL_NAME = "demo"
 # Small limits keep the compile at start-up short on a CPU; 256 tokens of context make the
-# "too long" cases cheap to build.
+# "too long" cases cheap to build. The servers get greedy and sampled requests together: the widest
+# sampler variant alone serves both, one program per bucket instead of two.
 ENGINE_ARGS = dict(dtype="float32", runner="v2", max_num_seqs=16, max_num_batched_tokens=32,
-                   max_model_len=256, block_size=16, num_gpu_blocks=160, show_progress=False)
+                   max_model_len=256, block_size=16, num_gpu_blocks=160, sampler_variants="all", show_progress=False)
 
 
 def make_llm(**overrides) -> LLM:

@@ -21,7 +21,8 @@ ENGINE_FLAGS = ["--runner", ENGINE_ARGS["runner"], "--dtype", ENGINE_ARGS["dtype
                 "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
                 "--max-num-batched-tokens", str(ENGINE_ARGS["max_num_batched_tokens"]),
                 "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--block-size", str(ENGINE_ARGS["block_size"]),
-                "--num-gpu-blocks", str(ENGINE_ARGS["num_gpu_blocks"])]
+                "--num-gpu-blocks", str(ENGINE_ARGS["num_gpu_blocks"]),
+                "--sampler-variants", ENGINE_ARGS["sampler_variants"]]
 
 
 def _free_port() -> int:

@@ -121,7 +121,7 @@ def test_an_engine_compiling_in_the_background_gives_the_tokens_of_one_compiling
     result = json.loads(run.stdout.strip().splitlines()[-1])
     # The reference runs one decode step per call (one program fewer to compile here) on the greedy
     # sampler variant (a third of `all`'s compile): the same tokens from another program.
-    reference = make_llm(**ENGINE, max_fused_steps=1, sampler_variants="greedy,all").generate(
+    reference = make_llm(**(ENGINE | dict(max_fused_steps=1, sampler_variants="greedy,all"))).generate(
         PROMPTS, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
     assert result["tokens"] == [list(o.outputs[0].token_ids) for o in reference]
     # Every planned program got compiled, and no step compiled anything else (MRV2_STRICT_COMPILES,
