@@ -17,8 +17,9 @@ from mrv2_jax.llm import LLM
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.structured.params import StructuredOutputsParams
 
+# One sampler variant, the widest: the tests mix constrained and free, greedy and sampled rows.
 ENGINE_ARGS = dict(dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-                   block_size=4, num_gpu_blocks=48, max_fused_steps=4, show_progress=False)
+                   block_size=4, num_gpu_blocks=48, max_fused_steps=4, sampler_variants="all", show_progress=False)
 PROMPTS = ["The king said", "ROMEO:\n", "To be, or not", "JULIET:\nO Romeo", "First Citizen:\n",
            "HAMLET:\nAlas, poor Yorick!", "Speak, my lord", "MACBETH:\n"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

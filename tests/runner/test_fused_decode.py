@@ -19,10 +19,11 @@ K_VALUES = (1, 4, 16)
 
 
 def make_llm(max_fused_steps: int) -> LLM:
-    # One bucket size (16 tokens, 8 rows): one program set per engine to compile.
+    # One bucket size (16 tokens, 8 rows) and one sampler variant (the widest: the workload mixes
+    # greedy and sampled rows): one step and one fused program per engine to compile.
     return LLM(str(DEMO), dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128,
                num_gpu_blocks=256, block_size=4, show_progress=False, max_fused_steps=max_fused_steps,
-               bucket_token_sizes=(16,))
+               bucket_token_sizes=(16,), sampler_variants="all")
 
 
 def workload():
