@@ -17,7 +17,7 @@ ENGINE = ["--model", MODEL, "--dtype", "float32", "--num-gpu-blocks", "128", "--
 # from the persistent cache, or leaves them there for that module.
 STRUCTURED_ENGINE = ["--model", "demo", "--dtype", "float32", "--num-gpu-blocks", "48", "--block-size", "4",
                      "--max-model-len", "128", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
-                     "--max-fused-steps", "4"]
+                     "--max-fused-steps", "4", "--sampler-variants", "all"]
 ENVIRONMENT_KEYS = {"date", "git_sha", "jax_version", "backend", "device"}
 
 
