@@ -23,8 +23,9 @@ ARMS = {"v1": dict(runner="v1"), "v2-sync": dict(runner="v2", async_scheduling=F
 
 @pytest.fixture(scope="module", params=list(ARMS))
 def llm(request):
-    # 26 blocks of 4 tokens: a dozen long requests at once get preempted and resumed.
-    return make_llm(num_gpu_blocks=26, **ARMS[request.param])
+    # 26 blocks of 4 tokens: a dozen long requests at once get preempted and resumed. The widest sampler
+    # variant alone (the single runtime-skipping program): the tests mix greedy and sampled batches.
+    return make_llm(num_gpu_blocks=26, sampler_variants="all", **ARMS[request.param])
 
 
 def dense_logits(seq):

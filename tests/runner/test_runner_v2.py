@@ -35,7 +35,9 @@ def make_llm(runner, async_scheduling, **overrides):
 
 @functools.cache
 def _engine_of(runner):
-    return make_llm(runner, runner == "v2")
+    # The widest sampler variant alone serves the arm tests' greedy and seeded batches (as
+    # test_sampling_engine's engines, whose programs these share).
+    return make_llm(runner, runner == "v2", sampler_variants="all")
 
 
 def arm_llm(runner, async_scheduling):
