@@ -12,12 +12,17 @@ import pytest
 
 from mrv2_jax.llm import LLM
 from mrv2_jax.sampling_params import SamplingParams
-from tests.structured.grammar_cases import GBNF, LARK, NESTED, REGEX, WORDS_LARK, WORDS_REGEX, is_nested
+from tests.structured.grammar_cases import (
+    GBNF,
+    LARK,
+    NESTED,
+    REGEX,
+    STRUCTURED_ENGINE_ARGS,
+    WORDS_LARK,
+    WORDS_REGEX,
+    is_nested,
+)
 
-# test_structured_engine's engine shape: the widest sampler variant alone serves the greedy and seeded
-# tests, and the two modules share their step programs through the persistent compilation cache.
-ENGINE_ARGS = dict(dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-                   block_size=4, num_gpu_blocks=48, max_fused_steps=4, sampler_variants="all", show_progress=False)
 PROMPTS = ["The king said", "ROMEO:\n", "To be, or not", "JULIET:\nO Romeo", "First Citizen:\n",
            "HAMLET:\nAlas, poor Yorick!", "Speak, my lord", "MACBETH:\n"]
 CHECKS = {"lark": (dict(grammar=LARK), lambda t: re.fullmatch(REGEX, t)),
@@ -30,7 +35,7 @@ CHECKS = {"lark": (dict(grammar=LARK), lambda t: re.fullmatch(REGEX, t)),
 def llm():
     """The engine, its runner checking at every step that a grammar request's mask is computed
     with every earlier token known: nothing of it in flight but this step's token, no fused call."""
-    llm = LLM("demo", **ENGINE_ARGS)
+    llm = LLM("demo", **STRUCTURED_ENGINE_ARGS)
     runner = llm.engine.runner
     execute = runner.execute
 

@@ -16,10 +16,8 @@ import pytest
 from mrv2_jax.llm import LLM
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.structured.params import StructuredOutputsParams
+from tests.structured.grammar_cases import STRUCTURED_ENGINE_ARGS
 
-# One sampler variant, the widest: the tests mix constrained and free, greedy and sampled rows.
-ENGINE_ARGS = dict(dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128,
-                   block_size=4, num_gpu_blocks=48, max_fused_steps=4, sampler_variants="all", show_progress=False)
 PROMPTS = ["The king said", "ROMEO:\n", "To be, or not", "JULIET:\nO Romeo", "First Citizen:\n",
            "HAMLET:\nAlas, poor Yorick!", "Speak, my lord", "MACBETH:\n"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -52,7 +50,7 @@ CONSTRAINTS = {"regex": (dict(regex=REGEX), check_regex), "choice": (dict(choice
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("demo", **ENGINE_ARGS)
+    return LLM("demo", **STRUCTURED_ENGINE_ARGS)
 
 
 def constrained(kind, i, seeded):
@@ -144,14 +142,14 @@ def test_a_pool_with_room_for_one_automaton_serves_requests_in_turn(monkeypatch)
 
     kinds = [dict(choice=["yes", "no"]), dict(choice=["Romeo", "Juliet"]), dict(choice=["my lord", "my lady"])]
     params = [SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=kind) for kind in kinds]
-    big = LLM("demo", **ENGINE_ARGS)
+    big = LLM("demo", **STRUCTURED_ENGINE_ARGS)
     alone = [run(big, [p], [sp])[0] for p, sp in zip(PROMPTS, params)]
     compiler = ConstraintCompiler(big.tokenizer, big.model_state.eos_token_ids, big.model_state.vocab_size)
     automata = [compiler.compile(StructuredOutputsParams(**kind)) for kind in kinds]
     # Room for the largest alone: any two together overflow its states.
     monkeypatch.setenv("MRV2_STRUCTURED_STATES", str(max(a.num_states for a in automata)))
     monkeypatch.setenv("MRV2_STRUCTURED_EXCEPTIONS", str(max(max(a.num_exceptions for a in automata), 1)))
-    small = LLM("demo", **ENGINE_ARGS)
+    small = LLM("demo", **STRUCTURED_ENGINE_ARGS)
     assert small.engine.runner.automaton_capacity[0] < sum(sorted(a.num_states for a in automata)[:2])
     together = run(small, PROMPTS[:3], params)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]

@@ -243,7 +243,7 @@ def test_seeded_sampling_identical_across_arms():
 
 def test_async_dispatches_next_step_before_reading_previous(monkeypatch):
     events = []
-    llm = arm_llm("v2", True)  # the arm tests' engine: its programs are compiled already
+    llm = arm_llm("v2", True)  # the arm tests' engine, whose programs they compiled or will use
     runner = llm.engine.runner
     real_execute, real_result = runner.execute, v2.PendingStep.result
     num_dispatched = 0

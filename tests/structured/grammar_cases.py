@@ -1,8 +1,16 @@
-"""Grammars the grammar tests share, each with an independent way to check its outputs."""
+"""Grammars the grammar tests share, each with an independent way to check its outputs, and the engine
+shape of the structured-output engine tests."""
 
 import re
 
 DEMO = "checkpoints/demo-qwen3"
+
+# The engine of tests/engine/test_structured_engine.py and test_grammar_engine.py: one shape, so the two
+# share their step programs through the persistent compilation cache; the widest sampler variant alone
+# serves their greedy and seeded, constrained and free rows.
+STRUCTURED_ENGINE_ARGS = dict(dtype="float32", runner="v2", max_num_seqs=8, max_num_batched_tokens=32,
+                              max_model_len=128, block_size=4, num_gpu_blocks=48, max_fused_steps=4,
+                              sampler_variants="all", show_progress=False)
 
 # One language three ways: a regex (the device automaton's), Lark and GBNF (llguidance's).
 REGEX = r"[A-Z][a-z]{1,6}( [a-z]{1,6}){1,4}[.!?]"
