@@ -15,6 +15,10 @@ random non-zero data and random (shuffled) block tables. Cases:
            paged_decode_attention_mgpu, its default config unless --mgpu-splits/--mgpu-stages;
            --no-mgpu leaves it out), timed and checked against the reference the same way;
   prefill  1 x 4096 and 8 x 1024 (whole prompts, causal);
+  mixed    S2's step: 7 whole 1024-token prompts beside 1024 decode rows of 1152 tokens (8,192 query
+           tokens);
+  every attention case also runs the Mosaic GPU ragged kernel (impl "mgpu_ragged",
+  ragged_paged_attention_mgpu, --mgpu-ragged-stages for its ring; --no-mgpu leaves it out);
   kv_write 256 and 8192 tokens into the cache: kv_write_t* the Triton kernel (kv_write.write_kv),
            kv_write_mgpu_t* the Mosaic GPU one (kv_write_mgpu.write_kv_mgpu), same shapes and timing.
 
@@ -57,6 +61,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.ragged_paged_attention_mgpu import PrefillConfig, ragged_paged_attention_mgpu
 
 PEAK_BW = 4.3e12  # measured H200 copy bandwidth, bytes/s
 PEAK_FLOPS = 790e12  # bf16 dense
@@ -76,6 +81,7 @@ def all_cases():
         cases[f"decode_b{b}_c{c}"] = dict(kind="attn", rows=b, q_len=1, ctx=c)
     cases["prefill_b1_c4096"] = dict(kind="attn", rows=1, q_len=4096, ctx=4096)
     cases["prefill_b8_c1024"] = dict(kind="attn", rows=8, q_len=1024, ctx=1024)
+    cases["mixed_s2"] = dict(kind="attn", rows=7, q_len=1024, ctx=1024, decode_rows=1024, decode_ctx=1152)
     for t in (256, 8192):  # the Triton kernel, then the Mosaic GPU one at the same shape
         cases[f"kv_write_t{t}"] = dict(kind="write", tokens=t, ctx=4096, impl="triton")
         cases[f"kv_write_mgpu_t{t}"] = dict(kind="write", tokens=t, ctx=4096, impl="mosaic_gpu")
@@ -84,6 +90,7 @@ def all_cases():
 
 def kv_gib(case, num_layers):
     blocks = case.get("rows", 1) * math.ceil(case["ctx"] / BS) + 16
+    blocks += case.get("decode_rows", 0) * math.ceil(case.get("decode_ctx", 0) / BS)
     if case["kind"] == "write":
         blocks = math.ceil(case["tokens"] / BS) * 4 + 16
     return 2 * num_layers * blocks * HKV * BS * D * 2 / 2**30
@@ -99,10 +106,13 @@ def random_cache(key, shape):
 
 
 def attention_inputs(case, num_layers, seed=0):
-    """(q, k, v, layer, block_tables, seq_lens, query_start_loc, num_seqs) for a case."""
-    R, q_len, ctx = case["rows"], case["q_len"], case["ctx"]
-    T = R * q_len
-    max_blocks = math.ceil(ctx / BS)
+    """(q, k, v, layer, block_tables, seq_lens, query_start_loc, num_seqs) for a case: ``rows`` rows of
+    ``q_len`` query tokens over ``ctx`` tokens, then (mixed cases) ``decode_rows`` rows of one token over
+    ``decode_ctx``."""
+    shapes = [(case["q_len"], case["ctx"])] * case["rows"]
+    shapes += [(1, case.get("decode_ctx", 0))] * case.get("decode_rows", 0)
+    R, T = len(shapes), sum(q for q, _ in shapes)
+    max_blocks = max(math.ceil(ctx / BS) for _, ctx in shapes)
     num_blocks = R * max_blocks + 16
     keys = jax.random.split(jax.random.key(seed), 4)
     shape = (num_layers, num_blocks, HKV, BS, D)
@@ -110,18 +120,19 @@ def attention_inputs(case, num_layers, seed=0):
     q = jax.random.normal(keys[2], (T, HQ, D), jnp.float32).astype(DTYPE)
     perm = jax.random.permutation(keys[3], num_blocks)[: R * max_blocks]
     block_tables = perm.reshape(R, max_blocks).astype(jnp.int32)
-    seq_lens = jnp.full((R,), ctx, jnp.int32)
-    qsl = jnp.arange(R + 1, dtype=jnp.int32) * q_len
+    seq_lens = jnp.array([ctx for _, ctx in shapes], jnp.int32)
+    qsl = jnp.array([0] + list(itertools.accumulate(q for q, _ in shapes)), jnp.int32)
     return (q, k, v, jnp.int32(num_layers - 1), block_tables, seq_lens, qsl, jnp.int32(R))
 
 
 def attention_work(case):
     """(useful bytes, flops) of one attention call."""
-    R, q_len, ctx = case["rows"], case["q_len"], case["ctx"]
-    kv_bytes = 2 * R * ctx * HKV * D * 2
-    qo_bytes = 2 * R * q_len * HQ * D * 2
+    shapes = [(case["q_len"], case["ctx"])] * case["rows"]
+    shapes += [(1, case.get("decode_ctx", 0))] * case.get("decode_rows", 0)
+    kv_bytes = sum(2 * ctx * HKV * D * 2 for _, ctx in shapes)
+    qo_bytes = sum(2 * q_len * HQ * D * 2 for q_len, _ in shapes)
     # Query j of a row sees ctx - q_len + j + 1 keys.
-    pairs = R * (q_len * (ctx - q_len) + q_len * (q_len + 1) // 2)
+    pairs = sum(q_len * (ctx - q_len) + q_len * (q_len + 1) // 2 for q_len, ctx in shapes)
     return kv_bytes + qo_bytes, 4 * HQ * D * pairs
 
 
@@ -179,6 +190,14 @@ def mgpu_attention(case, opts, max_blocks):
     return attn, dataclasses.asdict(config)
 
 
+def mgpu_ragged_attention(opts):
+    """The Mosaic GPU ragged kernel (any case) and its config."""
+    config = PrefillConfig(**({} if opts.mgpu_ragged_stages is None else
+                              dict(max_concurrent_steps=opts.mgpu_ragged_stages)))
+    attn = functools.partial(ragged_paged_attention_mgpu, sm_scale=D**-0.5, config=config, interpret=opts.interpret)
+    return attn, dataclasses.asdict(config)
+
+
 def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
     args = attention_inputs(case, opts.num_layers)
     nbytes, flops = attention_work(case)
@@ -202,6 +221,14 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
             nbytes,
             flops,
         )
+    ragged = None
+    if with_mgpu and not getattr(opts, "no_mgpu", False):
+        ragged, out["mgpu_ragged_config"] = mgpu_ragged_attention(opts)
+        out["mgpu_ragged"] = figures(
+            time_call(chained_attention(ragged, inner), args, inner=inner, runs=opts.runs, warmup=opts.warmup),
+            nbytes,
+            flops,
+        )
     if with_reference:
         # The per-token/per-row reference materialises about 2-4 copies of the gathered KV.
         ref_gib = 4 * R * args[4].shape[1] * BS * HKV * D * 2 / 2**30
@@ -222,6 +249,9 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
             if mgpu is not None:
                 got = chained_attention(mgpu, 1)(*args).astype(jnp.float32)
                 out["mgpu_max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            if ragged is not None:
+                got = chained_attention(ragged, 1)(*args).astype(jnp.float32)
+                out["mgpu_ragged_max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     return out
 
 
@@ -354,6 +384,8 @@ def main(argv=None):
     p.add_argument("--mgpu-splits", type=int, default=None, help="Mosaic GPU decode kernel: num_splits override")
     p.add_argument("--mgpu-stages", type=int, default=None,
                    help="Mosaic GPU decode kernel: max_concurrent_steps override")
+    p.add_argument("--mgpu-ragged-stages", type=int, default=None,
+                   help="Mosaic GPU ragged kernel: max_concurrent_steps override")
     p.add_argument(
         "--interpret",
         action="store_true",
@@ -410,13 +442,17 @@ def main(argv=None):
                 report["results"].append(dict(case=name, error=f"{type(e).__name__}: {e}"[:2000]))
                 continue
             report["results"].append(dict(case=name, **case, **r))
-            for impl, cfg in (("kernel", r["config"]), ("mgpu", r.get("mgpu_config")), ("reference", {})):
+            for impl, cfg in (("kernel", r["config"]), ("mgpu", r.get("mgpu_config")),
+                              ("mgpu_ragged", r.get("mgpu_ragged_config")), ("reference", {})):
                 if impl in r:
                     print(fmt_row(name, impl, cfg, r[impl]), flush=True)
             if "max_rel_err" in r:
                 print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}", flush=True)
             if "mgpu_max_rel_err" in r:
                 print(f"{'':22s} max relative error mgpu vs reference: {r['mgpu_max_rel_err']:.2e}", flush=True)
+            if "mgpu_ragged_max_rel_err" in r:
+                print(f"{'':22s} max relative error mgpu_ragged vs reference: {r['mgpu_ragged_max_rel_err']:.2e}",
+                      flush=True)
             if "matches_reference" in r:
                 print(f"{'':22s} kernel's cache == reference's: {r['matches_reference']}", flush=True)
             jax.clear_caches()  # keep compiled executables (and their buffers) from piling up

@@ -163,6 +163,9 @@ class KernelConfig:
     ``decode_attention``: with ``attention`` "pallas", the kernel of fused decode's steps (every row one
     token): "pallas" (the ragged kernel of every other step) or "mgpu" (the decode kernel on Mosaic
     GPU, pallas_kernels/paged_decode_attention_mgpu.py; Hopper-class GPUs).
+    ``ragged_attention``: with ``attention`` "pallas", the kernel of every other step (mixed prefill and
+    decode rows): "pallas" (the Triton kernel, pallas_kernels/ragged_paged_attention.py) or "mgpu" (the
+    Mosaic GPU kernel, pallas_kernels/ragged_paged_attention_mgpu.py; Hopper-class GPUs).
     ``sampler_logit_stats``: the sampler's pass over the logits and rank count, "kernel",
     "interpret" (the Pallas interpreter: tests) or "reference" (jnp).
     ``sampler_noise_pass``, ``sampler_slow_path``: the sampler's whole-row noise pass and
@@ -178,6 +181,7 @@ class KernelConfig:
     sampler_slow_path: str = "auto"
     moe_backend: str = "auto"
     decode_attention: str = "auto"
+    ragged_attention: str = "auto"
 
     # Field -> (environment variable of its default or None, allowed values).
     CHOICES = {
@@ -187,6 +191,7 @@ class KernelConfig:
         "sampler_slow_path": ("MRV2_SAMPLER_SLOW_PATH", envs.SWITCHES["MRV2_SAMPLER_SLOW_PATH"].allowed),
         "moe_backend": ("MRV2_MOE_BACKEND", envs.SWITCHES["MRV2_MOE_BACKEND"].allowed),
         "decode_attention": (None, ("auto", "pallas", "mgpu")),
+        "ragged_attention": (None, ("auto", "pallas", "mgpu")),
     }
 
     def __post_init__(self) -> None:
@@ -240,4 +245,5 @@ class KernelConfig:
                             sampler_slow_path=sampler(self.sampler_slow_path),
                             moe_backend=auto(self.moe_backend, "mgpu" if gpu and has_wgmma() else "pallas",
                                              "ragged_dot"),
-                            decode_attention=auto(self.decode_attention, "pallas", "pallas"))
+                            decode_attention=auto(self.decode_attention, "pallas", "pallas"),
+                            ragged_attention=auto(self.ragged_attention, "pallas", "pallas"))

@@ -12,6 +12,8 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   engine).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
+- ``ragged_paged_attention_mgpu``: ``ragged_paged_attention_mgpu``, the same attention on Mosaic GPU
+  (issue 27; every non-fused step's attention with ``--kernels ragged_attention=mgpu``, not the default).
 - ``paged_decode_attention_mgpu``: ``paged_decode_attention_mgpu``, decode-only attention over the paged cache
   on Mosaic GPU (issue 27; fused decode's attention with ``--kernels decode_attention=mgpu``, not the default).
 - ``grouped_gemm``: ``grouped_gemm`` / ``grouped_gemm_reference`` (the MoE experts' GEMMs).

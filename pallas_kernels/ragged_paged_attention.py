@@ -1,8 +1,9 @@
 """Ragged paged attention over the stacked paged KV cache (Pallas, Triton backend).
 
-Why the Triton backend: no Mosaic GPU kernel covers mixed prefill and decode rows yet; the
-decode-only one (paged_decode_attention_mgpu.py) measured even with this kernel inside fused
-decode at S1@256 (docs/benchmarks.md), so this stays the default.
+Why the Triton backend: the Mosaic GPU kernel for mixed prefill and decode rows
+(ragged_paged_attention_mgpu.py, ``--kernels ragged_attention=mgpu``) has not been measured against
+this one yet; the decode-only one (paged_decode_attention_mgpu.py) measured even with this kernel
+inside fused decode at S1@256 (docs/benchmarks.md). This stays the default until one measures faster.
 
 One call serves a whole step's batch: prefill chunks (many query tokens of a row, causal
 within the chunk and over the row's earlier cached context) mixed with decodes (one query

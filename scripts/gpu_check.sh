@@ -21,7 +21,9 @@
 # Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms),
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
 # benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each;
-# fused-attn: fused decode at batch 1 / 8 / 32 on each), the engine at a KV cache filling the GPU
+# fused-attn: fused decode at batch 1 / 8 / 32 on each), mixed-step attention on Mosaic GPU against
+# Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
+# cases; ragged-attn-engine: S2 v2-async with each kernel), the engine at a KV cache filling the GPU
 # (large-kv).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
@@ -200,6 +202,21 @@ for s in $sections; do case $s in
           --arms v2-async --input-len 128 --output-len 512 --num-prompts 256 --max-num-seqs 256 \
           --max-num-batched-tokens 8192 --max-model-len 1024 --kernels decode_attention=$k \
           --output-json "$OUT/ab_s1_decode_attention_$k.json"
+    done ;;
+  # Issue 27: the mixed prefill/decode attention on Mosaic GPU (ragged_paged_attention_mgpu) against the
+  # Triton kernel: its GPU tests, then the attention benchmark (every case runs both kernels).
+  ragged-mgpu)
+    run_section ragged-mgpu-tests python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/kernels/test_ragged_paged_attention_mgpu.py
+    run_section ragged-mgpu python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2,decode_b32_c4096 \
+        --output-json "$OUT/attention_ragged_mgpu.json" ;;
+  # Issue 27: S2 (input 1024 / output 128) v2-async with every mixed step's attention on each kernel.
+  ragged-attn-engine)
+    for k in pallas mgpu; do
+      run_section ragged-attn-engine-$k python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+          --arms v2-async --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
+          --max-num-batched-tokens 8192 --max-model-len 1280 --kernels ragged_attention=$k \
+          --output-json "$OUT/ab_s2_ragged_attention_$k.json"
     done ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.

@@ -61,8 +61,10 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     monkeypatch.delenv("MRV2_SAMPLER_SLOW_PATH", raising=False)
     config = KernelConfig.parse("attention=reference")
     assert config == KernelConfig(attention="reference", sampler_noise_pass="interpret", moe_backend="dense")
-    assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense", "pallas")
-    assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense", "pallas")
+    assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense", "pallas",
+                                                  "pallas")
+    assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense", "pallas",
+                                                  "pallas")
     # "kernel" for a sampler pass: the kernel where it runs, the jnp reference elsewhere.
     assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
     assert KernelConfig().resolved("gpu").attention == "pallas"
@@ -72,6 +74,10 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     assert KernelConfig.parse("decode_attention=mgpu").resolved("gpu").decode_attention == "mgpu"
     with pytest.raises(ValueError, match="decode_attention must be one of auto, pallas, mgpu"):
         KernelConfig(decode_attention="triton")
+    assert KernelConfig().resolved("gpu").ragged_attention == "pallas"
+    assert KernelConfig.parse("ragged_attention=mgpu").resolved("gpu").ragged_attention == "mgpu"
+    with pytest.raises(ValueError, match="ragged_attention must be one of auto, pallas, mgpu"):
+        KernelConfig(ragged_attention="triton")
 
 
 def test_moe_backend_defaults_to_mosaic_gpu_on_hopper_class_gpus(monkeypatch):

@@ -86,7 +86,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                   kv_dtype=resolve_dtype(config.dtype), show_progress=config.show_progress,
                   spec_decoder=spec_decoder, compile_mode=resolve_compile_mode(config.compile_mode),
-                  program_store=program_store, bucket_token_sizes=config.bucket_token_sizes)
+                  program_store=program_store, bucket_token_sizes=config.bucket_token_sizes,
+                  ragged_attention=config.kernels.ragged_attention)
     if config.runner == "v2":
         from mrv2_jax.runner.v2 import ModelRunnerV2
 

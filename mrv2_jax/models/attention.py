@@ -51,6 +51,8 @@ class PagedAttention:
     # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i].
     one_token_rows: bool = False
     decode_kernel: str = "pallas"
+    # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU).
+    ragged_kernel: str = "pallas"
     # Tensor parallelism: the jax.sharding.Mesh whose AXIS splits the heads of q, k, v and of the
     # KV cache; each device then writes and attends its own heads (shard_map), with the same
     # kernels. None: one device, no shard_map.
@@ -93,6 +95,10 @@ class PagedAttention:
             k_cache, v_cache = kv_write.write_kv(k_cache, v_cache, k, v, self.slot_mapping, layer,
                                                  interpret=self.interpret)
             attend = functools.partial(rpa.ragged_paged_attention, interpret=self.interpret)
+            if self.ragged_kernel == "mgpu":
+                from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
+
+                attend = functools.partial(ragged_paged_attention_mgpu, interpret=self.interpret)
             if self.one_token_rows and self.decode_kernel == "mgpu":
                 attend = functools.partial(_one_token_rows_mgpu, interpret=self.interpret)
         else:

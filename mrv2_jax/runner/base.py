@@ -44,8 +44,9 @@ class RunnerBase:
                  use_kernels: bool | None = None, sampler_variants: tuple[SamplerFeatures, ...] | None = None,
                  spec_decoder=None, automaton_pool: tuple[int, int] = (1, 1), compile_mode: str = "eager",
                  tensor_parallel=None, extra_buckets: tuple[Bucket, ...] = (), program_store=None,
-                 bucket_token_sizes: tuple[int, ...] | None = None):
-        """`use_kernels`: Pallas attention (default: on GPUs). `sampler_variants`: the sampler
+                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas"):
+        """`use_kernels`: Pallas attention (default: on GPUs); `ragged_attention`: its kernel, "pallas" or
+        "mgpu" (KernelConfig.ragged_attention). `sampler_variants`: the sampler
         feature sets compiled per bucket, cheapest first, each covering the ones before it; the
         last must cover everything (default: SamplerFeatures.default_variants()).
         `spec_decoder`: a spec_decode.decoder.SpecDecoder, or None. `automaton_pool`: (states,
@@ -68,6 +69,7 @@ class RunnerBase:
         self.block_size = block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.use_kernels = jax.default_backend() == "gpu" if use_kernels is None else use_kernels
+        self.ragged_attention = ragged_attention
         self.kv_cache = allocate_kv_cache(model_state, num_blocks, block_size, kv_dtype, tensor_parallel)
         self.spec = spec_decoder
         self.spec_params = spec_decoder.init_params() if spec_decoder else ()

@@ -89,12 +89,13 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
 
 def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, num_tokens: int,
                       block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0,
-                      mesh=None, on_step=None, decode_kernel: str = "pallas"):
+                      mesh=None, on_step=None, decode_kernel: str = "pallas", ragged_kernel: str = "pallas"):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields).
     `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None.
     `on_step`: a host function that gets each step's tokens during the call (see above), or None.
-    `decode_kernel`: the attention kernel of its steps, "pallas" or "mgpu" (models/attention.py)."""
+    `decode_kernel`: the attention kernel of its steps, "pallas" or "mgpu" (models/attention.py);
+    `ragged_kernel`: the one used where `decode_kernel` is "pallas"."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
         x = layout.unpack(packed)
@@ -117,7 +118,8 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                        inputs.query_start_loc, num_reqs, use_kernels=use_kernels, mesh=mesh,
-                                       one_token_rows=True, decode_kernel=decode_kernel)
+                                       one_token_rows=True, decode_kernel=decode_kernel,
+                                       ragged_kernel=ragged_kernel)
             kv_cache, out = forward_and_sample(
                 params.merge(param_leaves), kv_cache, input_ids=inputs.input_ids, positions=inputs.positions,
                 attention=attention, logits_indices=inputs.logits_indices, sampling=sampling,

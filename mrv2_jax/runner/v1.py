@@ -53,7 +53,7 @@ class ModelRunnerV1(RunnerBase):
                  use_kernels: bool | None = None, show_progress: bool = True,
                  sampler_variants: tuple[SamplerFeatures, ...] | None = None, spec_decoder=None,
                  compile_mode: str = "eager", program_store=None, tensor_parallel=None,
-                 bucket_token_sizes: tuple[int, ...] | None = None):
+                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas"):
         """Arguments as RunnerBase's; per step the first sampler variant that covers the batch
         runs (by default greedy, plain sampling, then every feature behind runtime skips).
         `tensor_parallel`: only a runner.pipeline_parallel.PipelineParallel (the attention runs
@@ -62,7 +62,8 @@ class ModelRunnerV1(RunnerBase):
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, compile_mode=compile_mode, program_store=program_store,
-                         tensor_parallel=tensor_parallel, bucket_token_sizes=bucket_token_sizes)
+                         tensor_parallel=tensor_parallel, bucket_token_sizes=bucket_token_sizes,
+                         ragged_attention=ragged_attention)
         # Persistent CPU tables, one row per slot.
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.num_tokens = np.zeros(max_num_seqs, np.int32)
@@ -97,7 +98,8 @@ class ModelRunnerV1(RunnerBase):
         def step(param_leaves, kv_cache, sampler_state, packed, spec_params, spec_state):
             x = layout.unpack(packed)
             attention = PagedAttention(x["slot_mapping"], x["block_tables"], x["seq_lens"],
-                                       x["query_start_loc"], x["num_seqs"], use_kernels=self.use_kernels)
+                                       x["query_start_loc"], x["num_seqs"], use_kernels=self.use_kernels,
+                                       ragged_kernel=self.ragged_attention)
             sampling = SamplingTensors(**{name: x[name] for name in SCALAR_FIELDS},
                                        bias_ids=None, bias_values=None, stop_ids=None)
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, x["table_row"])

@@ -137,7 +137,7 @@ class ModelRunnerV2(RunnerBase):
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
                  stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
                  unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas",
-                 bucket_token_sizes: tuple[int, ...] | None = None):
+                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas"):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -152,7 +152,8 @@ class ModelRunnerV2(RunnerBase):
         unrolled program while a full decode batch keeps the loop.
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
-        attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention)."""
+        attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
+        `ragged_attention` that of every other step (KernelConfig.ragged_attention)."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -168,7 +169,8 @@ class ModelRunnerV2(RunnerBase):
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, automaton_pool=pool,
                          compile_mode=compile_mode, tensor_parallel=tensor_parallel, extra_buckets=few_rows,
-                         program_store=program_store, bucket_token_sizes=bucket_token_sizes)
+                         program_store=program_store, bucket_token_sizes=bucket_token_sizes,
+                         ragged_attention=ragged_attention)
         # Structured outputs: the automata in the device pool, the writer that copies one in, and
         # the token a row whose state allows nothing gets (sample/automata.py).
         self.automaton_pool = AutomatonPool(*pool)
@@ -251,7 +253,8 @@ class ModelRunnerV2(RunnerBase):
             sampling, sampler_rows = prepare.batch_sampling(state, x["idx_mapping"], x["num_reqs"])
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
-                                       inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels, mesh=mesh)
+                                       inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels, mesh=mesh,
+                                       ragged_kernel=self.ragged_attention)
             if self.spec is not None:
                 kv_cache, state, sampler_state, spec_state, out = self.spec.v2_step(
                     model(param_leaves), spec_params, spec_state, kv_cache, state, sampler_state,
@@ -283,7 +286,7 @@ class ModelRunnerV2(RunnerBase):
                                   eos_for_masks=self.eos_for_masks,
                                   mesh=None if self.tp is None else self.tp.attention_mesh,
                                   on_step=self._on_fused_step if self.stream_in_call else None,
-                                  decode_kernel=self.decode_attention)
+                                  decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec

@@ -1,0 +1,323 @@
+"""Ragged paged attention for mixed prefill and decode steps (Pallas, Mosaic GPU backend).
+
+Contract: that of ``ragged_paged_attention`` (ragged_paged_attention.py, docs/architecture.md), without
+a sliding window. ``q [T, Hq, D]`` bf16; caches ``[num_layers, num_blocks, Hkv, block_size, D]`` bf16
+read at ``layer`` (an int32 scalar, may be traced); row ``i`` owns query tokens ``q[qsl[i]:qsl[i+1]]``
+at positions ``seq_lens[i] - q_len_i + j`` and sees its keys ``0 .. position`` (causal) through its pages
+``block_tables[i]``; the ``G = Hq / Hkv`` query heads ``kv_head*G .. kv_head*G + G-1`` share KV head
+``kv_head``. Returns ``[T, Hq, D]`` bf16, **zeros for the padding tokens** ``[qsl[num_seqs], T)``.
+Cache contents a row may not read (past its context, unused block-table entries, other layers) may be
+anything, NaN included. ``ragged_paged_attention_reference`` is the reference. Shapes the kernel cannot
+take raise ``ValueError``: ``D`` a multiple of 64, ``G`` one of 1, 2, 4, 8, ``block_size`` a multiple of
+8 that divides 64 or is a multiple of 64.
+
+Why. Half of an S2 step (input 1024 / output 128) is this attention, and its prefill part is bound by
+the tensor cores: the Triton kernel reaches ~200 TFLOP/s on an H200. Mosaic GPU reaches Hopper's wgmma
+and TMA, which FlashAttention-3 is built on.
+
+Algorithm. One CTA (one warpgroup) per (work tile, KV head).
+
+* Work tiles: wgmma's M side is 64 query lanes, ``TQ = 64 / G`` consecutive tokens of one row times
+  the G heads of the KV head (lane ``g * TQ + t``), so a KV tile read once serves every head that
+  needs it, and a decode row (one token) fills G lanes instead of one. A jnp schedule
+  (``tile_schedule``) cuts every row's tokens at windows of ``TQ`` tokens that start on a multiple of 8
+  (a TMA copy into a tiled buffer must), plus the padding tokens as a pseudo-row of zero tiles;
+  ``cdiv(T, TQ) + 2 (R + 1)`` tiles always suffice (a static count). The tiles are ordered by their
+  key count, longest first, so the long causal tiles start first and empty tiles come last. Each
+  tile carries six int32s (``META_FIELDS``) that the kernel reads as scalars.
+* Queries: the tile's window (moved back to ``T - TQ`` at the end of ``q``; the wrapper pads ``q`` to a
+  multiple of 8 of at least ``TQ`` tokens), one TMA copy per head into rows ``g * TQ ..`` of a
+  ``[64, D]`` swizzled tile. Lanes whose token is not the tile's compute junk and are never stored.
+* Keys: tiles of ``TILE_KV = 64`` through a ring of ``max_concurrent_steps`` shared-memory stages, each
+  filled by ``64 / block_size`` TMA copies per cache (a page's ``[block_size, D]`` slab of one KV head is
+  contiguous; page numbers read as scalars from ``block_tables``), refilled as soon as the step's
+  wgmma has read it (the ring of paged_decode_attention_mgpu.py).
+* Scores ``S [64, 64] = Q [64, D] @ K^T`` (one wgmma), the causal mask per lane (``key <= position``),
+  online softmax in base 2 (``sm_scale * log2 e`` folded in), ``P`` rounded to bf16 into a swizzled
+  ``[64, 64]`` tile, ``O [64, D] += P @ V`` (one wgmma). On the last, partial tile the values of the
+  keys past the tile's context are zeroed in shared memory first (``p = 0`` there, but ``0 * NaN`` of
+  a stale slot is NaN).
+* Output: ``O / l`` in bf16 into an untiled ``[64, D]`` tile, then per head the tile's rows go out by a
+  ladder of TMA copies of ``2^j`` rows (a copy's shape is static, the row count is not), so no CTA
+  writes a token it does not own. Zero tiles (padding, empty rows) store zeros.
+
+Default config (``PrefillConfig``): ``max_concurrent_steps = 2`` (Q, two stages of K and V, P and the
+output tile: ~104 KB of shared memory at ``D = 128``, so two CTAs share an SM and one's softmax runs
+while the other's wgmma does).
+
+Constraints of the Mosaic GPU lowering and its interpreter (as in paged_decode_attention_mgpu.py):
+wgmma's M is 64; shared memory for wgmma is tiled ``(8, 64)`` and 128-byte swizzled, so a head's ``TQ``
+query rows are a multiple of 8 (``G <= 8``); the interpreter cannot store into a wgmma accumulator
+nor run wgmma under ``pl.run_state``, so each wgmma gets a fresh zero accumulator (``pl.run_scoped``)
+and the rescaled ``O`` is carried in registers. On the CPU (tests) the kernel runs in Mosaic GPU's
+interpreter (``interpret=True``); lowering for CUDA on any backend checks the real lowering short of PTX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["META_FIELDS", "PrefillConfig", "ragged_paged_attention_mgpu", "tile_schedule"]
+
+LANES = 64  # query lanes per CTA: wgmma's M
+TILE_KV = 64  # keys per pipeline step
+_NEG = -1e30  # finite "minus infinity": exp2(_NEG - _NEG) = 1, not NaN, for a lane with no key yet
+_LOG2E = math.log2(math.e)
+# Per work tile: the row (for its block table), the first query token and their count, the window's
+# first token in units of 8 rows, the position of the window's first token in the row, the tile's key count.
+META_FIELDS = ("row", "q0", "qn", "window_8", "window_pos", "num_keys")
+_ROW_TILE = 8  # shared memory's row tiling: a TMA copy into a tiled buffer starts on a multiple of it
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """The kernel's pipeline depth: ``max_concurrent_steps`` KV tiles of shared memory per CTA."""
+
+    max_concurrent_steps: int = 2
+
+
+def tile_schedule(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, num_rows: int, tile_tokens: int,
+                  max_context: int):
+    """``int32[N, 6]``, one line of ``META_FIELDS`` per work tile, ``N = cdiv(num_tokens, tile_tokens) +
+    2 * (num_rows + 1)`` (the module docstring). Row ``i < num_seqs``'s tokens are cut at the windows
+    ``a_i + j * tile_tokens`` (``a_i`` its first token rounded down to a multiple of 8), then come the
+    padding tokens ``[qsl[num_seqs], num_tokens)`` as zero tiles (no keys), then empty tiles (no tokens);
+    ordered by key count, longest first. ``num_tokens`` and ``tile_tokens`` are multiples of 8 and
+    ``num_tokens >= tile_tokens``, so every window ``[window, window + tile_tokens)`` lies inside ``q``."""
+    R, T, TQ = num_rows, num_tokens, tile_tokens
+    qsl = jnp.clip(query_start_loc.astype(jnp.int32), 0, T)
+    ns = jnp.clip(jnp.asarray(num_seqs, jnp.int32), 0, R)
+    idx = jnp.arange(R + 1, dtype=jnp.int32)  # the rows, then the padding pseudo-row (index num_seqs)
+    real = idx < ns
+    start = jnp.where(idx <= ns, qsl[idx], T)
+    end = jnp.where(real, qsl[jnp.minimum(idx + 1, R)], T)
+    end = jnp.where(idx <= ns, jnp.maximum(end, start), start)
+    aligned = start // _ROW_TILE * _ROW_TILE
+    tiles = jnp.where(end > start, (end - aligned + TQ - 1) // TQ, 0)
+    first = jnp.cumsum(tiles) - tiles
+    t = jnp.arange(-(-T // TQ) + 2 * (R + 1), dtype=jnp.int32)
+    # The last row whose first tile is <= t: an empty row shares its first tile with the next row.
+    row = jnp.clip(jnp.searchsorted(first, t, side="right", method="compare_all") - 1, 0, R)
+    window = aligned[row] + (t - first[row]) * TQ
+    q0 = jnp.maximum(start[row], window)
+    qn = jnp.clip(jnp.minimum(end[row], window + TQ) - q0, 0, TQ)
+    window = jnp.where(qn > 0, jnp.minimum(window, T - TQ), 0)
+    q0 = jnp.where(qn > 0, q0, 0)
+    is_real = real[row] & (qn > 0)
+    ctx = jnp.where(is_real, jnp.clip(seq_lens.astype(jnp.int32)[jnp.minimum(row, R - 1)], 0, max_context), 0)
+    window_pos = ctx - (end[row] - start[row]) + (window - start[row])
+    num_keys = jnp.where(is_real, jnp.clip(window_pos + (q0 - window) + qn, 0, ctx), 0)
+    meta = jnp.stack([jnp.minimum(row, R - 1), q0, qn, window // _ROW_TILE, window_pos, num_keys], axis=1)
+    order = jnp.argsort(-num_keys, stable=True)
+    return meta[order]
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config: PrefillConfig) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, Hkv, block_size, D], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, block_size, d2 = k_cache.shape
+    if d2 != head_dim:
+        raise ValueError(f"q's head_dim = {head_dim} differs from the cache's {d2}")
+    if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads not in (1, 2, 4, 8):
+        raise ValueError(f"G = Hq / Hkv must be 1, 2, 4 or 8 (a head's query rows are a multiple of the 8-row "
+                         f"tiling); got Hq = {num_q_heads}, Hkv = {num_kv_heads}")
+    if q.dtype != jnp.bfloat16 or k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
+        raise ValueError(f"q and the caches must be bfloat16, got q {q.dtype}, k_cache {k_cache.dtype}, "
+                         f"v_cache {v_cache.dtype}")
+    if head_dim % 64:
+        raise ValueError(f"head_dim = {head_dim} must be a multiple of 64 (the 128-byte swizzle)")
+    if block_size % 8 or (TILE_KV % block_size and block_size % TILE_KV):
+        raise ValueError(f"block_size = {block_size} must be a multiple of 8 that divides {TILE_KV} or that "
+                         f"{TILE_KV} divides")
+    num_rows = block_tables.shape[0] if block_tables.ndim == 2 else -1
+    if block_tables.ndim != 2 or seq_lens.shape != (num_rows,) or query_start_loc.shape != (num_rows + 1,):
+        raise ValueError(f"block_tables [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] disagree: "
+                         f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}")
+    if config.max_concurrent_steps < 1:
+        raise ValueError(f"max_concurrent_steps = {config.max_concurrent_steps} must be positive")
+
+
+def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
+                    num_blocks, block_size, stages, scale_log2):
+    tile_id = lax.axis_index("tile")
+    head = lax.axis_index("head")
+    head_dim = q_gmem.shape[-1]
+    tq = LANES // group
+    pages_per_tile = max(1, TILE_KV // block_size)
+    page_rows = min(block_size, TILE_KV)
+    layer = layer_gmem[0]
+    row, q0, qn, window_8, window_pos, num_keys = (meta_gmem[tile_id * len(META_FIELDS) + f]
+                                                   for f in range(len(META_FIELDS)))
+    window = window_8 * _ROW_TILE  # a multiple of the row tiling, as the Q copies' lowering must see
+    steps = lax.div(num_keys + TILE_KV - 1, TILE_KV)
+
+    def body(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar):
+        def issue(step, slot, caches=((k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar))):
+            """TMA copies of key tile ``step``'s pages of ``caches`` (K and V) into stage ``slot``."""
+            for j in range(pages_per_tile):
+                if block_size <= TILE_KV:
+                    page, offset = step * pages_per_tile + j, 0
+                else:
+                    page, offset = lax.div(step * TILE_KV, block_size), lax.rem(step * TILE_KV, block_size)
+                blk = jnp.clip(bt_gmem[row * max_blocks + jnp.minimum(page, max_blocks - 1)], 0, num_blocks - 1)
+                src = (layer, blk, head, pl.ds(offset, page_rows))
+                for gmem, smem, bar in caches:
+                    plgpu.copy_gmem_to_smem(gmem.at[src], smem.at[slot, pl.ds(j * page_rows, page_rows)],
+                                            bar.at[slot])
+
+        for g in range(group):
+            plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(window, tq), head * group + g], q_smem.at[pl.ds(g * tq, tq)],
+                                    q_bar)
+        for i in range(stages):
+            pl.when(i < steps)(functools.partial(issue, i, i))
+        plgpu.barrier_wait(q_bar)
+        lane = plgpu.broadcasted_iota(jnp.int32, (LANES, TILE_KV), 0, layout=plgpu.Layout.WGMMA)
+        key = plgpu.broadcasted_iota(jnp.int32, (LANES, TILE_KV), 1, layout=plgpu.Layout.WGMMA)
+        position = window_pos + lax.rem(lane, tq)
+
+        def kv_step(step, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def scores(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+                plgpu.wgmma_wait(0)
+                return s_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((LANES, TILE_KV), jnp.float32))
+            refill = step + stages < steps
+            pl.when(refill)(functools.partial(issue, step + stages, slot, ((k_gmem, k_smem, k_bar),)))
+            s = jnp.where(key + step * TILE_KV <= position, s * scale_log2, _NEG)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            p_smem[...] = p.astype(p_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+            n_live = num_keys - step * TILE_KV
+
+            @pl.when(n_live < TILE_KV)
+            def _zero_dead_values():
+                v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
+                key_row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+                v_smem.at[slot][...] = jnp.where(key_row < n_live, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+
+            def values(o_ref):
+                plgpu.wgmma(o_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma_wait(0)
+                return o_ref[...]
+
+            pv = pl.run_scoped(values, plgpu.ACC((LANES, head_dim), jnp.float32))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+            pl.when(refill)(functools.partial(issue, step + stages, slot, ((v_gmem, v_smem, v_bar),)))
+            return acc, m_new, l_i
+
+        carry = (
+            plgpu.layout_cast(jnp.zeros((LANES, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((LANES,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((LANES,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        acc, _, l_i = lax.fori_loop(0, steps, kv_step, carry)
+        l_safe = jnp.where(l_i > 0, l_i, 1.0)  # zero tiles and junk lanes: no key, output 0
+        o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        offset = q0 - window
+        for g in range(group):
+            _store_rows(o_smem, out_gmem, g * tq + offset, q0, qn, head * group + g, tq=tq)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((LANES, head_dim), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((stages, TILE_KV, head_dim), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((stages, TILE_KV, head_dim), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((LANES, TILE_KV), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((LANES, head_dim), jnp.bfloat16),
+        plgpu.Barrier(num_arrivals=group),
+        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+    )
+
+
+def _store_rows(o_smem, out_gmem, smem_row, token, count, q_head, *, tq):
+    """Rows ``smem_row .. smem_row + count`` of ``o_smem`` to tokens ``token ..`` of ``q_head``: a ladder
+    of TMA copies of ``2^j`` rows, one for each bit of ``count`` (``0 <= count <= tq``)."""
+    done = 0
+    size = 1 << (tq.bit_length() - 1)
+    while size >= 1:
+        @pl.when(count & size != 0)
+        def _copy(start=smem_row + done, dst=token + done, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, size)], out_gmem.at[pl.ds(dst, size), q_head])
+
+        done = done + (count & size)
+        size //= 2
+
+
+def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
+                                sm_scale, sliding_window=None, config: PrefillConfig | None = None,
+                                interpret=False):
+    """Attention of a ragged batch of query tokens over the paged KV cache (the module docstring).
+
+    Args:
+      q: ``[T, Hq, D]`` bf16.
+      k_cache, v_cache: ``[num_layers, num_blocks, Hkv, block_size, D]`` bf16.
+      layer: int32 scalar, may be traced (the ``lax.scan`` index).
+      block_tables: ``int32[R, max_blocks]``; seq_lens: ``int32[R]``; query_start_loc: ``int32[R + 1]``.
+      num_seqs: int32 scalar, the number of real rows.
+      sm_scale: softmax scale, a static Python float.
+      sliding_window: must be None (not supported here; ragged_paged_attention takes it).
+      config: the pipeline depth; ``PrefillConfig()`` when None.
+      interpret: run Mosaic GPU's interpreter on the CPU (CPU tests): ``True`` for its default
+        ``plgpu.InterpretGPUParams()``, or such an instance.
+
+    Returns:
+      ``[T, Hq, D]`` bf16; the padding tokens ``[qsl[num_seqs], T)`` are 0.
+    """
+    if sliding_window is not None:
+        raise ValueError("ragged_paged_attention_mgpu has no sliding window: use ragged_paged_attention")
+    config = config or PrefillConfig()
+    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_blocks, num_kv_heads, block_size, _ = k_cache.shape
+    num_rows, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    tq = LANES // group
+    if num_tokens == 0:
+        return q
+    padded = max(-(-num_tokens // _ROW_TILE) * _ROW_TILE, tq)
+    q_in = q if padded == num_tokens else jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
+    meta = tile_schedule(query_start_loc, seq_lens, num_seqs, num_tokens=padded, num_rows=num_rows, tile_tokens=tq,
+                         max_context=max_blocks * block_size)
+    max_tiles = -(-max_blocks * block_size // TILE_KV)
+    stages = max(1, min(config.max_concurrent_steps, max_tiles))
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    kernel = plgpu.kernel(
+        functools.partial(_prefill_kernel, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
+                          block_size=block_size, stages=stages, scale_log2=float(sm_scale) * _LOG2E),
+        out_type=jax.ShapeDtypeStruct((padded, num_q_heads, head_dim), jnp.bfloat16),
+        grid=(meta.shape[0], num_kv_heads),
+        grid_names=("tile", "head"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None,
+        kernel_name="ragged_paged_attention_mgpu",
+    )
+    out = kernel(jnp.asarray(layer, jnp.int32).reshape(1), meta.reshape(-1), block_tables.astype(jnp.int32).reshape(-1),
+                 q_in, k_cache, v_cache)
+    return out[:num_tokens]
