@@ -22,7 +22,8 @@ Algorithm. One CTA (one warpgroup) per (work tile, KV head).
   needs it, and a decode row (one token) fills G lanes instead of one. A jnp schedule
   (``tile_schedule``) cuts every row's tokens at windows of ``TQ`` tokens that start on a multiple of 8
   (a TMA copy into a tiled buffer must), plus the padding tokens as a pseudo-row of zero tiles;
-  ``cdiv(T, TQ) + 2 (R + 1)`` tiles always suffice (a static count). The tiles are ordered by their
+  ``cdiv(T + 7 (R + 1), TQ) + R + 1`` tiles always suffice (a static count: each of the ``R + 1`` rows
+  starts at most 7 tokens into its first window and ends at most one partial window). The tiles are ordered by their
   key count, longest first, so the long causal tiles start first and empty tiles come last. Each
   tile carries six int32s (``META_FIELDS``) that the kernel reads as scalars.
 * Queries: the tile's window (moved back to ``T - TQ`` at the end of ``q``; the wrapper pads ``q`` to a
@@ -65,7 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["META_FIELDS", "PrefillConfig", "ragged_paged_attention_mgpu", "tile_schedule"]
+__all__ = ["META_FIELDS", "PrefillConfig", "num_tiles", "ragged_paged_attention_mgpu", "tile_schedule"]
 
 LANES = 64  # query lanes per CTA: wgmma's M
 TILE_KV = 64  # keys per pipeline step
@@ -84,10 +85,17 @@ class PrefillConfig:
     max_concurrent_steps: int = 2
 
 
+def num_tiles(num_tokens: int, num_rows: int, tile_tokens: int) -> int:
+    """The static tile count that any step of ``num_tokens`` tokens in ``num_rows`` rows fits: row ``i``
+    (and the padding pseudo-row) needs ``cdiv(o_i + q_len_i, tile_tokens)`` tiles, ``o_i <= 7`` its
+    offset in its 8-aligned first window."""
+    return -(-(num_tokens + (_ROW_TILE - 1) * (num_rows + 1)) // tile_tokens) + num_rows + 1
+
+
 def tile_schedule(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, num_rows: int, tile_tokens: int,
                   max_context: int):
-    """``int32[N, 6]``, one line of ``META_FIELDS`` per work tile, ``N = cdiv(num_tokens, tile_tokens) +
-    2 * (num_rows + 1)`` (the module docstring). Row ``i < num_seqs``'s tokens are cut at the windows
+    """``int32[N, 6]``, one line of ``META_FIELDS`` per work tile, ``N = num_tiles(num_tokens, num_rows,
+    tile_tokens)`` (the module docstring). Row ``i < num_seqs``'s tokens are cut at the windows
     ``a_i + j * tile_tokens`` (``a_i`` its first token rounded down to a multiple of 8), then come the
     padding tokens ``[qsl[num_seqs], num_tokens)`` as zero tiles (no keys), then empty tiles (no tokens);
     ordered by key count, longest first. ``num_tokens`` and ``tile_tokens`` are multiples of 8 and
@@ -103,7 +111,7 @@ def tile_schedule(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, num_r
     aligned = start // _ROW_TILE * _ROW_TILE
     tiles = jnp.where(end > start, (end - aligned + TQ - 1) // TQ, 0)
     first = jnp.cumsum(tiles) - tiles
-    t = jnp.arange(-(-T // TQ) + 2 * (R + 1), dtype=jnp.int32)
+    t = jnp.arange(num_tiles(T, R, TQ), dtype=jnp.int32)
     # The last row whose first tile is <= t: an empty row shares its first tile with the next row.
     row = jnp.clip(jnp.searchsorted(first, t, side="right", method="compare_all") - 1, 0, R)
     window = aligned[row] + (t - first[row]) * TQ

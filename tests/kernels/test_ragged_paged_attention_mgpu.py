@@ -18,6 +18,7 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention_referen
 from pallas_kernels.ragged_paged_attention_mgpu import (
     META_FIELDS,
     PrefillConfig,
+    num_tiles,
     ragged_paged_attention_mgpu,
     tile_schedule,
 )
@@ -59,15 +60,21 @@ def schedule_fn(T, R, TQ, max_context):
                                      max_context=max_context))
 
 
-# (rows as (q_len, context), R, T, TQ): a prefill starting off the 8-token grid, decode rows side by
-# side, an empty row, a row whose chunk ends the step, padding rows and tokens; a batch that fills T.
+# (rows as (q_len, context), R, T, TQ, max_context): a prefill starting off the 8-token grid, decode rows
+# side by side, an empty row, a row whose chunk ends the step, padding rows and tokens; a batch that
+# fills T; every row straddling two windows (the bound's worst case); random batches.
+RANDOM_SCHEDULES = [
+    ([(int(q), int(q) + int(c)) for q, c in zip(rng.integers(0, 9, n), rng.integers(0, 40, n))], 12, 64, 8, 64)
+    for rng, n in ((np.random.default_rng(seed), 1 + seed % 12) for seed in range(8))
+]
 SCHEDULES = [
     ([(3, 70), (1, 37), (0, 10), (41, 120), (1, 1), (9, 9)], 8, 72, 32, 128),
     ([(20, 20), (1, 200), (17, 80)], 4, 40, 16, 256),
     ([(1, 5)] * 6 + [(10, 12)], 7, 16, 8, 64),
     ([(64, 64), (0, 3)], 3, 64, 64, 512),
     ([], 2, 16, 8, 64),
-]
+    ([(7, 7)] + [(8, 20)] * 5, 6, 48, 8, 64),
+] + [case for case in RANDOM_SCHEDULES if sum(q for q, _ in case[0]) <= case[2]]
 
 
 @pytest.mark.parametrize("case", range(len(SCHEDULES)))
@@ -79,7 +86,7 @@ def test_tile_schedule_matches_a_plain_loop(case):
     lens = np.zeros(R, np.int32)
     lens[:len(rows)] = [c for _, c in rows]
     meta = np.asarray(schedule_fn(T, R, TQ, max_context)(qsl, lens, np.int32(len(rows))))
-    assert meta.shape == (-(-T // TQ) + 2 * (R + 1), len(META_FIELDS))
+    assert meta.shape == (num_tiles(T, R, TQ), len(META_FIELDS))
     field = {name: meta[:, i] for i, name in enumerate(META_FIELDS)}
     work = field["qn"] > 0
     got = sorted(((int(m[1]), int(m[2]), int(m[5]), int(m[0]) if m[5] else None) for m in meta[work]),
