@@ -29,22 +29,23 @@ Algorithm. One CTA (one warpgroup) per (work tile, KV head).
 * Queries: the tile's window (moved back to ``T - TQ`` at the end of ``q``; the wrapper pads ``q`` to a
   multiple of 8 of at least ``TQ`` tokens), one TMA copy per head into rows ``g * TQ ..`` of a
   ``[64, D]`` swizzled tile. Lanes whose token is not the tile's compute junk and are never stored.
-* Keys: tiles of ``TILE_KV = 64`` through a ring of ``max_concurrent_steps`` shared-memory stages, each
-  filled by ``64 / block_size`` TMA copies per cache (a page's ``[block_size, D]`` slab of one KV head is
-  contiguous; page numbers read as scalars from ``block_tables``), refilled as soon as the step's
+* Keys: tiles of ``block_kv`` keys (64 or 128) through a ring of ``max_concurrent_steps`` shared-memory
+  stages, each filled by ``block_kv / block_size`` TMA copies per cache (a page's ``[block_size, D]``
+  slab of one KV head is contiguous; page numbers read as scalars from ``block_tables``), refilled as soon as the step's
   wgmma has read it (the ring of paged_decode_attention_mgpu.py).
-* Scores ``S [64, 64] = Q [64, D] @ K^T`` (one wgmma), the causal mask per lane (``key <= position``),
+* Scores ``S [64, block_kv] = Q [64, D] @ K^T`` (one wgmma), the causal mask per lane (``key <= position``),
   online softmax in base 2 (``sm_scale * log2 e`` folded in), ``P`` rounded to bf16 into a swizzled
-  ``[64, 64]`` tile, ``O [64, D] += P @ V`` (one wgmma). On the last, partial tile the values of the
+  ``[64, block_kv]`` tile, ``O [64, D] += P @ V`` (one wgmma). On the last, partial tile the values of the
   keys past the tile's context are zeroed in shared memory first (``p = 0`` there, but ``0 * NaN`` of
   a stale slot is NaN).
 * Output: ``O / l`` in bf16 into an untiled ``[64, D]`` tile, then per head the tile's rows go out by a
   ladder of TMA copies of ``2^j`` rows (a copy's shape is static, the row count is not), so no CTA
   writes a token it does not own. Zero tiles (padding, empty rows) store zeros.
 
-Default config (``PrefillConfig``): ``max_concurrent_steps = 2`` (Q, two stages of K and V, P and the
-output tile: ~104 KB of shared memory at ``D = 128``, so two CTAs share an SM and one's softmax runs
-while the other's wgmma does).
+Default config (``PrefillConfig``): ``block_kv = 64``, ``max_concurrent_steps = 2`` (Q, two stages of K
+and V, P and the output tile: ~104 KB of shared memory at ``D = 128``, so two CTAs share an SM and one's
+softmax runs while the other's wgmma does). ``block_kv = 128`` gives wgmma a wider N and half the
+steps, at ~176 KB (one CTA per SM).
 
 Constraints of the Mosaic GPU lowering and its interpreter (as in paged_decode_attention_mgpu.py):
 wgmma's M is 64; shared memory for wgmma is tiled ``(8, 64)`` and 128-byte swizzled, so a head's ``TQ``
@@ -69,7 +70,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 __all__ = ["META_FIELDS", "PrefillConfig", "num_tiles", "ragged_paged_attention_mgpu", "tile_schedule"]
 
 LANES = 64  # query lanes per CTA: wgmma's M
-TILE_KV = 64  # keys per pipeline step
 _NEG = -1e30  # finite "minus infinity": exp2(_NEG - _NEG) = 1, not NaN, for a lane with no key yet
 _LOG2E = math.log2(math.e)
 # Per work tile: the row (for its block table), the first query token and their count, the window's
@@ -80,9 +80,11 @@ _ROW_TILE = 8  # shared memory's row tiling: a TMA copy into a tiled buffer star
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """The kernel's pipeline depth: ``max_concurrent_steps`` KV tiles of shared memory per CTA."""
+    """The kernel's key tile (``block_kv`` keys per pipeline step: wgmma's N for the scores, its K for
+    ``P V``) and pipeline depth (``max_concurrent_steps`` key tiles of shared memory per CTA)."""
 
     max_concurrent_steps: int = 2
+    block_kv: int = 64
 
 
 def num_tiles(num_tokens: int, num_rows: int, tile_tokens: int) -> int:
@@ -146,9 +148,11 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config:
                          f"v_cache {v_cache.dtype}")
     if head_dim % 64:
         raise ValueError(f"head_dim = {head_dim} must be a multiple of 64 (the 128-byte swizzle)")
-    if block_size % 8 or (TILE_KV % block_size and block_size % TILE_KV):
-        raise ValueError(f"block_size = {block_size} must be a multiple of 8 that divides {TILE_KV} or that "
-                         f"{TILE_KV} divides")
+    if config.block_kv not in (64, 128):
+        raise ValueError(f"block_kv = {config.block_kv} must be 64 or 128")
+    if block_size % 8 or (config.block_kv % block_size and block_size % config.block_kv):
+        raise ValueError(f"block_size = {block_size} must be a multiple of 8 that divides block_kv = "
+                         f"{config.block_kv} or that it divides")
     num_rows = block_tables.shape[0] if block_tables.ndim == 2 else -1
     if block_tables.ndim != 2 or seq_lens.shape != (num_rows,) or query_start_loc.shape != (num_rows + 1,):
         raise ValueError(f"block_tables [R, max_blocks], seq_lens [R] and query_start_loc [R + 1] disagree: "
@@ -158,27 +162,27 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config:
 
 
 def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
-                    num_blocks, block_size, stages, scale_log2):
+                    num_blocks, block_size, block_kv, stages, scale_log2):
     tile_id = lax.axis_index("tile")
     head = lax.axis_index("head")
     head_dim = q_gmem.shape[-1]
     tq = LANES // group
-    pages_per_tile = max(1, TILE_KV // block_size)
-    page_rows = min(block_size, TILE_KV)
+    pages_per_tile = max(1, block_kv // block_size)
+    page_rows = min(block_size, block_kv)
     layer = layer_gmem[0]
     row, q0, qn, window_8, window_pos, num_keys = (meta_gmem[tile_id * len(META_FIELDS) + f]
                                                    for f in range(len(META_FIELDS)))
     window = window_8 * _ROW_TILE  # a multiple of the row tiling, as the Q copies' lowering must see
-    steps = lax.div(num_keys + TILE_KV - 1, TILE_KV)
+    steps = lax.div(num_keys + block_kv - 1, block_kv)
 
     def body(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar):
         def issue(step, slot, caches=((k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar))):
             """TMA copies of key tile ``step``'s pages of ``caches`` (K and V) into stage ``slot``."""
             for j in range(pages_per_tile):
-                if block_size <= TILE_KV:
+                if block_size <= block_kv:
                     page, offset = step * pages_per_tile + j, 0
                 else:
-                    page, offset = lax.div(step * TILE_KV, block_size), lax.rem(step * TILE_KV, block_size)
+                    page, offset = lax.div(step * block_kv, block_size), lax.rem(step * block_kv, block_size)
                 blk = jnp.clip(bt_gmem[row * max_blocks + jnp.minimum(page, max_blocks - 1)], 0, num_blocks - 1)
                 src = (layer, blk, head, pl.ds(offset, page_rows))
                 for gmem, smem, bar in caches:
@@ -191,8 +195,8 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
         for i in range(stages):
             pl.when(i < steps)(functools.partial(issue, i, i))
         plgpu.barrier_wait(q_bar)
-        lane = plgpu.broadcasted_iota(jnp.int32, (LANES, TILE_KV), 0, layout=plgpu.Layout.WGMMA)
-        key = plgpu.broadcasted_iota(jnp.int32, (LANES, TILE_KV), 1, layout=plgpu.Layout.WGMMA)
+        lane = plgpu.broadcasted_iota(jnp.int32, (LANES, block_kv), 0, layout=plgpu.Layout.WGMMA)
+        key = plgpu.broadcasted_iota(jnp.int32, (LANES, block_kv), 1, layout=plgpu.Layout.WGMMA)
         position = window_pos + lax.rem(lane, tq)
 
         def kv_step(step, carry):
@@ -205,10 +209,10 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
                 plgpu.wgmma_wait(0)
                 return s_ref[...]
 
-            s = pl.run_scoped(scores, plgpu.ACC((LANES, TILE_KV), jnp.float32))
+            s = pl.run_scoped(scores, plgpu.ACC((LANES, block_kv), jnp.float32))
             refill = step + stages < steps
             pl.when(refill)(functools.partial(issue, step + stages, slot, ((k_gmem, k_smem, k_bar),)))
-            s = jnp.where(key + step * TILE_KV <= position, s * scale_log2, _NEG)
+            s = jnp.where(key + step * block_kv <= position, s * scale_log2, _NEG)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -216,9 +220,9 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
-            n_live = num_keys - step * TILE_KV
+            n_live = num_keys - step * block_kv
 
-            @pl.when(n_live < TILE_KV)
+            @pl.when(n_live < block_kv)
             def _zero_dead_values():
                 v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
                 key_row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -253,9 +257,9 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
     pl.run_scoped(
         body,
         plgpu.SMEM((LANES, head_dim), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((stages, TILE_KV, head_dim), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((stages, TILE_KV, head_dim), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((LANES, TILE_KV), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=swizzled),
+        plgpu.SMEM((LANES, block_kv), jnp.bfloat16, transforms=swizzled),
         plgpu.SMEM((LANES, head_dim), jnp.bfloat16),
         plgpu.Barrier(num_arrivals=group),
         plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
@@ -312,13 +316,14 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_le
     q_in = q if padded == num_tokens else jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
     meta = tile_schedule(query_start_loc, seq_lens, num_seqs, num_tokens=padded, num_rows=num_rows, tile_tokens=tq,
                          max_context=max_blocks * block_size)
-    max_tiles = -(-max_blocks * block_size // TILE_KV)
+    max_tiles = -(-max_blocks * block_size // config.block_kv)
     stages = max(1, min(config.max_concurrent_steps, max_tiles))
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     kernel = plgpu.kernel(
         functools.partial(_prefill_kernel, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
-                          block_size=block_size, stages=stages, scale_log2=float(sm_scale) * _LOG2E),
+                          block_size=block_size, block_kv=config.block_kv, stages=stages,
+                          scale_log2=float(sm_scale) * _LOG2E),
         out_type=jax.ShapeDtypeStruct((padded, num_q_heads, head_dim), jnp.bfloat16),
         grid=(meta.shape[0], num_kv_heads),
         grid_names=("tile", "head"),

@@ -209,7 +209,9 @@ for s in $sections; do case $s in
     run_section ragged-mgpu-tests python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/kernels/test_ragged_paged_attention_mgpu.py
     run_section ragged-mgpu python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2,decode_b32_c4096 \
-        --output-json "$OUT/attention_ragged_mgpu.json" ;;
+        --output-json "$OUT/attention_ragged_mgpu.json"
+    run_section ragged-mgpu-kv128 python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2 --no-reference \
+        --mgpu-ragged-block-kv 128 --output-json "$OUT/attention_ragged_mgpu_kv128.json" ;;
   # Issue 27: S2 (input 1024 / output 128) v2-async with every mixed step's attention on each kernel.
   ragged-attn-engine)
     for k in pallas mgpu; do
