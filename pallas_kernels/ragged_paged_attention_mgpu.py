@@ -40,7 +40,8 @@ Algorithm. One CTA (one warpgroup) per (work tile, KV head).
   a stale slot is NaN).
 * Output: ``O / l`` in bf16 into an untiled ``[64, D]`` tile, then per head the tile's rows go out by a
   ladder of TMA copies of ``2^j`` rows (a copy's shape is static, the row count is not), so no CTA
-  writes a token it does not own. Zero tiles (padding, empty rows) store zeros.
+  writes a token it does not own. Zero tiles (padding tokens) load nothing and store zeros; the slack
+  tiles of the static count (no tokens) do nothing.
 
 Default config (``PrefillConfig``): ``block_kv = 64``, ``max_concurrent_steps = 2`` (Q, two stages of K
 and V, P and the output tile: ~104 KB of shared memory at ``D = 128``, so two CTAs share an SM and one's
@@ -175,7 +176,7 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
     window = window_8 * _ROW_TILE  # a multiple of the row tiling, as the Q copies' lowering must see
     steps = lax.div(num_keys + block_kv - 1, block_kv)
 
-    def body(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar):
+    def work(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar):
         def issue(step, slot, caches=((k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar))):
             """TMA copies of key tile ``step``'s pages of ``caches`` (K and V) into stage ``slot``."""
             for j in range(pages_per_tile):
@@ -189,12 +190,15 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
                     plgpu.copy_gmem_to_smem(gmem.at[src], smem.at[slot, pl.ds(j * page_rows, page_rows)],
                                             bar.at[slot])
 
-        for g in range(group):
-            plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(window, tq), head * group + g], q_smem.at[pl.ds(g * tq, tq)],
-                                    q_bar)
-        for i in range(stages):
-            pl.when(i < steps)(functools.partial(issue, i, i))
-        plgpu.barrier_wait(q_bar)
+        @pl.when(steps > 0)  # a zero tile (padding tokens) only stores zeros
+        def _load_queries():
+            for g in range(group):
+                plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(window, tq), head * group + g],
+                                        q_smem.at[pl.ds(g * tq, tq)], q_bar)
+            for i in range(stages):
+                pl.when(i < steps)(functools.partial(issue, i, i))
+            plgpu.barrier_wait(q_bar)
+
         lane = plgpu.broadcasted_iota(jnp.int32, (LANES, block_kv), 0, layout=plgpu.Layout.WGMMA)
         key = plgpu.broadcasted_iota(jnp.int32, (LANES, block_kv), 1, layout=plgpu.Layout.WGMMA)
         position = window_pos + lax.rem(lane, tq)
@@ -252,6 +256,9 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
         for g in range(group):
             _store_rows(o_smem, out_gmem, g * tq + offset, q0, qn, head * group + g, tq=tq)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def body(*refs):
+        pl.when(qn > 0)(functools.partial(work, *refs))  # the slack tiles of the static count: no tokens
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
