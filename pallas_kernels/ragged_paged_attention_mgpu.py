@@ -162,100 +162,137 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config:
         raise ValueError(f"max_concurrent_steps = {config.max_concurrent_steps} must be positive")
 
 
-def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
-                    num_blocks, block_size, block_kv, stages, scale_log2):
-    tile_id = lax.axis_index("tile")
-    head = lax.axis_index("head")
-    head_dim = q_gmem.shape[-1]
-    tq = LANES // group
-    pages_per_tile = max(1, block_kv // block_size)
-    page_rows = min(block_size, block_kv)
-    layer = layer_gmem[0]
+def _tile_meta(meta_gmem, tile_id):
+    """The work tile's ``META_FIELDS``, its window's first token (a multiple of the row tiling, as the Q
+    copies' lowering must see) in place of ``window_8``."""
     row, q0, qn, window_8, window_pos, num_keys = (meta_gmem[tile_id * len(META_FIELDS) + f]
                                                    for f in range(len(META_FIELDS)))
-    window = window_8 * _ROW_TILE  # a multiple of the row tiling, as the Q copies' lowering must see
+    return row, q0, qn, window_8 * _ROW_TILE, window_pos, num_keys
+
+
+def _issue_kv(step, slot, caches, *, row, layer, head, bt_gmem, max_blocks, num_blocks, block_size, block_kv):
+    """TMA copies of key tile ``step``'s pages into stage ``slot`` of each ``(gmem, smem, barrier)`` in
+    ``caches`` (K, V or both); every copy arrives on the stage's barrier."""
+    pages_per_tile, page_rows = max(1, block_kv // block_size), min(block_size, block_kv)
+    for j in range(pages_per_tile):
+        if block_size <= block_kv:
+            page, offset = step * pages_per_tile + j, 0
+        else:
+            page, offset = lax.div(step * block_kv, block_size), lax.rem(step * block_kv, block_size)
+        blk = jnp.clip(bt_gmem[row * max_blocks + jnp.minimum(page, max_blocks - 1)], 0, num_blocks - 1)
+        for gmem, smem, bar in caches:
+            plgpu.copy_gmem_to_smem(gmem.at[layer, blk, head, pl.ds(offset, page_rows)],
+                                    smem.at[slot, pl.ds(j * page_rows, page_rows)], bar.at[slot])
+
+
+def _load_queries(q_gmem, q_smem, q_bar, *, window, head, group, tq):
+    """One TMA copy per query head of the KV head: tokens ``[window, window + tq)`` into rows ``g * tq``."""
+    for g in range(group):
+        plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(window, tq), head * group + g], q_smem.at[pl.ds(g * tq, tq)], q_bar)
+
+
+def _scores(q_smem, k_tile):
+    """``Q K^T`` for one key tile, one wgmma into a fresh accumulator (the interpreter's constraint)."""
+    def run(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_tile.T)
+        plgpu.wgmma_wait(0)
+        return s_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC((LANES, k_tile.shape[0]), jnp.float32))
+
+
+def _softmax_step(s, position, first_key, m_i, l_i, *, scale_log2):
+    """Causal mask (``key <= position`` per lane) and the online softmax of one key tile in base 2:
+    ``(p, alpha, m_new, l_new)``."""
+    key = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+    s = jnp.where(key + first_key <= position, s * scale_log2, _NEG)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
+
+
+def _zero_dead_values(v_tile, n_live):
+    """Zeroes the tile's values past its ``n_live`` keys: their p is 0, but 0 * a stale NaN is NaN."""
+    v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+    key_row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
+    v_tile[...] = jnp.where(key_row < n_live, v, jnp.zeros_like(v))
+    plgpu.commit_smem()
+
+
+def _values(p_smem, v_tile, head_dim):
+    """``P V`` for one key tile, one wgmma into a fresh accumulator."""
+    def run(o_ref):
+        plgpu.wgmma(o_ref, p_smem, v_tile)
+        plgpu.wgmma_wait(0)
+        return o_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC((LANES, head_dim), jnp.float32))
+
+
+def _initial_carry(head_dim):
+    return (plgpu.layout_cast(jnp.zeros((LANES, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((LANES,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((LANES,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+
+def _store_output(acc, l_i, o_smem, out_gmem, *, lanes_first_token, q0, qn, head, group, tq):
+    """``O / l`` in bf16 through ``o_smem``; the lanes' tokens ``[lanes_first_token, + tq)`` that are the
+    tile's (``[q0, q0 + qn)``) go out, per head."""
+    l_safe = jnp.where(l_i > 0, l_i, 1.0)  # zero tiles and junk lanes: no key, output 0
+    o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    first = jnp.maximum(q0, lanes_first_token)
+    count = jnp.clip(jnp.minimum(q0 + qn, lanes_first_token + tq) - first, 0, tq)
+    for g in range(group):
+        _store_rows(o_smem, out_gmem, g * tq + first - lanes_first_token, first, count, head * group + g, tq=tq)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
+                    num_blocks, block_size, block_kv, stages, scale_log2):
+    """One warpgroup per CTA: it issues the TMA ring and computes (``PrefillConfig.warpgroups == 1``)."""
+    tile_id, head = lax.axis_index("tile"), lax.axis_index("head")
+    head_dim = q_gmem.shape[-1]
+    tq = LANES // group
+    row, q0, qn, window, window_pos, num_keys = _tile_meta(meta_gmem, tile_id)
     steps = lax.div(num_keys + block_kv - 1, block_kv)
+    issue = functools.partial(_issue_kv, row=row, layer=layer_gmem[0], head=head, bt_gmem=bt_gmem,
+                              max_blocks=max_blocks, num_blocks=num_blocks, block_size=block_size, block_kv=block_kv)
 
     def work(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar):
-        def issue(step, slot, caches=((k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar))):
-            """TMA copies of key tile ``step``'s pages of ``caches`` (K and V) into stage ``slot``."""
-            for j in range(pages_per_tile):
-                if block_size <= block_kv:
-                    page, offset = step * pages_per_tile + j, 0
-                else:
-                    page, offset = lax.div(step * block_kv, block_size), lax.rem(step * block_kv, block_size)
-                blk = jnp.clip(bt_gmem[row * max_blocks + jnp.minimum(page, max_blocks - 1)], 0, num_blocks - 1)
-                src = (layer, blk, head, pl.ds(offset, page_rows))
-                for gmem, smem, bar in caches:
-                    plgpu.copy_gmem_to_smem(gmem.at[src], smem.at[slot, pl.ds(j * page_rows, page_rows)],
-                                            bar.at[slot])
+        k_ring, v_ring = (k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar)
 
         @pl.when(steps > 0)  # a zero tile (padding tokens) only stores zeros
-        def _load_queries():
-            for g in range(group):
-                plgpu.copy_gmem_to_smem(q_gmem.at[pl.ds(window, tq), head * group + g],
-                                        q_smem.at[pl.ds(g * tq, tq)], q_bar)
+        def _start():
+            _load_queries(q_gmem, q_smem, q_bar, window=window, head=head, group=group, tq=tq)
             for i in range(stages):
-                pl.when(i < steps)(functools.partial(issue, i, i))
+                pl.when(i < steps)(functools.partial(issue, i, i, (k_ring, v_ring)))
             plgpu.barrier_wait(q_bar)
 
         lane = plgpu.broadcasted_iota(jnp.int32, (LANES, block_kv), 0, layout=plgpu.Layout.WGMMA)
-        key = plgpu.broadcasted_iota(jnp.int32, (LANES, block_kv), 1, layout=plgpu.Layout.WGMMA)
         position = window_pos + lax.rem(lane, tq)
 
         def kv_step(step, carry):
             acc, m_i, l_i = carry
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(k_bar.at[slot])
-
-            def scores(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-                plgpu.wgmma_wait(0)
-                return s_ref[...]
-
-            s = pl.run_scoped(scores, plgpu.ACC((LANES, block_kv), jnp.float32))
-            refill = step + stages < steps
-            pl.when(refill)(functools.partial(issue, step + stages, slot, ((k_gmem, k_smem, k_bar),)))
-            s = jnp.where(key + step * block_kv <= position, s * scale_log2, _NEG)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
+            s = _scores(q_smem, k_smem.at[slot])
+            refill = step + stages < steps  # the stage's K is read: refill it now, its V after P V
+            pl.when(refill)(functools.partial(issue, step + stages, slot, (k_ring,)))
+            p, alpha, m_i, l_i = _softmax_step(s, position, step * block_kv, m_i, l_i, scale_log2=scale_log2)
             p_smem[...] = p.astype(p_smem.dtype)
             plgpu.commit_smem()
             plgpu.barrier_wait(v_bar.at[slot])
             n_live = num_keys - step * block_kv
+            pl.when(n_live < block_kv)(functools.partial(_zero_dead_values, v_smem.at[slot], n_live))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _values(p_smem, v_smem.at[slot], head_dim)
+            pl.when(refill)(functools.partial(issue, step + stages, slot, (v_ring,)))
+            return acc, m_i, l_i
 
-            @pl.when(n_live < block_kv)
-            def _zero_dead_values():
-                v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
-                key_row = plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=plgpu.Layout.WGMMA)
-                v_smem.at[slot][...] = jnp.where(key_row < n_live, v, jnp.zeros_like(v))
-                plgpu.commit_smem()
-
-            def values(o_ref):
-                plgpu.wgmma(o_ref, p_smem, v_smem.at[slot])
-                plgpu.wgmma_wait(0)
-                return o_ref[...]
-
-            pv = pl.run_scoped(values, plgpu.ACC((LANES, head_dim), jnp.float32))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-            pl.when(refill)(functools.partial(issue, step + stages, slot, ((v_gmem, v_smem, v_bar),)))
-            return acc, m_new, l_i
-
-        carry = (
-            plgpu.layout_cast(jnp.zeros((LANES, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((LANES,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((LANES,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        )
-        acc, _, l_i = lax.fori_loop(0, steps, kv_step, carry)
-        l_safe = jnp.where(l_i > 0, l_i, 1.0)  # zero tiles and junk lanes: no key, output 0
-        o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
-        plgpu.commit_smem()
-        offset = q0 - window
-        for g in range(group):
-            _store_rows(o_smem, out_gmem, g * tq + offset, q0, qn, head * group + g, tq=tq)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        acc, _, l_i = lax.fori_loop(0, steps, kv_step, _initial_carry(head_dim))
+        _store_output(acc, l_i, o_smem, out_gmem, lanes_first_token=window, q0=q0, qn=qn, head=head, group=group,
+                      tq=tq)
 
     def body(*refs):
         pl.when(qn > 0)(functools.partial(work, *refs))  # the slack tiles of the static count: no tokens
@@ -269,8 +306,8 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
         plgpu.SMEM((LANES, block_kv), jnp.bfloat16, transforms=swizzled),
         plgpu.SMEM((LANES, head_dim), jnp.bfloat16),
         plgpu.Barrier(num_arrivals=group),
-        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=max(1, block_kv // block_size), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=max(1, block_kv // block_size), num_barriers=stages),
     )
 
 
