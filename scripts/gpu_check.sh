@@ -210,8 +210,12 @@ for s in $sections; do case $s in
         tests/kernels/test_ragged_paged_attention_mgpu.py
     run_section ragged-mgpu python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2,decode_b32_c4096 \
         --output-json "$OUT/attention_ragged_mgpu.json"
-    run_section ragged-mgpu-kv128 python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2 --no-reference \
-        --mgpu-ragged-block-kv 128 --output-json "$OUT/attention_ragged_mgpu_kv128.json" ;;
+    for cfg in "1 128" "2 64" "2 128"; do  # warpgroups, block_kv (the run above: 1, 64)
+      read -r wgs kv <<< "$cfg"
+      run_section ragged-mgpu-w$wgs-kv$kv python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2 \
+          --no-reference --mgpu-ragged-warpgroups $wgs --mgpu-ragged-block-kv $kv \
+          --output-json "$OUT/attention_ragged_mgpu_w${wgs}_kv$kv.json"
+    done ;;
   # Issue 27: S2 (input 1024 / output 128) v2-async with every mixed step's attention on each kernel.
   ragged-attn-engine)
     for k in pallas mgpu; do
