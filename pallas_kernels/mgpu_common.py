@@ -1,5 +1,6 @@
 """What the Mosaic GPU kernels here share: whether the GPU has wgmma, the SM count their default
-configs plan for, and the tile rules of a wgmma whose M side is a weight tile."""
+configs plan for, the input checks of the paged attention kernels, and the tile rules of a wgmma whose M
+side is a weight tile."""
 
 import jax
 
@@ -19,6 +20,19 @@ def device_sm_count() -> int:
     if jax.default_backend() == "gpu":
         return jax.devices()[0].core_count
     return H200_SMS
+
+
+def check_bf16_paged_attention(q, k_cache, v_cache) -> None:
+    """ValueError unless ``q [*, Hq, D]`` and the caches ``[num_layers, num_blocks, Hkv, block_size, D]``
+    agree and are all bfloat16 (``q``'s rank is the caller's to check)."""
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, Hkv, block_size, D], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[4] != q.shape[-1]:
+        raise ValueError(f"q's head_dim = {q.shape[-1]} differs from the cache's {k_cache.shape[4]}")
+    if q.dtype != "bfloat16" or k_cache.dtype != "bfloat16" or v_cache.dtype != "bfloat16":
+        raise ValueError(f"q and the caches must be bfloat16, got q {q.dtype}, k_cache {k_cache.dtype}, "
+                         f"v_cache {v_cache.dtype}")
 
 
 def check_weight_tile(tile_n: int, tile_k: int) -> None:

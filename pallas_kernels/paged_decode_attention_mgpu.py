@@ -93,7 +93,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import device_sm_count
+from pallas_kernels.mgpu_common import check_bf16_paged_attention, device_sm_count
 
 __all__ = ["DecodeConfig", "default_config", "paged_decode_attention_mgpu"]
 
@@ -128,21 +128,14 @@ def default_config(num_rows: int, num_kv_heads: int, max_context: int, *, num_sm
 def _check(q, k_cache, v_cache, block_tables, seq_lens, config: DecodeConfig) -> None:
     if q.ndim != 3:
         raise ValueError(f"q must be [R, Hq, D] (one query token per row), got shape {tuple(q.shape)}")
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, Hkv, block_size, D], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    check_bf16_paged_attention(q, k_cache, v_cache)
     num_rows, num_q_heads, head_dim = q.shape
-    _, _, num_kv_heads, block_size, d2 = k_cache.shape
-    if d2 != head_dim:
-        raise ValueError(f"q's head_dim = {head_dim} differs from the cache's {d2}")
+    _, _, num_kv_heads, block_size, _ = k_cache.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq = {num_q_heads} query heads is not a multiple of Hkv = {num_kv_heads} KV heads")
     if num_q_heads // num_kv_heads > _HEAD_PAD:
         raise ValueError(f"G = Hq / Hkv = {num_q_heads // num_kv_heads} query heads per KV head: at most "
                          f"{_HEAD_PAD} are supported")
-    if q.dtype != jnp.bfloat16 or k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
-        raise ValueError(f"q and the caches must be bfloat16, got q {q.dtype}, k_cache {k_cache.dtype}, "
-                         f"v_cache {v_cache.dtype}")
     if head_dim % 64:
         raise ValueError(f"head_dim = {head_dim} must be a multiple of 64 (wgmma's M for O^T = V^T P^T)")
     if block_size % 8 or (TILE % block_size and block_size % TILE):

@@ -73,6 +73,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mgpu_common import check_bf16_paged_attention
+
 __all__ = ["META_FIELDS", "PrefillConfig", "num_tiles", "ragged_paged_attention_mgpu", "tile_schedule"]
 
 LANES = 64  # query lanes per CTA: wgmma's M
@@ -142,19 +144,12 @@ def tile_schedule(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, num_r
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config: PrefillConfig) -> None:
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_layers, num_blocks, Hkv, block_size, D], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    check_bf16_paged_attention(q, k_cache, v_cache)
     _, num_q_heads, head_dim = q.shape
-    _, _, num_kv_heads, block_size, d2 = k_cache.shape
-    if d2 != head_dim:
-        raise ValueError(f"q's head_dim = {head_dim} differs from the cache's {d2}")
+    _, _, num_kv_heads, block_size, _ = k_cache.shape
     if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads not in (1, 2, 4, 8):
         raise ValueError(f"G = Hq / Hkv must be 1, 2, 4 or 8 (a head's query rows are a multiple of the 8-row "
                          f"tiling); got Hq = {num_q_heads}, Hkv = {num_kv_heads}")
-    if q.dtype != jnp.bfloat16 or k_cache.dtype != jnp.bfloat16 or v_cache.dtype != jnp.bfloat16:
-        raise ValueError(f"q and the caches must be bfloat16, got q {q.dtype}, k_cache {k_cache.dtype}, "
-                         f"v_cache {v_cache.dtype}")
     if head_dim % 64:
         raise ValueError(f"head_dim = {head_dim} must be a multiple of 64 (the 128-byte swizzle)")
     if config.warpgroups not in (1, 2):
@@ -178,6 +173,17 @@ def _tile_meta(meta_gmem, tile_id):
     row, q0, qn, window_8, window_pos, num_keys = (meta_gmem[tile_id * len(META_FIELDS) + f]
                                                    for f in range(len(META_FIELDS)))
     return row, q0, qn, window_8 * _ROW_TILE, window_pos, num_keys
+
+
+def _tile_setup(layer_gmem, meta_gmem, bt_gmem, *, group, max_blocks, num_blocks, block_size, block_kv):
+    """What both kernel bodies start from: the CTA's head, ``tq``, its tile's meta (``_tile_meta``), its
+    key-tile count and an ``issue(step, slot, rings)`` for its TMA ring."""
+    tile_id, head = lax.axis_index("tile"), lax.axis_index("head")
+    meta = _tile_meta(meta_gmem, tile_id)
+    row, num_keys = meta[0], meta[5]
+    issue = functools.partial(_issue_kv, row=row, layer=layer_gmem[0], head=head, bt_gmem=bt_gmem,
+                              max_blocks=max_blocks, num_blocks=num_blocks, block_size=block_size, block_kv=block_kv)
+    return head, LANES // group, meta, lax.div(num_keys + block_kv - 1, block_kv), issue
 
 
 def _issue_kv(step, slot, caches, *, row, layer, head, bt_gmem, max_blocks, num_blocks, block_size, block_kv):
@@ -262,13 +268,10 @@ def _store_output(acc, l_i, o_smem, out_gmem, *, lanes_first_token, q0, qn, head
 def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
                     num_blocks, block_size, block_kv, stages, scale_log2):
     """One warpgroup per CTA: it issues the TMA ring and computes (``PrefillConfig.warpgroups == 1``)."""
-    tile_id, head = lax.axis_index("tile"), lax.axis_index("head")
+    head, tq, (_, q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
+        layer_gmem, meta_gmem, bt_gmem, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
+        block_size=block_size, block_kv=block_kv)
     head_dim = q_gmem.shape[-1]
-    tq = LANES // group
-    row, q0, qn, window, window_pos, num_keys = _tile_meta(meta_gmem, tile_id)
-    steps = lax.div(num_keys + block_kv - 1, block_kv)
-    issue = functools.partial(_issue_kv, row=row, layer=layer_gmem[0], head=head, bt_gmem=bt_gmem,
-                              max_blocks=max_blocks, num_blocks=num_blocks, block_size=block_size, block_kv=block_kv)
 
     def work(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar):
         k_ring, v_ring = (k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar)
@@ -327,13 +330,11 @@ def _shared_ring_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, 
     second ``tq`` tokens), share one TMA ring, so each key tile read serves 128 lanes and one warpgroup's
     softmax runs beside the other's wgmma. Warpgroup 0 also issues the ring (no TMA-only warpgroup: the
     module docstring says why)."""
-    tile_id, head, wg = lax.axis_index("tile"), lax.axis_index("head"), lax.axis_index("wg")
+    head, tq, (_, q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
+        layer_gmem, meta_gmem, bt_gmem, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
+        block_size=block_size, block_kv=block_kv)
+    wg = lax.axis_index("wg")
     head_dim = q_gmem.shape[-1]
-    tq = LANES // group
-    row, q0, qn, window, window_pos, num_keys = _tile_meta(meta_gmem, tile_id)
-    steps = lax.div(num_keys + block_kv - 1, block_kv)
-    issue = functools.partial(_issue_kv, row=row, layer=layer_gmem[0], head=head, bt_gmem=bt_gmem,
-                              max_blocks=max_blocks, num_blocks=num_blocks, block_size=block_size, block_kv=block_kv)
 
     def work(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar, k_free, v_free, v_clean):
         k_ring, v_ring = (k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar)
