@@ -77,7 +77,7 @@ from pallas_kernels.mgpu_common import check_bf16_paged_attention
 
 __all__ = ["META_FIELDS", "PrefillConfig", "num_tiles", "ragged_paged_attention_mgpu", "tile_schedule"]
 
-LANES = 64  # query lanes per CTA: wgmma's M
+LANES = 64  # query lanes per warpgroup: wgmma's M
 _NEG = -1e30  # finite "minus infinity": exp2(_NEG - _NEG) = 1, not NaN, for a lane with no key yet
 _LOG2E = math.log2(math.e)
 # Per work tile: the row (for its block table), the first query token and their count, the window's
