@@ -63,7 +63,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.ragged_paged_attention_mgpu import PrefillConfig, ragged_paged_attention_mgpu
+from pallas_kernels.ragged_paged_attention_mgpu import RaggedConfig, ragged_paged_attention_mgpu
 
 PEAK_BW = 4.3e12  # measured H200 copy bandwidth, bytes/s
 PEAK_FLOPS = 790e12  # bf16 dense
@@ -197,7 +197,7 @@ def mgpu_ragged_attention(opts):
     overrides = dict(max_concurrent_steps=getattr(opts, "mgpu_ragged_stages", None),
                      block_kv=getattr(opts, "mgpu_ragged_block_kv", None),
                      warpgroups=getattr(opts, "mgpu_ragged_warpgroups", None))
-    config = PrefillConfig(**{k: v for k, v in overrides.items() if v is not None})
+    config = RaggedConfig(**{k: v for k, v in overrides.items() if v is not None})
     attn = functools.partial(ragged_paged_attention_mgpu, sm_scale=D**-0.5, config=config, interpret=opts.interpret)
     return attn, dataclasses.asdict(config)
 

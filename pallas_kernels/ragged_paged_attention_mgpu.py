@@ -15,7 +15,7 @@ Why. Half of an S2 step (input 1024 / output 128) is this attention, and its pre
 the tensor cores: the Triton kernel reaches ~200 TFLOP/s on an H200. Mosaic GPU reaches Hopper's wgmma
 and TMA, which FlashAttention-3 is built on.
 
-Algorithm. One CTA per (work tile, KV head), of one or two warpgroups (``PrefillConfig.warpgroups``).
+Algorithm. One CTA per (work tile, KV head), of one or two warpgroups (``RaggedConfig.warpgroups``).
 
 * Work tiles: wgmma's M side is 64 query lanes per warpgroup, ``TQ = 64 / G`` consecutive tokens of one
   row times the G heads of the KV head (lane ``g * TQ + t``), so a KV tile read once serves every head
@@ -45,7 +45,7 @@ Algorithm. One CTA per (work tile, KV head), of one or two warpgroups (``Prefill
   writes a token it does not own. Zero tiles (padding tokens) load nothing and store zeros; the slack
   tiles of the static count (no tokens) do nothing.
 
-Configs (``PrefillConfig``; the default is the first): one warpgroup, ``block_kv = 64``, 2 stages (~104
+Configs (``RaggedConfig``; the default is the first): one warpgroup, ``block_kv = 64``, 2 stages (~104
 KB of shared memory at ``D = 128``: two CTAs share an SM, one's softmax runs while the other's wgmma
 does); ``block_kv = 128`` (wider N, half the steps, ~176 KB); two warpgroups (each key tile read serves
 128 lanes; ~144 KB at 64 keys and 2 stages, ~224 KB at 128).
@@ -75,7 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mgpu_common import check_bf16_paged_attention
 
-__all__ = ["META_FIELDS", "PrefillConfig", "num_tiles", "ragged_paged_attention_mgpu", "tile_schedule"]
+__all__ = ["META_FIELDS", "RaggedConfig", "num_tiles", "ragged_paged_attention_mgpu", "tile_schedule"]
 
 LANES = 64  # query lanes per warpgroup: wgmma's M
 _NEG = -1e30  # finite "minus infinity": exp2(_NEG - _NEG) = 1, not NaN, for a lane with no key yet
@@ -87,7 +87,7 @@ _ROW_TILE = 8  # shared memory's row tiling: a TMA copy into a tiled buffer star
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillConfig:
+class RaggedConfig:
     """The kernel's key tile (``block_kv`` keys per pipeline step: wgmma's N for the scores, its K for
     ``P V``), pipeline depth (``max_concurrent_steps`` key tiles of shared memory per CTA) and
     ``warpgroups``: 1 (one warpgroup issues the ring and computes 64 lanes) or 2 (two warpgroups of 64
@@ -141,7 +141,7 @@ def tile_schedule(query_start_loc, seq_lens, num_seqs, *, num_tokens: int, num_r
     return meta[order]
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config: PrefillConfig) -> None:
+def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config: RaggedConfig) -> None:
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     check_bf16_paged_attention(q, k_cache, v_cache)
@@ -167,20 +167,14 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config:
         raise ValueError(f"max_concurrent_steps = {config.max_concurrent_steps} must be positive")
 
 
-def _tile_meta(meta_gmem, tile_id):
-    """The work tile's ``META_FIELDS``, its window's first token (a multiple of the row tiling, as the Q
-    copies' lowering must see) in place of ``window_8``."""
+def _tile_setup(layer_gmem, meta_gmem, bt_gmem, *, group, max_blocks, num_blocks, block_size, block_kv):
+    """What both kernel bodies start from: the CTA's head, ``tq``, its tile's ``(q0, qn, window, window_pos,
+    num_keys)`` (the window's first token as a multiple of the row tiling, as the Q copies' lowering must
+    see), its key-tile count and an ``issue(step, slot, rings)`` for its TMA ring."""
+    tile_id, head = lax.axis_index("tile"), lax.axis_index("head")
     row, q0, qn, window_8, window_pos, num_keys = (meta_gmem[tile_id * len(META_FIELDS) + f]
                                                    for f in range(len(META_FIELDS)))
-    return row, q0, qn, window_8 * _ROW_TILE, window_pos, num_keys
-
-
-def _tile_setup(layer_gmem, meta_gmem, bt_gmem, *, group, max_blocks, num_blocks, block_size, block_kv):
-    """What both kernel bodies start from: the CTA's head, ``tq``, its tile's meta (``_tile_meta``), its
-    key-tile count and an ``issue(step, slot, rings)`` for its TMA ring."""
-    tile_id, head = lax.axis_index("tile"), lax.axis_index("head")
-    meta = _tile_meta(meta_gmem, tile_id)
-    row, num_keys = meta[0], meta[5]
+    meta = (q0, qn, window_8 * _ROW_TILE, window_pos, num_keys)
     issue = functools.partial(_issue_kv, row=row, layer=layer_gmem[0], head=head, bt_gmem=bt_gmem,
                               max_blocks=max_blocks, num_blocks=num_blocks, block_size=block_size, block_kv=block_kv)
     return head, LANES // group, meta, lax.div(num_keys + block_kv - 1, block_kv), issue
@@ -265,13 +259,14 @@ def _store_output(acc, l_i, o_smem, out_gmem, *, lanes_first_token, q0, qn, head
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
+def _one_warpgroup_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
                     num_blocks, block_size, block_kv, stages, scale_log2):
-    """One warpgroup per CTA: it issues the TMA ring and computes (``PrefillConfig.warpgroups == 1``)."""
-    head, tq, (_, q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
+    """One warpgroup per CTA: it issues the TMA ring and computes (``RaggedConfig.warpgroups == 1``)."""
+    head, tq, (q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
         layer_gmem, meta_gmem, bt_gmem, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
         block_size=block_size, block_kv=block_kv)
     head_dim = q_gmem.shape[-1]
+    pages_per_tile = max(1, block_kv // block_size)
 
     def work(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar):
         k_ring, v_ring = (k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar)
@@ -319,18 +314,18 @@ def _prefill_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_
         plgpu.SMEM((LANES, block_kv), jnp.bfloat16, transforms=swizzled),
         plgpu.SMEM((LANES, head_dim), jnp.bfloat16),
         plgpu.Barrier(num_arrivals=group),
-        plgpu.Barrier(num_arrivals=max(1, block_kv // block_size), num_barriers=stages),
-        plgpu.Barrier(num_arrivals=max(1, block_kv // block_size), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
     )
 
 
 def _shared_ring_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
                         num_blocks, block_size, block_kv, stages, scale_log2):
-    """Two warpgroups per CTA (``PrefillConfig.warpgroups == 2``), 64 lanes each (the tile's first and
+    """Two warpgroups per CTA (``RaggedConfig.warpgroups == 2``), 64 lanes each (the tile's first and
     second ``tq`` tokens), share one TMA ring, so each key tile read serves 128 lanes and one warpgroup's
     softmax runs beside the other's wgmma. Warpgroup 0 also issues the ring (no TMA-only warpgroup: the
     module docstring says why)."""
-    head, tq, (_, q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
+    head, tq, (q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
         layer_gmem, meta_gmem, bt_gmem, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
         block_size=block_size, block_kv=block_kv)
     wg = lax.axis_index("wg")
@@ -429,7 +424,7 @@ def _store_rows(o_smem, out_gmem, smem_row, token, count, q_head, *, tq):
 
 
 def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                                sm_scale, sliding_window=None, config: PrefillConfig | None = None,
+                                sm_scale, sliding_window=None, config: RaggedConfig | None = None,
                                 interpret=False):
     """Attention of a ragged batch of query tokens over the paged KV cache (the module docstring).
 
@@ -441,7 +436,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_le
       num_seqs: int32 scalar, the number of real rows.
       sm_scale: softmax scale, a static Python float.
       sliding_window: must be None (not supported here; ragged_paged_attention takes it).
-      config: the pipeline depth; ``PrefillConfig()`` when None.
+      config: the key tile, pipeline depth and warpgroups; ``RaggedConfig()`` when None.
       interpret: run Mosaic GPU's interpreter on the CPU (CPU tests): ``True`` for its default
         ``plgpu.InterpretGPUParams()``, or such an instance.
 
@@ -450,7 +445,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_le
     """
     if sliding_window is not None:
         raise ValueError("ragged_paged_attention_mgpu has no sliding window: use ragged_paged_attention")
-    config = config or PrefillConfig()
+    config = config or RaggedConfig()
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = k_cache.shape
@@ -469,7 +464,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_le
         interpret = plgpu.InterpretGPUParams()
     shared = config.warpgroups == 2
     kernel = plgpu.kernel(
-        functools.partial(_shared_ring_kernel if shared else _prefill_kernel, group=group, max_blocks=max_blocks,
+        functools.partial(_shared_ring_kernel if shared else _one_warpgroup_kernel, group=group, max_blocks=max_blocks,
                           num_blocks=num_blocks, block_size=block_size, block_kv=config.block_kv, stages=stages,
                           scale_log2=float(sm_scale) * _LOG2E),
         out_type=jax.ShapeDtypeStruct((padded, num_q_heads, head_dim), jnp.bfloat16),

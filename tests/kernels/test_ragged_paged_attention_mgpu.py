@@ -17,7 +17,7 @@ import pytest
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention_mgpu import (
     META_FIELDS,
-    PrefillConfig,
+    RaggedConfig,
     num_tiles,
     ragged_paged_attention_mgpu,
     tile_schedule,
@@ -144,9 +144,9 @@ def check(batch, config=None, *, params=None):
 # single-stage ring and fewer tokens than one window (q padded).
 CASES = {
     "g4_bs32_two_warpgroups_races": ([(20, 20), (1, 200), (17, 80)], 4, 40, 8, 2, 64, 32, 7,
-                                     PrefillConfig(3, warpgroups=2)),
-    "g1_bs128_kv128_one_stage": ([(70, 130), (1, 5)], 3, 72, 2, 2, 64, 128, 2, PrefillConfig(1, block_kv=128)),
-    "g8_d128_two_warpgroups_t_below_window": ([(4, 12), (1, 50)], 2, 5, 16, 2, 128, 16, 4, PrefillConfig(warpgroups=2)),
+                                     RaggedConfig(3, warpgroups=2)),
+    "g1_bs128_kv128_one_stage": ([(70, 130), (1, 5)], 3, 72, 2, 2, 64, 128, 2, RaggedConfig(1, block_kv=128)),
+    "g8_d128_two_warpgroups_t_below_window": ([(4, 12), (1, 50)], 2, 5, 16, 2, 128, 16, 4, RaggedConfig(warpgroups=2)),
 }
 
 
@@ -211,11 +211,11 @@ def step_shapes(T, R, hq, hkv, d=128, bs=16, ctx=2048, layers=28):
 
 
 @pytest.mark.parametrize(("T", "R", "hq", "config"), [
-    (8192, 1024, 16, PrefillConfig()),  # Qwen3-0.6B, S2's step (G = 2)
-    (2048, 64, 32, PrefillConfig(4)),  # Qwen3-8B (G = 4), a deeper ring
-    (8192, 1024, 16, PrefillConfig(2, block_kv=128)),  # 128-key tiles
-    (8192, 1024, 16, PrefillConfig(2, block_kv=128, warpgroups=2)),  # two warpgroups, ~224 KB of shared memory
-    (2048, 64, 32, PrefillConfig(3, warpgroups=2)),
+    (8192, 1024, 16, RaggedConfig()),  # Qwen3-0.6B, S2's step (G = 2)
+    (2048, 64, 32, RaggedConfig(4)),  # Qwen3-8B (G = 4), a deeper ring
+    (8192, 1024, 16, RaggedConfig(2, block_kv=128)),  # 128-key tiles
+    (8192, 1024, 16, RaggedConfig(2, block_kv=128, warpgroups=2)),  # two warpgroups, ~224 KB of shared memory
+    (2048, 64, 32, RaggedConfig(3, warpgroups=2)),
 ])
 def test_cuda_lowering_accepts_qwen3_step_shapes(T, R, hq, config):
     """The real Mosaic GPU lowering (layouts, swizzles, wgmma shapes, TMA with the windows' proven
@@ -225,7 +225,7 @@ def test_cuda_lowering_accepts_qwen3_step_shapes(T, R, hq, config):
 
 
 def test_cuda_lowering_refuses_too_much_shared_memory():
-    f = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=128**-0.5, config=PrefillConfig(8)))
+    f = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=128**-0.5, config=RaggedConfig(8)))
     with pytest.raises(ValueError, match="shared memory"):
         f.trace(*step_shapes(512, 8, 16, 8)).lower(lowering_platforms=("cuda",))
 
@@ -246,10 +246,10 @@ def _bad(q=(8, 4, 64), cache=(2, 8, 2, 16, 64), bt=(4, 3), lens=(4,), qsl=(5,), 
     (_bad(q=(8, 4, 32), cache=(2, 8, 2, 16, 32)), {}, "head_dim = 32 must be a multiple of 64"),
     (_bad(cache=(2, 8, 2, 12, 64)), {}, "block_size = 12 must be a multiple of 8"),
     (_bad(qsl=(4,)), {}, "query_start_loc \\[R \\+ 1\\] disagree"),
-    (_bad(), {"config": PrefillConfig(0)}, "max_concurrent_steps = 0 must be positive"),
-    (_bad(), {"config": PrefillConfig(block_kv=96)}, "block_kv = 96 must be 64 or 128"),
-    (_bad(), {"config": PrefillConfig(warpgroups=3)}, "warpgroups = 3 must be 1 or 2"),
-    (_bad(cache=(2, 8, 2, 48, 64)), {"config": PrefillConfig(block_kv=128)}, "block_size = 48 .* that it divides"),
+    (_bad(), {"config": RaggedConfig(0)}, "max_concurrent_steps = 0 must be positive"),
+    (_bad(), {"config": RaggedConfig(block_kv=96)}, "block_kv = 96 must be 64 or 128"),
+    (_bad(), {"config": RaggedConfig(warpgroups=3)}, "warpgroups = 3 must be 1 or 2"),
+    (_bad(cache=(2, 8, 2, 48, 64)), {"config": RaggedConfig(block_kv=128)}, "block_size = 48 .* that it divides"),
     (_bad(), {"sliding_window": 128}, "no sliding window"),
 ])
 def test_bad_input_raises(args, kwargs, match):
@@ -258,8 +258,8 @@ def test_bad_input_raises(args, kwargs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, PrefillConfig(3), PrefillConfig(2, block_kv=128),
-                                    PrefillConfig(2, warpgroups=2), PrefillConfig(2, block_kv=128, warpgroups=2)])
+@pytest.mark.parametrize("config", [None, RaggedConfig(3), RaggedConfig(2, block_kv=128),
+                                    RaggedConfig(2, warpgroups=2), RaggedConfig(2, block_kv=128, warpgroups=2)])
 def test_gpu_qwen3_step_matches_reference(config):
     """The real kernel at Qwen3-0.6B's heads: three prefill chunks over earlier context (one of them
     off the 8-token grid), 40 decode rows of up to 2K tokens, padding rows and tokens."""
