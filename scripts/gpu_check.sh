@@ -220,7 +220,7 @@ for s in $sections; do case $s in
   # Issue 27: S2 (input 1024 / output 128) v2-async with every mixed step's attention on each kernel.
   ragged-attn-engine)
     for k in pallas mgpu; do
-      run_section ragged-attn-engine-$k python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+      run_section ragged-attn-engine-$k timeout 280 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
           --arms v2-async --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
           --max-num-batched-tokens 8192 --max-model-len 1280 --kernels ragged_attention=$k \
           --output-json "$OUT/ab_s2_ragged_attention_$k.json"
