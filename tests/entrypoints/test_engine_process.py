@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -62,18 +61,17 @@ STRUCTURED = {"schema": ({"response_format": {"type": "json_schema", "json_schem
 
 @pytest.fixture(scope="module")
 def engine_and_reference():
-    # The engine process starts (and loads its compiled steps) while this process builds the reference.
-    with ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(AsyncLLM.from_engine_args, MODEL_NAME, **ENGINE_PROCESS_ARGS)
-        llm = reference_llm()
-        params = [SamplingParams(**kw) for kw in CONCURRENT_PARAMS]
-        reference = {
-            "concurrent": [o.outputs[0].text for o in llm.generate(CONCURRENT, params, use_tqdm=False)],
-            "fused": llm.generate([LONG_PROMPT], SamplingParams(**FUSED), use_tqdm=False)[0].outputs[0].text,
-            "stop": llm.generate([LONG_PROMPT], SamplingParams(**STOP), use_tqdm=False)[0].outputs[0].text,
-            **{kind: llm.generate([LONG_PROMPT], SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so),
-                                  use_tqdm=False)[0].outputs[0].text for kind, (_, so) in STRUCTURED.items()}}
-        return starting.result(), reference
+    # The reference first, then the engine process: it loads the steps the reference compiled from the
+    # persistent cache (started beside it, it compiled the same programs at the same time).
+    llm = reference_llm()
+    params = [SamplingParams(**kw) for kw in CONCURRENT_PARAMS]
+    reference = {
+        "concurrent": [o.outputs[0].text for o in llm.generate(CONCURRENT, params, use_tqdm=False)],
+        "fused": llm.generate([LONG_PROMPT], SamplingParams(**FUSED), use_tqdm=False)[0].outputs[0].text,
+        "stop": llm.generate([LONG_PROMPT], SamplingParams(**STOP), use_tqdm=False)[0].outputs[0].text,
+        **{kind: llm.generate([LONG_PROMPT], SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=so),
+                              use_tqdm=False)[0].outputs[0].text for kind, (_, so) in STRUCTURED.items()}}
+    return AsyncLLM.from_engine_args(MODEL_NAME, **ENGINE_PROCESS_ARGS), reference
 
 
 @pytest.fixture(scope="module")
