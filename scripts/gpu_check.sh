@@ -211,9 +211,9 @@ for s in $sections; do case $s in
         tests/kernels/test_ragged_paged_attention_mgpu.py
     run_section ragged-mgpu timeout 200 python3 -m benchmarks.attention_kernel \
         --cases prefill,mixed_s2,decode_b32_c4096 --output-json "$OUT/attention_ragged_mgpu.json"
-    for cfg in "1 128" "2 64" "2 128"; do  # warpgroups, block_kv (the run above: 1, 64)
+    for cfg in "2 64" "1 128"; do  # warpgroups, block_kv (the run above: 1, 64)
       read -r wgs kv <<< "$cfg"
-      run_section ragged-mgpu-w$wgs-kv$kv timeout 100 python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2 \
+      run_section ragged-mgpu-w$wgs-kv$kv timeout 90 python3 -m benchmarks.attention_kernel --cases prefill,mixed_s2 \
           --no-reference --mgpu-ragged-warpgroups $wgs --mgpu-ragged-block-kv $kv \
           --output-json "$OUT/attention_ragged_mgpu_w${wgs}_kv$kv.json"
     done ;;
