@@ -18,8 +18,7 @@ random non-zero data and random (shuffled) block tables. Cases:
   mixed    S2's step: 7 whole 1024-token prompts beside 1024 decode rows of 1152 tokens (8,192 query
            tokens);
   every attention case also runs the Mosaic GPU ragged kernel (impl "mgpu_ragged",
-  ragged_paged_attention_mgpu, --mgpu-ragged-stages / --mgpu-ragged-block-kv / --mgpu-ragged-warpgroups for
-  its ring, key tile and warpgroups;
+  ragged_paged_attention_mgpu, --mgpu-ragged-stages / --mgpu-ragged-block-kv for its ring and key tile;
   --no-mgpu leaves it out);
   kv_write 256 and 8192 tokens into the cache: kv_write_t* the Triton kernel (kv_write.write_kv),
            kv_write_mgpu_t* the Mosaic GPU one (kv_write_mgpu.write_kv_mgpu), same shapes and timing.
@@ -195,8 +194,7 @@ def mgpu_attention(case, opts, max_blocks):
 def mgpu_ragged_attention(opts):
     """The Mosaic GPU ragged kernel (any case) and its config."""
     overrides = dict(max_concurrent_steps=getattr(opts, "mgpu_ragged_stages", None),
-                     block_kv=getattr(opts, "mgpu_ragged_block_kv", None),
-                     warpgroups=getattr(opts, "mgpu_ragged_warpgroups", None))
+                     block_kv=getattr(opts, "mgpu_ragged_block_kv", None))
     config = RaggedConfig(**{k: v for k, v in overrides.items() if v is not None})
     attn = functools.partial(ragged_paged_attention_mgpu, sm_scale=D**-0.5, config=config, interpret=opts.interpret)
     return attn, dataclasses.asdict(config)
@@ -394,8 +392,6 @@ def main(argv=None):
     p.add_argument("--mgpu-ragged-stages", type=int, default=None,
                    help="Mosaic GPU ragged kernel: max_concurrent_steps override")
     p.add_argument("--mgpu-ragged-block-kv", type=int, default=None, help="Mosaic GPU ragged kernel: block_kv override")
-    p.add_argument("--mgpu-ragged-warpgroups", type=int, default=None,
-                   help="Mosaic GPU ragged kernel: warpgroups override (1 or 2)")
     p.add_argument(
         "--interpret",
         action="store_true",

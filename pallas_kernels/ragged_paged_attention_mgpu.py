@@ -15,50 +15,50 @@ Why. Half of an S2 step (input 1024 / output 128) is this attention, and its pre
 the tensor cores: the Triton kernel reaches ~200 TFLOP/s on an H200. Mosaic GPU reaches Hopper's wgmma
 and TMA, which FlashAttention-3 is built on.
 
-Algorithm. One CTA per (work tile, KV head), of one or two warpgroups (``RaggedConfig.warpgroups``).
+Algorithm. One CTA of one warpgroup per (work tile, KV head).
 
 * Work tiles: wgmma's M side is 64 query lanes per warpgroup, ``TQ = 64 / G`` consecutive tokens of one
   row times the G heads of the KV head (lane ``g * TQ + t``), so a KV tile read once serves every head
-  that needs it, and a decode row (one token) fills G lanes instead of one. A tile is ``TQ`` tokens per
-  warpgroup. A jnp schedule (``tile_schedule``) cuts every row's tokens at tile windows that start on a
-  multiple of 8 (a TMA copy into a tiled buffer must), plus the padding tokens as a pseudo-row of zero
-  tiles; ``num_tiles`` (``cdiv(T + 7 (R + 1), tile) + R + 1``) always suffice, a static count: each of
-  the ``R + 1`` rows starts at most 7 tokens into its first window and ends at most one partial window.
-  The tiles are ordered by their key count, longest first, so the long causal tiles start first and
-  empty tiles come last. Each carries six int32s (``META_FIELDS``) that the kernel reads as scalars.
-* Queries: each warpgroup's ``TQ`` tokens of the window (moved back to ``T - tile`` at the end of ``q``;
+  that needs it, and a decode row (one token) fills G lanes instead of one. A jnp schedule
+  (``tile_schedule``) cuts every row's tokens at tile windows that start on a multiple of 8 (a TMA copy
+  into a tiled buffer must), plus the padding tokens as a pseudo-row of zero tiles; ``num_tiles``
+  (``cdiv(T + 7 (R + 1), tile) + R + 1``) always suffice, a static count: each of the ``R + 1`` rows
+  starts at most 7 tokens into its first window and ends at most one partial window. The tiles are
+  ordered by their key count, longest first, so the long causal tiles start first and empty tiles come
+  last. Each carries six int32s (``META_FIELDS``) that the kernel reads as scalars.
+* Queries: the ``TQ`` tokens of the window (moved back to ``T - tile`` at the end of ``q``;
   the wrapper pads ``q`` to a multiple of 8 of at least one tile), one TMA copy per head into rows
   ``g * TQ ..`` of a ``[64, D]`` swizzled tile. Lanes whose token is not the tile's compute junk and are
   never stored.
 * Keys: tiles of ``block_kv`` keys (64 or 128) through a ring of ``max_concurrent_steps`` shared-memory
   stages, each filled by ``block_kv / block_size`` TMA copies per cache (a page's ``[block_size, D]``
-  slab of one KV head is contiguous; page numbers read as scalars from ``block_tables``). One warpgroup
-  refills a stage as soon as its wgmma has read it (the ring of paged_decode_attention_mgpu.py); two
-  share the ring, each releasing a stage on a barrier, and warpgroup 0 refills it once both have.
+  slab of one KV head is contiguous; page numbers read as scalars from ``block_tables``). The warpgroup
+  refills a stage as soon as its wgmma has read it (the ring of paged_decode_attention_mgpu.py).
 * Scores ``S [64, block_kv] = Q [64, D] @ K^T`` (one wgmma), the causal mask per lane (``key <=
   position``), online softmax in base 2 (``sm_scale * log2 e`` folded in), ``P`` rounded to bf16 into a
   swizzled ``[64, block_kv]`` tile, ``O [64, D] += P @ V`` (one wgmma). On the last, partial key tile
   the values past the tile's context are zeroed in shared memory first (``p = 0`` there, but ``0 * NaN``
-  of a stale slot is NaN; with two warpgroups the first zeroes them for both).
-* Output: ``O / l`` in bf16 into an untiled ``[64, D]`` tile, then per head the warpgroup's rows go out
+  of a stale slot is NaN).
+* Output: ``O / l`` in bf16 into an untiled ``[64, D]`` tile, then per head the tile's rows go out
   by a ladder of TMA copies of ``2^j`` rows (a copy's shape is static, the row count is not), so no CTA
   writes a token it does not own. Zero tiles (padding tokens) load nothing and store zeros; the slack
   tiles of the static count (no tokens) do nothing.
 
-Configs (``RaggedConfig``; the default is the first): one warpgroup, ``block_kv = 64``, 2 stages (~104
-KB of shared memory at ``D = 128``: two CTAs share an SM, one's softmax runs while the other's wgmma
-does); ``block_kv = 128`` (wider N, half the steps, ~176 KB); two warpgroups (each key tile read serves
-128 lanes; ~144 KB at 64 keys and 2 stages, ~224 KB at 128).
+Configs (``RaggedConfig``): ``block_kv = 64`` and 2 stages by default (~104 KB of shared memory at
+``D = 128``: two CTAs share an SM, one's softmax runs while the other's wgmma does); ``block_kv = 128``
+(wider N, half the steps, ~176 KB). Two warpgroups sharing one ring were tried and lost on the H200
+(docs/benchmarks.md).
 
 Constraints of the Mosaic GPU lowering and its interpreter (as in paged_decode_attention_mgpu.py):
 wgmma's M is 64; shared memory for wgmma is tiled ``(8, 64)`` and 128-byte swizzled, so a head's ``TQ``
-query rows are a multiple of 8 (``G <= 8``); the interpreter cannot store into a wgmma accumulator,
-run wgmma under ``pl.run_state`` or take wgmma's A operand from registers, so each wgmma gets a fresh
-zero accumulator (``pl.run_scoped``), the rescaled ``O`` is carried in registers and ``P`` goes through
-shared memory. A third, TMA-only warpgroup (FlashAttention-3's producer, jax's ``attention_mgpu.py``)
-deadlocks the interpreter on a 2-core machine: three warpgroups blocked at barriers at once hold every
-XLA:CPU worker thread. On the CPU (tests) the kernel runs in Mosaic GPU's interpreter (``interpret=True``);
-lowering for CUDA on any backend checks the real lowering short of PTX.
+query rows are a multiple of 8 (``G <= 8``); the interpreter cannot store into a wgmma accumulator, run
+wgmma under ``pl.run_state`` or take wgmma's A operand from registers, so each wgmma gets a fresh zero
+accumulator (``pl.run_scoped``), the rescaled ``O`` is carried in registers and ``P`` goes through
+shared memory. A TMA-only producer warpgroup beside two compute warpgroups (FlashAttention-3's layout,
+jax's ``attention_mgpu.py``) deadlocked the interpreter on a 2-core machine: three warpgroups blocked at
+barriers at once hold every XLA:CPU worker thread. On the CPU (tests) the kernel runs in Mosaic GPU's
+interpreter (``interpret=True``); lowering for CUDA on any backend checks the real lowering short of
+PTX.
 """
 
 from __future__ import annotations
@@ -89,13 +89,10 @@ _ROW_TILE = 8  # shared memory's row tiling: a TMA copy into a tiled buffer star
 @dataclasses.dataclass(frozen=True)
 class RaggedConfig:
     """The kernel's key tile (``block_kv`` keys per pipeline step: wgmma's N for the scores, its K for
-    ``P V``), pipeline depth (``max_concurrent_steps`` key tiles of shared memory per CTA) and
-    ``warpgroups``: 1 (one warpgroup issues the ring and computes 64 lanes) or 2 (two warpgroups of 64
-    lanes share the ring)."""
+    ``P V``) and pipeline depth (``max_concurrent_steps`` key tiles of shared memory per CTA)."""
 
     max_concurrent_steps: int = 2
     block_kv: int = 64
-    warpgroups: int = 1
 
 
 def num_tiles(num_tokens: int, num_rows: int, tile_tokens: int) -> int:
@@ -152,8 +149,6 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config:
                          f"tiling); got Hq = {num_q_heads}, Hkv = {num_kv_heads}")
     if head_dim % 64:
         raise ValueError(f"head_dim = {head_dim} must be a multiple of 64 (the 128-byte swizzle)")
-    if config.warpgroups not in (1, 2):
-        raise ValueError(f"warpgroups = {config.warpgroups} must be 1 or 2")
     if config.block_kv not in (64, 128):
         raise ValueError(f"block_kv = {config.block_kv} must be 64 or 128")
     if block_size % 8 or (config.block_kv % block_size and block_size % config.block_kv):
@@ -168,7 +163,7 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, config:
 
 
 def _tile_setup(layer_gmem, meta_gmem, bt_gmem, *, group, max_blocks, num_blocks, block_size, block_kv):
-    """What both kernel bodies start from: the CTA's head, ``tq``, its tile's ``(q0, qn, window, window_pos,
+    """What the kernel starts from: the CTA's head, ``tq``, its tile's ``(q0, qn, window, window_pos,
     num_keys)`` (the window's first token as a multiple of the row tiling, as the Q copies' lowering must
     see), its key-tile count and an ``issue(step, slot, rings)`` for its TMA ring."""
     tile_id, head = lax.axis_index("tile"), lax.axis_index("head")
@@ -259,9 +254,9 @@ def _store_output(acc, l_i, o_smem, out_gmem, *, lanes_first_token, q0, qn, head
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _one_warpgroup_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
-                    num_blocks, block_size, block_kv, stages, scale_log2):
-    """One warpgroup per CTA: it issues the TMA ring and computes (``RaggedConfig.warpgroups == 1``)."""
+def _kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks, num_blocks,
+            block_size, block_kv, stages, scale_log2):
+    """One CTA's work tile and KV head: its warpgroup issues the TMA ring and computes."""
     head, tq, (q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
         layer_gmem, meta_gmem, bt_gmem, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
         block_size=block_size, block_kv=block_kv)
@@ -319,96 +314,6 @@ def _one_warpgroup_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem
     )
 
 
-def _shared_ring_kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *, group, max_blocks,
-                        num_blocks, block_size, block_kv, stages, scale_log2):
-    """Two warpgroups per CTA (``RaggedConfig.warpgroups == 2``), 64 lanes each (the tile's first and
-    second ``tq`` tokens), share one TMA ring, so each key tile read serves 128 lanes and one warpgroup's
-    softmax runs beside the other's wgmma. Warpgroup 0 also issues the ring (no TMA-only warpgroup: the
-    module docstring says why)."""
-    head, tq, (q0, qn, window, window_pos, num_keys), steps, issue = _tile_setup(
-        layer_gmem, meta_gmem, bt_gmem, group=group, max_blocks=max_blocks, num_blocks=num_blocks,
-        block_size=block_size, block_kv=block_kv)
-    wg = lax.axis_index("wg")
-    head_dim = q_gmem.shape[-1]
-
-    def work(q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar, k_free, v_free, v_clean):
-        k_ring, v_ring = (k_gmem, k_smem, k_bar), (v_gmem, v_smem, v_bar)
-        first_token = window + wg * tq
-        q_mine, p_mine = q_smem.at[wg], p_smem.at[wg]
-
-        @pl.when(steps > 0)  # a zero tile (padding tokens) only stores zeros
-        def _start():
-            _load_queries(q_gmem, q_mine, q_bar.at[wg], window=first_token, head=head, group=group, tq=tq)
-
-            @pl.when(wg == 0)
-            def _fill():
-                for i in range(stages):
-                    pl.when(i < steps)(functools.partial(issue, i, i, (k_ring, v_ring)))
-
-            plgpu.barrier_wait(q_bar.at[wg])
-
-        def release(free, slot, refill, ring):
-            """Both warpgroups arrive; warpgroup 0 waits for both (every phase: the interpreter checks that
-            a waiter sees each one) and refills the stage."""
-            plgpu.barrier_arrive(free.at[slot])
-
-            @pl.when(wg == 0)
-            def _refill():
-                plgpu.barrier_wait(free.at[slot])
-                pl.when(refill[0])(functools.partial(issue, refill[1], slot, (ring,)))
-
-        lane = plgpu.broadcasted_iota(jnp.int32, (LANES, block_kv), 0, layout=plgpu.Layout.WGMMA)
-        position = window_pos + wg * tq + lax.rem(lane, tq)
-
-        def kv_step(step, carry):
-            acc, m_i, l_i = carry
-            slot = lax.rem(step, stages)
-            refill = (step + stages < steps, step + stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-            s = _scores(q_mine, k_smem.at[slot])
-            release(k_free, slot, refill, k_ring)
-            p, alpha, m_i, l_i = _softmax_step(s, position, step * block_kv, m_i, l_i, scale_log2=scale_log2)
-            p_mine[...] = p.astype(p_mine.dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_wait(v_bar.at[slot])
-            n_live = num_keys - step * block_kv
-
-            @pl.when((n_live < block_kv) & (wg == 0))  # the last, partial tile: one warpgroup cleans it
-            def _clean():
-                _zero_dead_values(v_smem.at[slot], n_live)
-                plgpu.barrier_arrive(v_clean)
-
-            pl.when((n_live < block_kv) & (wg == 1))(functools.partial(plgpu.barrier_wait, v_clean))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _values(p_mine, v_smem.at[slot], head_dim)
-            release(v_free, slot, refill, v_ring)
-            return acc, m_i, l_i
-
-        acc, _, l_i = lax.fori_loop(0, steps, kv_step, _initial_carry(head_dim))
-        _store_output(acc, l_i, o_smem.at[wg], out_gmem, lanes_first_token=first_token, q0=q0, qn=qn, head=head,
-                      group=group, tq=tq)
-
-    def body(*refs):
-        pl.when(qn > 0)(functools.partial(work, *refs))  # the slack tiles of the static count: no tokens
-
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    pages_per_tile = max(1, block_kv // block_size)
-    pl.run_scoped(
-        body,
-        plgpu.SMEM((2, LANES, head_dim), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((stages, block_kv, head_dim), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((2, LANES, block_kv), jnp.bfloat16, transforms=swizzled),
-        plgpu.SMEM((2, LANES, head_dim), jnp.bfloat16),
-        plgpu.Barrier(num_arrivals=group, num_barriers=2),
-        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=pages_per_tile, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1),
-        collective_axes="wg",
-    )
-
-
 def _store_rows(o_smem, out_gmem, smem_row, token, count, q_head, *, tq):
     """Rows ``smem_row .. smem_row + count`` of ``o_smem`` to tokens ``token ..`` of ``q_head``: a ladder
     of TMA copies of ``2^j`` rows, one for each bit of ``count`` (``0 <= count <= tq``)."""
@@ -436,7 +341,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_le
       num_seqs: int32 scalar, the number of real rows.
       sm_scale: softmax scale, a static Python float.
       sliding_window: must be None (not supported here; ragged_paged_attention takes it).
-      config: the key tile, pipeline depth and warpgroups; ``RaggedConfig()`` when None.
+      config: the key tile and pipeline depth; ``RaggedConfig()`` when None.
       interpret: run Mosaic GPU's interpreter on the CPU (CPU tests): ``True`` for its default
         ``plgpu.InterpretGPUParams()``, or such an instance.
 
@@ -451,7 +356,7 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_le
     _, num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     num_rows, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
-    tile_tokens = LANES // group * config.warpgroups
+    tile_tokens = LANES // group
     if num_tokens == 0:
         return q
     padded = max(-(-num_tokens // _ROW_TILE) * _ROW_TILE, tile_tokens)
@@ -462,15 +367,12 @@ def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_le
     stages = max(1, min(config.max_concurrent_steps, max_tiles))
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-    shared = config.warpgroups == 2
     kernel = plgpu.kernel(
-        functools.partial(_shared_ring_kernel if shared else _one_warpgroup_kernel, group=group, max_blocks=max_blocks,
-                          num_blocks=num_blocks, block_size=block_size, block_kv=config.block_kv, stages=stages,
-                          scale_log2=float(sm_scale) * _LOG2E),
+        functools.partial(_kernel, group=group, max_blocks=max_blocks, num_blocks=num_blocks, block_size=block_size,
+                          block_kv=config.block_kv, stages=stages, scale_log2=float(sm_scale) * _LOG2E),
         out_type=jax.ShapeDtypeStruct((padded, num_q_heads, head_dim), jnp.bfloat16),
         grid=(meta.shape[0], num_kv_heads),
         grid_names=("tile", "head"),
-        **(dict(num_threads=2, thread_name="wg") if shared else {}),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
         kernel_name="ragged_paged_attention_mgpu",

@@ -136,17 +136,15 @@ def check(batch, config=None, *, params=None):
     assert err <= 1e-2, f"max error {err:.2e} of the largest output"
 
 
-# (rows as (q_len, context), R, T, Hq, Hkv, D, block_size, max_blocks, config): G = 4 with 32-token pages,
-# two warpgroups sharing a ring of 3 stages that a 200-token row reuses (run with the interpreter's race
-# detector: stages released by both warpgroups before a refill, dead values zeroed by one for both, P's
-# tiles rewritten every step, neighbouring tiles' stores into one 8-row window); G = 1 with 128-token
-# pages, 128-key tiles and one warpgroup's ring of one stage; G = 8 at head_dim 128, two warpgroups, a
-# single-stage ring and fewer tokens than one window (q padded).
+# (rows as (q_len, context), R, T, Hq, Hkv, D, block_size, max_blocks, config): G = 4 with 32-token pages
+# and a ring of 3 stages that a 200-token row reuses (run with the interpreter's race detector: stages
+# refilled after their reads, P's tile rewritten every step, neighbouring tiles' stores into one 8-row
+# window); G = 1 with 128-token pages, 128-key tiles and a ring of one stage; G = 8 at head_dim 128 and
+# fewer tokens than one window (q padded).
 CASES = {
-    "g4_bs32_two_warpgroups_races": ([(20, 20), (1, 200), (17, 80)], 4, 40, 8, 2, 64, 32, 7,
-                                     RaggedConfig(3, warpgroups=2)),
+    "g4_bs32_ring3_races": ([(20, 20), (1, 200), (17, 80)], 4, 40, 8, 2, 64, 32, 7, RaggedConfig(3)),
     "g1_bs128_kv128_one_stage": ([(70, 130), (1, 5)], 3, 72, 2, 2, 64, 128, 2, RaggedConfig(1, block_kv=128)),
-    "g8_d128_two_warpgroups_t_below_window": ([(4, 12), (1, 50)], 2, 5, 16, 2, 128, 16, 4, RaggedConfig(warpgroups=2)),
+    "g8_d128_t_below_window": ([(4, 12), (1, 50)], 2, 5, 16, 2, 128, 16, 4, RaggedConfig()),
 }
 
 
@@ -213,9 +211,7 @@ def step_shapes(T, R, hq, hkv, d=128, bs=16, ctx=2048, layers=28):
 @pytest.mark.parametrize(("T", "R", "hq", "config"), [
     (8192, 1024, 16, RaggedConfig()),  # Qwen3-0.6B, S2's step (G = 2)
     (2048, 64, 32, RaggedConfig(4)),  # Qwen3-8B (G = 4), a deeper ring
-    (8192, 1024, 16, RaggedConfig(2, block_kv=128)),  # 128-key tiles
-    (8192, 1024, 16, RaggedConfig(2, block_kv=128, warpgroups=2)),  # two warpgroups, ~224 KB of shared memory
-    (2048, 64, 32, RaggedConfig(3, warpgroups=2)),
+    (8192, 1024, 16, RaggedConfig(2, block_kv=128)),  # 128-key tiles, ~176 KB of shared memory
 ])
 def test_cuda_lowering_accepts_qwen3_step_shapes(T, R, hq, config):
     """The real Mosaic GPU lowering (layouts, swizzles, wgmma shapes, TMA with the windows' proven
@@ -248,7 +244,6 @@ def _bad(q=(8, 4, 64), cache=(2, 8, 2, 16, 64), bt=(4, 3), lens=(4,), qsl=(5,), 
     (_bad(qsl=(4,)), {}, "query_start_loc \\[R \\+ 1\\] disagree"),
     (_bad(), {"config": RaggedConfig(0)}, "max_concurrent_steps = 0 must be positive"),
     (_bad(), {"config": RaggedConfig(block_kv=96)}, "block_kv = 96 must be 64 or 128"),
-    (_bad(), {"config": RaggedConfig(warpgroups=3)}, "warpgroups = 3 must be 1 or 2"),
     (_bad(cache=(2, 8, 2, 48, 64)), {"config": RaggedConfig(block_kv=128)}, "block_size = 48 .* that it divides"),
     (_bad(), {"sliding_window": 128}, "no sliding window"),
 ])
@@ -258,8 +253,7 @@ def test_bad_input_raises(args, kwargs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, RaggedConfig(3), RaggedConfig(2, block_kv=128),
-                                    RaggedConfig(2, warpgroups=2), RaggedConfig(2, block_kv=128, warpgroups=2)])
+@pytest.mark.parametrize("config", [None, RaggedConfig(3), RaggedConfig(2, block_kv=128)])
 def test_gpu_qwen3_step_matches_reference(config):
     """The real kernel at Qwen3-0.6B's heads: three prefill chunks over earlier context (one of them
     off the 8-token grid), 40 decode rows of up to 2K tokens, padding rows and tokens."""
