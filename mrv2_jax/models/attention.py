@@ -51,7 +51,8 @@ class PagedAttention:
     # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i].
     one_token_rows: bool = False
     decode_kernel: str = "pallas"
-    # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU).
+    # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU). One-token rows never
+    # take the Mosaic GPU one (a row's token would fill G of its 64 lanes): they take decode_kernel's.
     ragged_kernel: str = "pallas"
     # Tensor parallelism: the jax.sharding.Mesh whose AXIS splits the heads of q, k, v and of the
     # KV cache; each device then writes and attends its own heads (shard_map), with the same
@@ -95,7 +96,7 @@ class PagedAttention:
             k_cache, v_cache = kv_write.write_kv(k_cache, v_cache, k, v, self.slot_mapping, layer,
                                                  interpret=self.interpret)
             attend = functools.partial(rpa.ragged_paged_attention, interpret=self.interpret)
-            if self.ragged_kernel == "mgpu":
+            if self.ragged_kernel == "mgpu" and not self.one_token_rows:
                 from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
 
                 attend = functools.partial(ragged_paged_attention_mgpu, interpret=self.interpret)

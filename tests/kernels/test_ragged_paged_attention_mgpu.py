@@ -8,6 +8,7 @@ reference at Qwen3-0.6B's shapes."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +195,32 @@ def test_engine_attention_through_the_ragged_kernel_matches_the_reference_path()
     assert np.abs(got - want).max() / np.abs(want).max() <= 1e-2
     for g, w in zip(got_cache, want_cache):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize(("one_token_rows", "decode_kernel", "kernel"), [
+    (False, "pallas", "ragged_paged_attention_mgpu"),  # a mixed step
+    (True, "pallas", "ragged_paged_attention"),  # fused decode: one token per row, the Triton kernel
+    (True, "mgpu", "paged_decode_attention_mgpu"),
+])
+def test_one_token_rows_never_take_the_mosaic_gpu_ragged_kernel(one_token_rows, decode_kernel, kernel):
+    """With `ragged_kernel="mgpu"`, the kernel a step's program calls: the Mosaic GPU ragged kernel for
+    mixed steps, `decode_kernel`'s for fused decode's one-token rows."""
+    from mrv2_jax.models.attention import PagedAttention
+
+    s = jax.ShapeDtypeStruct
+    i32 = functools.partial(s, dtype=jnp.int32)
+    cache = s((2, 16, 2, 16, 64), jnp.bfloat16)
+    q, kv = s((8, 4, 64), jnp.bfloat16), s((8, 2, 64), jnp.bfloat16)
+
+    def step(slots, tables, lens, qsl, num_seqs, q, k, v, layer, cache):
+        attention = PagedAttention(slots, tables, lens, qsl, num_seqs, interpret=True, ragged_kernel="mgpu",
+                                   one_token_rows=one_token_rows, decode_kernel=decode_kernel)
+        return attention(q, k, v, layer, cache, 0.125)
+
+    jaxpr = str(jax.make_jaxpr(step)(i32((8,)), i32((8, 4)), i32((8,)), i32((9,)), i32(()), q, kv, kv, i32(()),
+                                     (cache, cache)))
+    names = set(re.findall(r"\b(?:ragged_paged_attention|paged_decode_attention)\w*", jaxpr))
+    assert kernel in names and names <= {kernel}, names
 
 
 # ----------------------------------------------------------------------------------------
