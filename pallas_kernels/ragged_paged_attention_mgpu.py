@@ -241,16 +241,16 @@ def _initial_carry(head_dim):
             plgpu.layout_cast(jnp.zeros((LANES,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
 
-def _store_output(acc, l_i, o_smem, out_gmem, *, lanes_first_token, q0, qn, head, group, tq):
-    """``O / l`` in bf16 through ``o_smem``; the lanes' tokens ``[lanes_first_token, + tq)`` that are the
+def _store_output(acc, l_i, o_smem, out_gmem, *, window, q0, qn, head, group, tq):
+    """``O / l`` in bf16 through ``o_smem``; the lanes' tokens ``[window, window + tq)`` that are the
     tile's (``[q0, q0 + qn)``) go out, per head."""
     l_safe = jnp.where(l_i > 0, l_i, 1.0)  # zero tiles and junk lanes: no key, output 0
     o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
     plgpu.commit_smem()
-    first = jnp.maximum(q0, lanes_first_token)
-    count = jnp.clip(jnp.minimum(q0 + qn, lanes_first_token + tq) - first, 0, tq)
+    first = jnp.maximum(q0, window)
+    count = jnp.clip(jnp.minimum(q0 + qn, window + tq) - first, 0, tq)
     for g in range(group):
-        _store_rows(o_smem, out_gmem, g * tq + first - lanes_first_token, first, count, head * group + g, tq=tq)
+        _store_rows(o_smem, out_gmem, g * tq + first - window, first, count, head * group + g, tq=tq)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -294,8 +294,7 @@ def _kernel(layer_gmem, meta_gmem, bt_gmem, q_gmem, k_gmem, v_gmem, out_gmem, *,
             return acc, m_i, l_i
 
         acc, _, l_i = lax.fori_loop(0, steps, kv_step, _initial_carry(head_dim))
-        _store_output(acc, l_i, o_smem, out_gmem, lanes_first_token=window, q0=q0, qn=qn, head=head, group=group,
-                      tq=tq)
+        _store_output(acc, l_i, o_smem, out_gmem, window=window, q0=q0, qn=qn, head=head, group=group, tq=tq)
 
     def body(*refs):
         pl.when(qn > 0)(functools.partial(work, *refs))  # the slack tiles of the static count: no tokens
