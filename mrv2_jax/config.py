@@ -173,6 +173,11 @@ class KernelConfig:
     For the three sampler fields "kernel" means the kernel where it runs (GPUs), the jnp
     reference elsewhere.
     ``moe_backend``: the MoE experts' grouped GEMM, "pallas", "mgpu", "ragged_dot" or "dense".
+    ``sampler_truncation``: how the sampler finds the min_p / top_k / top_p cut-offs (the variants'
+    ``SamplerFeatures.top_k_top_p``): "threshold" (the row's top candidates, then the whole-row pieces
+    above for the rows they do not settle) or "sort" (one sort of every row). "auto": threshold on GPUs
+    and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
+    the threshold method searches every row anyway and compiles to a larger program.
     """
 
     attention: str = "auto"
@@ -182,6 +187,7 @@ class KernelConfig:
     moe_backend: str = "auto"
     decode_attention: str = "auto"
     ragged_attention: str = "auto"
+    sampler_truncation: str = "auto"
 
     # Field -> (environment variable of its default or None, allowed values).
     CHOICES = {
@@ -192,6 +198,7 @@ class KernelConfig:
         "moe_backend": ("MRV2_MOE_BACKEND", envs.SWITCHES["MRV2_MOE_BACKEND"].allowed),
         "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
+        "sampler_truncation": (None, ("auto", "threshold", "sort")),
     }
 
     def __post_init__(self) -> None:
@@ -239,11 +246,13 @@ class KernelConfig:
         def sampler(value: str) -> str:
             return ("kernel" if gpu else "reference") if value in ("auto", "kernel") else value
 
+        pieces = [sampler(self.sampler_logit_stats), sampler(self.sampler_noise_pass), sampler(self.sampler_slow_path)]
+        threshold = gpu or any(piece != "reference" for piece in pieces)  # a piece in the interpreter
         return KernelConfig(attention=auto(self.attention, "pallas", "reference"),
-                            sampler_logit_stats=sampler(self.sampler_logit_stats),
-                            sampler_noise_pass=sampler(self.sampler_noise_pass),
-                            sampler_slow_path=sampler(self.sampler_slow_path),
+                            sampler_logit_stats=pieces[0], sampler_noise_pass=pieces[1], sampler_slow_path=pieces[2],
                             moe_backend=auto(self.moe_backend, "mgpu" if gpu and has_wgmma() else "pallas",
                                              "ragged_dot"),
                             decode_attention=auto(self.decode_attention, "pallas", "pallas"),
-                            ragged_attention=auto(self.ragged_attention, "pallas", "pallas"))
+                            ragged_attention=auto(self.ragged_attention, "pallas", "pallas"),
+                            sampler_truncation=(("threshold" if threshold else "sort")
+                                                if self.sampler_truncation == "auto" else self.sampler_truncation))

@@ -62,12 +62,20 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     config = KernelConfig.parse("attention=reference")
     assert config == KernelConfig(attention="reference", sampler_noise_pass="interpret", moe_backend="dense")
     assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense", "pallas",
-                                                  "pallas")
+                                                  "pallas", "threshold")
+    # The noise pass in the interpreter: a Pallas program, so the truncation stays the threshold method.
     assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense", "pallas",
-                                                  "pallas")
+                                                  "pallas", "threshold")
     # "kernel" for a sampler pass: the kernel where it runs, the jnp reference elsewhere.
     assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
     assert KernelConfig().resolved("gpu").attention == "pallas"
+    # The truncation: the threshold method on GPUs and where a sampler piece runs in the interpreter, one
+    # sort per row elsewhere; an explicit choice stands.
+    assert KernelConfig().resolved("gpu").sampler_truncation == "threshold"
+    assert KernelConfig().resolved("cpu").sampler_truncation == "sort"
+    assert KernelConfig(sampler_slow_path="interpret").resolved("cpu").sampler_truncation == "threshold"
+    assert KernelConfig(sampler_truncation="threshold").resolved("cpu").sampler_truncation == "threshold"
+    assert KernelConfig(sampler_truncation="sort").resolved("gpu").sampler_truncation == "sort"
     assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
     assert KernelConfig().resolved("gpu").moe_backend == "pallas"  # this CPU has no wgmma
     assert KernelConfig().resolved("gpu").decode_attention == "pallas"

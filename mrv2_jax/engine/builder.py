@@ -80,7 +80,8 @@ def warms_up(config: EngineConfig) -> bool:
 
 def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_model_len: int,
                 spec_decoder=None, tensor_parallel=None, program_store=None) -> Runner:
-    variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels))
+    variants = variants_by_name(config.sampler_variants or default_variant_names(), sampler_kernels(config.kernels),
+                                truncation=config.kernels.sampler_truncation)
     kwargs = dict(num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
                   sampler_variants=variants, use_kernels=config.kernels.attention == "pallas",
                   max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,

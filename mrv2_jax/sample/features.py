@@ -81,8 +81,10 @@ class SamplerFeatures:
     # automaton state, which the step advances; without it the step holds none of that.
     structured: bool = False
     runtime_skip: bool = True
-    # "threshold": k-ary search for the top-k / top-p cut-offs (a fixed number of passes over
-    # the logits, no sort); "sort": one full sort per row (reference; for speed comparisons).
+    # "threshold": the row's top candidates, then a k-ary search for the top-k / top-p cut-offs
+    # of the rows they do not settle (a fixed number of passes over the logits, no sort); "sort":
+    # one full sort per row (the reference; engines take it where the sampler runs as jnp alone:
+    # KernelConfig.sampler_truncation).
     top_k_top_p: str = "threshold"
     # Candidates per pass of the jnp search: passes = ceil(32 / log2(arity)), arity - 1
     # accumulators per pass; XLA's reduction slows down with many accumulators (docs/sampler.md).
@@ -180,14 +182,15 @@ def default_variant_names(backend: str | None = None) -> tuple[str, ...]:
     return ("greedy", "plain", "full", "all") if backend == "gpu" else ("greedy", "all")
 
 
-def variants_by_name(names, kernels: SamplerKernels | None = None) -> tuple[SamplerFeatures, ...]:
+def variants_by_name(names, kernels: SamplerKernels | None = None,
+                     truncation: str = "threshold") -> tuple[SamplerFeatures, ...]:
     """("greedy", "plain", "all") or a comma-separated string of them -> feature sets, each with
-    `kernels` (None: the jnp defaults). The last must be "all" (a step with any feature falls
-    back on it)."""
+    `kernels` (None: the jnp defaults) and `truncation` (their top_k_top_p method). The last must
+    be "all" (a step with any feature falls back on it)."""
     names = tuple(n.strip() for n in names.split(",")) if isinstance(names, str) else tuple(names)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
         raise ValueError(f"sampler variants must be names from {sorted(VARIANTS)}, got {names!r}")
     if names[-1] != "all" or len(set(names)) != len(names):
         raise ValueError(f"sampler variants must be distinct and end with 'all', got {names!r}")
-    return tuple(VARIANTS[n]().replace(kernels=kernels or SamplerKernels()) for n in names)
+    return tuple(VARIANTS[n]().replace(kernels=kernels or SamplerKernels(), top_k_top_p=truncation) for n in names)

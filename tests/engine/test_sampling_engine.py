@@ -121,7 +121,9 @@ def test_seeded_sampling_with_every_feature_is_batch_invariant(llm):
 
 def test_static_sampler_variants_give_the_same_outputs(llm, monkeypatch):
     """A runner compiled with a greedy/temperature-only variant plus a full one (no runtime
-    skips) picks per step and agrees with the single runtime-skipping variant."""
+    skips) picks per step and agrees with the single runtime-skipping variant. Its variants find
+    the top_k / top_p cut-offs by the threshold method (the GPUs' default), the module's engines
+    by one sort per row (the CPU's): the two methods give the same tokens through the engine."""
     variants = (SamplerFeatures(), SamplerFeatures.all(runtime_skip=False))
 
     class StaticVariants(v1.ModelRunnerV1):
@@ -131,6 +133,8 @@ def test_static_sampler_variants_give_the_same_outputs(llm, monkeypatch):
     monkeypatch.setattr(v1, "ModelRunnerV1", StaticVariants)
     static = make_llm(num_gpu_blocks=26, max_num_batched_tokens=8)  # one bucket: a quick compile
     assert isinstance(static.engine.runner, StaticVariants)
+    assert static.engine.runner.sampler_variants[-1].top_k_top_p == "threshold"
+    assert llm.engine.runner.sampler_variants[-1].top_k_top_p == "sort"
     prompts = random_prompts(4, seed=16)
     plain = [SamplingParams(max_tokens=6, temperature=t, seed=3, ignore_eos=True) for t in (0.0, 1.0)]
     fancy = [SamplingParams(max_tokens=6, temperature=0.8, top_p=0.7, presence_penalty=1.0, seed=4,
@@ -161,8 +165,9 @@ def test_plain_sampling_batches_take_the_variant_without_conditionals():
     three = make_llm(**quick, sampler_variants="greedy,plain,all")
     two = make_llm(**quick, sampler_variants="greedy,all")
     runner = three.engine.runner
-    assert runner.sampler_variants == (SamplerFeatures.greedy(), SamplerFeatures.plain_sampling(),
-                                       SamplerFeatures.all())
+    # Every sampler piece in jnp here (CPU): the engine's truncation is one sort per row.
+    assert runner.sampler_variants == tuple(f.replace(top_k_top_p="sort") for f in (
+        SamplerFeatures.greedy(), SamplerFeatures.plain_sampling(), SamplerFeatures.all()))
     programs = [fn.as_text() for fn in next(iter(runner.compiled.values()))[1]]
     assert "conditional(" not in programs[1] and "conditional(" in programs[2]
     used = count_variant_calls(runner)

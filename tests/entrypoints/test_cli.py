@@ -39,7 +39,8 @@ def test_kernels_flag_parses_into_the_engine_kernel_config(monkeypatch):
     kernels = EngineConfig(**engine_kwargs(args)).kernels
     assert kernels == KernelConfig(attention="pallas", sampler_logit_stats="reference", sampler_noise_pass="reference",
                                    sampler_slow_path="interpret", moe_backend="dense",
-                                   decode_attention="pallas", ragged_attention="pallas")  # the CPU's resolution
+                                   decode_attention="pallas", ragged_attention="pallas",
+                                   sampler_truncation="threshold")  # the CPU's resolution
     for bad, named in (("attention=fast", "KernelConfig.attention"), ("sampler=kernel", "unknown kernel fields"),
                        ("attention", "field=value")):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--kernels", bad])
