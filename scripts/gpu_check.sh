@@ -216,11 +216,14 @@ for s in $sections; do case $s in
         --output-json "$OUT/attention_ragged_mgpu_s2.json" ;;
   # Issue 27: S2 (input 1024 / output 128) v2-async with every mixed step's attention on each kernel.
   ragged-attn-engine)
-    for k in pallas mgpu; do
-      run_section ragged-attn-engine-$k timeout 280 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-          --arms v2-async --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 \
-          --max-num-batched-tokens 8192 --max-model-len 1280 --kernels ragged_attention=$k \
-          --output-json "$OUT/ab_s2_ragged_attention_$k.json"
+    # RAGGED_ENGINE_ARMS: kernel[@max_fused_rows] each (default "pallas mgpu"); "mgpu@1024" also sends
+    # the decode-only steps of up to 1024 rows through fused decode (one-token rows: the decode kernel).
+    for arm in ${RAGGED_ENGINE_ARMS:-pallas mgpu}; do
+      k=${arm%@*}; rows=(); [[ $arm == *@* ]] && rows=(--max-fused-rows "${arm#*@}")
+      run_section ragged-attn-engine-${arm/@/-rows} timeout 280 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
+          --load-format dummy --arms v2-async --input-len 1024 --output-len 128 --num-prompts 1000 \
+          --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 1280 --kernels ragged_attention=$k \
+          "${rows[@]}" --output-json "$OUT/ab_s2_ragged_attention_${arm/@/_rows}.json"
     done ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
