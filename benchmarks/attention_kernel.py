@@ -19,7 +19,8 @@ random non-zero data and random (shuffled) block tables. Cases:
            tokens);
   every attention case also runs the Mosaic GPU ragged kernel (impl "mgpu_ragged",
   ragged_paged_attention_mgpu, --mgpu-ragged-stages / --mgpu-ragged-block-kv for its ring and key tile;
-  --no-mgpu leaves it out);
+  --no-mgpu leaves it out); each prefill case also runs JAX's dense Mosaic GPU flash attention on
+  the same shapes (impl "dense_anchor", benchmarks/dense_attention_anchor.py; not with --interpret);
   kv_write 256 and 8192 tokens into the cache: kv_write_t* the Triton kernel (kv_write.write_kv),
            kv_write_mgpu_t* the Mosaic GPU one (kv_write_mgpu.write_kv_mgpu), same shapes and timing.
 
@@ -51,6 +52,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks import dense_attention_anchor
 from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment
 from pallas_kernels.kv_write import write_kv, write_kv_reference
@@ -234,6 +236,8 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
             )
         except Exception as e:
             out["mgpu_ragged_error"], ragged = f"{type(e).__name__}: {e}"[:2000], None
+    if with_mgpu and not getattr(opts, "no_mgpu", False) and not opts.interpret and is_prefill(case):
+        out.update(bench_dense_anchor(case, inner, opts, flops))
     if with_reference:
         # The per-token/per-row reference materialises about 2-4 copies of the gathered KV.
         ref_gib = 4 * R * args[4].shape[1] * BS * HKV * D * 2 / 2**30
@@ -258,6 +262,32 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
                 got = chained_attention(ragged, 1)(*args).astype(jnp.float32)
                 out["mgpu_ragged_max_rel_err"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     return out
+
+
+def is_prefill(case):
+    """Whole prompts only: each row's queries are its whole context."""
+    return case["q_len"] == case["ctx"] and not case.get("decode_rows")
+
+
+def bench_dense_anchor(case, inner, opts, flops):
+    """JAX's dense Mosaic GPU attention on the case's shapes: {"dense_anchor": figures,
+    "dense_anchor_config": ...} of its faster key tile, or {"dense_anchor_error": ...}."""
+    q, k, v = dense_attention_anchor.dense_inputs(case["rows"], case["q_len"], HQ, HKV, D, DTYPE)
+    nbytes = 2 * (q.size + k.size + v.size)  # bf16: q, out, K and V once
+    best, errors = None, []
+    for block_kv in dense_attention_anchor.BLOCK_KV:
+        try:
+            seconds = time_call(chained_attention(dense_attention_anchor.dense_attention(block_kv), inner), (q, k, v),
+                                inner=inner, runs=opts.runs, warmup=opts.warmup)
+        except Exception as e:
+            errors.append(f"block_kv={block_kv}: {type(e).__name__}: {e}"[:1000])
+            continue
+        if best is None or seconds < best[0]:
+            best = (seconds, block_kv)
+    if best is None:
+        return {"dense_anchor_error": " | ".join(errors)}
+    config = dict(block_q=dense_attention_anchor.BLOCK_Q, block_kv=best[1], max_concurrent_steps=2)
+    return {"dense_anchor": figures(best[0], nbytes, flops), "dense_anchor_config": config}
 
 
 def bench_write(case, opts):
@@ -352,7 +382,7 @@ def run_sweep(name, case, opts):
 
 def fmt_cfg(cfg):
     short = dict(block_m="m", block_n="n", num_kv_splits="s", num_warps="w", num_stages="st", num_splits="s",
-                 max_concurrent_steps="st")
+                 max_concurrent_steps="st", block_q="q", block_kv="kv")
     return " ".join(f"{short[k]}={v}" for k, v in cfg.items() if k in short)
 
 
@@ -449,7 +479,8 @@ def main(argv=None):
                 continue
             report["results"].append(dict(case=name, **case, **r))
             for impl, cfg in (("kernel", r["config"]), ("mgpu", r.get("mgpu_config")),
-                              ("mgpu_ragged", r.get("mgpu_ragged_config")), ("reference", {})):
+                              ("mgpu_ragged", r.get("mgpu_ragged_config")),
+                              ("dense_anchor", r.get("dense_anchor_config")), ("reference", {})):
                 if impl in r:
                     print(fmt_row(name, impl, cfg, r[impl]), flush=True)
             if "max_rel_err" in r:
@@ -458,6 +489,8 @@ def main(argv=None):
                 print(f"{'':22s} max relative error mgpu vs reference: {r['mgpu_max_rel_err']:.2e}", flush=True)
             if "mgpu_ragged_error" in r:
                 print(f"{name:22s} mgpu_ragged FAILED {r['mgpu_ragged_error'][:500]}", flush=True)
+            if "dense_anchor_error" in r:
+                print(f"{name:22s} dense_anchor FAILED {r['dense_anchor_error'][:500]}", flush=True)
             if "mgpu_ragged_max_rel_err" in r:
                 print(f"{'':22s} max relative error mgpu_ragged vs reference: {r['mgpu_ragged_max_rel_err']:.2e}",
                       flush=True)
