@@ -272,8 +272,8 @@ def is_prefill(case):
 def bench_dense_anchor(case, inner, opts, flops):
     """JAX's dense Mosaic GPU attention on the case's shapes: {"dense_anchor": figures,
     "dense_anchor_config": ...} of its faster key tile, or {"dense_anchor_error": ...}."""
-    q, k, v = dense_attention_anchor.dense_inputs(case["rows"], case["q_len"], HQ, HKV, D, DTYPE)
-    nbytes = 2 * (q.size + k.size + v.size)  # bf16: q, out, K and V once
+    q, k, v = dense_attention_anchor.dense_inputs(case["rows"], case["q_len"], HQ, HKV, D)
+    nbytes = 2 * (q.size + k.size + v.size)  # float16: q, out, K and V once
     best, errors = None, []
     for block_kv in dense_attention_anchor.BLOCK_KV:
         try:
