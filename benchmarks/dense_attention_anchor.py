@@ -10,11 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+DTYPE = jnp.float16
 BLOCK_Q = 64  # per compute warpgroup: a CTA takes 2 x 64 query rows of one head
 BLOCK_KV = (128, 64)  # tried in this order; the faster one is reported
-
-
-DTYPE = jnp.float16
 
 
 def dense_inputs(rows: int, seq_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seed: int = 0):
