@@ -165,7 +165,8 @@ class KernelConfig:
     GPU, pallas_kernels/paged_decode_attention_mgpu.py; Hopper-class GPUs).
     ``ragged_attention``: with ``attention`` "pallas", the kernel of every other step (mixed prefill and
     decode rows): "pallas" (the Triton kernel, pallas_kernels/ragged_paged_attention.py) or "mgpu" (the
-    Mosaic GPU kernel, pallas_kernels/ragged_paged_attention_mgpu.py; Hopper-class GPUs).
+    Mosaic GPU kernel, pallas_kernels/ragged_paged_attention_mgpu.py; Hopper-class GPUs; a mixed step's
+    one-token rows then take ``decode_attention``'s kernel).
     ``sampler_logit_stats``: the sampler's pass over the logits and rank count, "kernel",
     "interpret" (the Pallas interpreter: tests) or "reference" (jnp).
     ``sampler_noise_pass``, ``sampler_slow_path``: the sampler's whole-row noise pass and

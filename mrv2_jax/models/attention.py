@@ -52,7 +52,8 @@ class PagedAttention:
     one_token_rows: bool = False
     decode_kernel: str = "pallas"
     # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU). One-token rows never
-    # take the Mosaic GPU one (a row's token would fill G of its 64 lanes): they take decode_kernel's.
+    # take the Mosaic GPU one (a row's token would fill G of its 64 lanes): they take decode_kernel's,
+    # in fused decode and in mixed steps alike (_mixed_rows_mgpu).
     ragged_kernel: str = "pallas"
     # Tensor parallelism: the jax.sharding.Mesh whose AXIS splits the heads of q, k, v and of the
     # KV cache; each device then writes and attends its own heads (shard_map), with the same
@@ -97,9 +98,7 @@ class PagedAttention:
                                                  interpret=self.interpret)
             attend = functools.partial(rpa.ragged_paged_attention, interpret=self.interpret)
             if self.ragged_kernel == "mgpu" and not self.one_token_rows:
-                from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
-
-                attend = functools.partial(ragged_paged_attention_mgpu, interpret=self.interpret)
+                attend = functools.partial(_mixed_rows_mgpu, decode_kernel=self.decode_kernel, interpret=self.interpret)
             if self.one_token_rows and self.decode_kernel == "mgpu":
                 attend = functools.partial(_one_token_rows_mgpu, interpret=self.interpret)
         else:
@@ -129,3 +128,31 @@ def _one_token_rows_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, que
     row_of_token = jnp.searchsorted(query_start_loc[1:], tokens, side="right", method="compare_all")
     real = tokens < query_start_loc[num_seqs]
     return jnp.where(real[:, None, None], out_rows[jnp.minimum(row_of_token, num_rows - 1)], 0)
+
+
+def _mixed_rows_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
+                     sm_scale, decode_kernel="pallas", interpret=False):
+    """ragged_paged_attention for a mixed step through the Mosaic GPU ragged kernel, its one-token rows
+    (decode rows) through `decode_kernel`'s: the ragged kernel sees those rows without context (a tile
+    that reads no keys and stores zeros), then one call of the decode kernel attends every row's first
+    token at q[row] (rows with more tokens attend one token more, whose output is dropped) and the
+    decode rows' outputs replace those zeros."""
+    from pallas_kernels import ragged_paged_attention as rpa
+    from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
+
+    num_rows, num_tokens = block_tables.shape[0], q.shape[0]
+    starts = query_start_loc[:num_rows]
+    decode = (query_start_loc[1:] - starts == 1) & (jnp.arange(num_rows) < num_seqs)
+    out = ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, jnp.where(decode, 0, seq_lens),
+                                      query_start_loc, num_seqs, sm_scale=sm_scale, interpret=interpret)
+    q_rows = q[jnp.minimum(starts, num_tokens - 1)]
+    if decode_kernel == "mgpu":
+        from pallas_kernels.paged_decode_attention_mgpu import paged_decode_attention_mgpu
+
+        out_rows = paged_decode_attention_mgpu(q_rows, k_cache, v_cache, block_tables, seq_lens, num_seqs, layer=layer,
+                                               sm_scale=sm_scale, interpret=interpret)
+    else:
+        out_rows = rpa.ragged_paged_attention(q_rows, k_cache, v_cache, layer, block_tables, seq_lens,
+                                              jnp.arange(num_rows + 1, dtype=jnp.int32), num_seqs, sm_scale=sm_scale,
+                                              interpret=interpret)
+    return out.at[jnp.where(decode, starts, num_tokens)].set(out_rows.astype(out.dtype), mode="drop")

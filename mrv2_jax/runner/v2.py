@@ -153,7 +153,8 @@ class ModelRunnerV2(RunnerBase):
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
-        `ragged_attention` that of every other step (KernelConfig.ragged_attention)."""
+        `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
+        rows take `decode_attention`'s where it is "mgpu"."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -254,7 +255,7 @@ class ModelRunnerV2(RunnerBase):
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                        inputs.query_start_loc, x["num_reqs"], use_kernels=use_kernels, mesh=mesh,
-                                       ragged_kernel=self.ragged_attention)
+                                       decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention)
             if self.spec is not None:
                 kv_cache, state, sampler_state, spec_state, out = self.spec.v2_step(
                     model(param_leaves), spec_params, spec_state, kv_cache, state, sampler_state,

@@ -163,11 +163,13 @@ def test_interpreted_kernel_matches_reference(case):
         assert not gpu_callbacks.get_races().races_found
 
 
-def test_engine_attention_through_the_ragged_kernel_matches_the_reference_path():
+@pytest.mark.parametrize("decode_kernel", ["pallas", "mgpu"])
+def test_engine_attention_through_the_ragged_kernel_matches_the_reference_path(decode_kernel):
     """PagedAttention as the runners build it with `ragged_kernel="mgpu"` (G = 2): prefill chunks over
-    earlier context (one off the 8-token grid), decode rows side by side, an empty row, padding rows
-    and tokens. This step's K/V are written first (the Triton KV write), then attended: the outputs
-    equal the jnp reference path's, the padding tokens' are 0, the caches are the same."""
+    earlier context (one off the 8-token grid), decode rows side by side (through `decode_kernel`'s
+    kernel), an empty row, padding rows and tokens. This step's K/V are written first (the Triton KV
+    write), then attended: the outputs equal the jnp reference path's, the padding tokens' are 0, the
+    caches are the same."""
     from mrv2_jax.models.attention import PagedAttention
 
     rows = [(3, 70), (1, 37), (0, 10), (41, 120), (1, 1), (9, 9)]
@@ -188,7 +190,8 @@ def test_engine_attention_through_the_ragged_kernel_matches_the_reference_path()
     cache = (k_cache, v_cache)
     want, want_cache = attend(meta, q, k_new, v_new, layer, cache, options=(("use_kernels", False),))
     got, got_cache = attend(meta, q, k_new, v_new, layer, cache,
-                            options=(("use_kernels", True), ("interpret", not on_gpu), ("ragged_kernel", "mgpu")))
+                            options=(("use_kernels", True), ("interpret", not on_gpu), ("ragged_kernel", "mgpu"),
+                                     ("decode_kernel", decode_kernel)))
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert not np.isnan(got).any()
     np.testing.assert_array_equal(got[b["qsl"][len(rows)]:], 0.0)
@@ -197,14 +200,16 @@ def test_engine_attention_through_the_ragged_kernel_matches_the_reference_path()
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-@pytest.mark.parametrize(("one_token_rows", "decode_kernel", "kernel"), [
-    (False, "pallas", "ragged_paged_attention_mgpu"),  # a mixed step
-    (True, "pallas", "ragged_paged_attention"),  # fused decode: one token per row, the Triton kernel
-    (True, "mgpu", "paged_decode_attention_mgpu"),
+@pytest.mark.parametrize(("one_token_rows", "decode_kernel", "kernels"), [
+    # A mixed step: the Mosaic GPU ragged kernel, and decode_kernel's for its one-token rows.
+    (False, "pallas", {"ragged_paged_attention_mgpu", "ragged_paged_attention"}),
+    (False, "mgpu", {"ragged_paged_attention_mgpu", "paged_decode_attention_mgpu"}),
+    (True, "pallas", {"ragged_paged_attention"}),  # fused decode: one token per row, the Triton kernel
+    (True, "mgpu", {"paged_decode_attention_mgpu"}),
 ])
-def test_one_token_rows_never_take_the_mosaic_gpu_ragged_kernel(one_token_rows, decode_kernel, kernel):
-    """With `ragged_kernel="mgpu"`, the kernel a step's program calls: the Mosaic GPU ragged kernel for
-    mixed steps, `decode_kernel`'s for fused decode's one-token rows."""
+def test_one_token_rows_never_take_the_mosaic_gpu_ragged_kernel(one_token_rows, decode_kernel, kernels):
+    """With `ragged_kernel="mgpu"`, the kernels a step's program calls: the Mosaic GPU ragged kernel and
+    `decode_kernel`'s for mixed steps, `decode_kernel`'s alone for fused decode's one-token rows."""
     from mrv2_jax.models.attention import PagedAttention
 
     s = jax.ShapeDtypeStruct
@@ -220,7 +225,7 @@ def test_one_token_rows_never_take_the_mosaic_gpu_ragged_kernel(one_token_rows, 
     jaxpr = str(jax.make_jaxpr(step)(i32((8,)), i32((8, 4)), i32((8,)), i32((9,)), i32(()), q, kv, kv, i32(()),
                                      (cache, cache)))
     names = set(re.findall(r"\b(?:ragged_paged_attention|paged_decode_attention)\w*", jaxpr))
-    assert kernel in names and names <= {kernel}, names
+    assert names == kernels, names
 
 
 # ----------------------------------------------------------------------------------------
