@@ -1,9 +1,11 @@
 """Ragged paged attention over the stacked paged KV cache (Pallas, Triton backend).
 
 Why the Triton backend: the Mosaic GPU kernel for mixed prefill and decode rows
-(ragged_paged_attention_mgpu.py, ``--kernels ragged_attention=mgpu``) has not been measured against
-this one yet; the decode-only one (paged_decode_attention_mgpu.py) measured even with this kernel
-inside fused decode at S1@256 (docs/benchmarks.md). This stays the default until one measures faster.
+(ragged_paged_attention_mgpu.py, ``--kernels ragged_attention=mgpu``) is faster on prompt rows but
+slower on decode rows, which most mixed steps are full of: in the engine it was even with this one at
+S2 and slower at S1@256 (docs/benchmarks.md, sessions 38-39); the decode-only one
+(paged_decode_attention_mgpu.py) measured even with this kernel inside fused decode at S1@256. This
+stays the default until one measures faster.
 
 One call serves a whole step's batch: prefill chunks (many query tokens of a row, causal
 within the chunk and over the row's earlier cached context) mixed with decodes (one query
