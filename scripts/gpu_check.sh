@@ -23,8 +23,8 @@
 # benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each;
 # fused-attn: fused decode at batch 1 / 8 / 32 on each), mixed-step attention on Mosaic GPU against
 # Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
-# cases; ragged-attn-engine: S2 v2-async with each kernel), the engine at a KV cache filling the GPU
-# (large-kv).
+# cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
+# KV cache filling the GPU (large-kv).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -224,6 +224,15 @@ for s in $sections; do case $s in
           --load-format dummy --arms v2-async --input-len 1024 --output-len 128 --num-prompts 1000 \
           --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 1280 --kernels ragged_attention=$k \
           "${rows[@]}" --output-json "$OUT/ab_s2_ragged_attention_${arm/@/_rows}.json"
+    done ;;
+  # The same arms at S1@256 (input 128 / output 512): its mixed steps hold a prompt beside ~255 decode rows.
+  ragged-attn-s1)
+    for arm in ${RAGGED_ENGINE_ARMS:-pallas mgpu}; do
+      k=${arm%@*}; rows=(); [[ $arm == *@* ]] && rows=(--max-fused-rows "${arm#*@}")
+      run_section ragged-attn-s1-${arm/@/-rows} timeout 200 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
+          --load-format dummy --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 \
+          --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --kernels ragged_attention=$k \
+          "${rows[@]}" --output-json "$OUT/ab_s1_256_ragged_attention_${arm/@/_rows}.json"
     done ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
