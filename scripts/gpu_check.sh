@@ -82,6 +82,18 @@ run_section() {  # name, command...
   summary+=("$(printf '%-12s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - t0 ))")")
 }
 
+# Issue 27: one `bench ab` v2-async run (Qwen3-0.6B, dummy weights) per arm of RAGGED_ENGINE_ARMS, each
+# kernel[@max_fused_rows] (default "pallas mgpu"; "mgpu@1024" also sends decode-only steps of up to
+# 1024 rows through fused decode). Arguments: section name, JSON name, then the workload's flags.
+ragged_arms() {
+  local name=$1 json=$2 arm k rows; shift 2
+  for arm in ${RAGGED_ENGINE_ARMS:-pallas mgpu}; do
+    k=${arm%@*}; rows=(); [[ $arm == *@* ]] && rows=(--max-fused-rows "${arm#*@}")
+    run_section "$name-${arm/@/-rows}" timeout 280 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+        --arms v2-async "$@" --kernels ragged_attention="$k" "${rows[@]}" --output-json "$OUT/${json}_${arm/@/_rows}.json"
+  done
+}
+
 for s in $sections; do case $s in
   env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
   tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
@@ -214,26 +226,14 @@ for s in $sections; do case $s in
         --cases prefill,decode_b32_c4096 --output-json "$OUT/attention_ragged_mgpu.json"
     run_section ragged-mgpu-s2 timeout 150 python3 -m benchmarks.attention_kernel --cases mixed_s2 --no-reference \
         --output-json "$OUT/attention_ragged_mgpu_s2.json" ;;
-  # Issue 27: S2 (input 1024 / output 128) v2-async with every mixed step's attention on each kernel.
+  # Issue 27: S2 (input 1024 / output 128) v2-async with every mixed step's attention on each kernel;
+  # the same at S1@256 (input 128 / output 512), whose mixed steps hold a prompt beside ~255 decode rows.
   ragged-attn-engine)
-    # RAGGED_ENGINE_ARMS: kernel[@max_fused_rows] each (default "pallas mgpu"); "mgpu@1024" also sends
-    # the decode-only steps of up to 1024 rows through fused decode (one-token rows: the decode kernel).
-    for arm in ${RAGGED_ENGINE_ARMS:-pallas mgpu}; do
-      k=${arm%@*}; rows=(); [[ $arm == *@* ]] && rows=(--max-fused-rows "${arm#*@}")
-      run_section ragged-attn-engine-${arm/@/-rows} timeout 280 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
-          --load-format dummy --arms v2-async --input-len 1024 --output-len 128 --num-prompts 1000 \
-          --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 1280 --kernels ragged_attention=$k \
-          "${rows[@]}" --output-json "$OUT/ab_s2_ragged_attention_${arm/@/_rows}.json"
-    done ;;
-  # The same arms at S1@256 (input 128 / output 512): its mixed steps hold a prompt beside ~255 decode rows.
+    ragged_arms ragged-attn-engine ab_s2_ragged_attention --input-len 1024 --output-len 128 --num-prompts 1000 \
+        --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 1280 ;;
   ragged-attn-s1)
-    for arm in ${RAGGED_ENGINE_ARMS:-pallas mgpu}; do
-      k=${arm%@*}; rows=(); [[ $arm == *@* ]] && rows=(--max-fused-rows "${arm#*@}")
-      run_section ragged-attn-s1-${arm/@/-rows} timeout 200 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
-          --load-format dummy --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 \
-          --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --kernels ragged_attention=$k \
-          "${rows[@]}" --output-json "$OUT/ab_s1_256_ragged_attention_${arm/@/_rows}.json"
-    done ;;
+    ragged_arms ragged-attn-s1 ab_s1_256_ragged_attention --input-len 128 --output-len 512 --num-prompts 1000 \
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
   moe-presets)
