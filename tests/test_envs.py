@@ -123,3 +123,9 @@ def test_no_module_but_envs_reads_the_environment():
                 if re.search(r"\bos\.(environ|getenv|putenv|unsetenv)\b|\bgetenv\(|from os import .*environ", line):
                     offenders.append(f"{rel}:{number}: {line.strip()}")
     assert not offenders, "read the environment through mrv2_jax/envs.py:\n" + "\n".join(offenders)
+
+
+def test_every_kernel_config_field_has_a_row_in_the_docs_table():
+    doc = (ROOT / "docs" / "switches.md").read_text()
+    missing = [field for field in KernelConfig.CHOICES if f"| `{field}` | `{field}=VALUE` |" not in doc]
+    assert not missing, f"docs/switches.md's KernelConfig table lacks {missing}"
