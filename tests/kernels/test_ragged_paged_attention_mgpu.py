@@ -252,6 +252,22 @@ def test_cuda_lowering_accepts_qwen3_step_shapes(T, R, hq, config):
     f.trace(*step_shapes(T, R, hq, 8)).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("decode_kernel", ["pallas", "mgpu"])
+def test_cuda_lowering_accepts_a_mixed_step_with_its_decode_rows_split_off(decode_kernel, monkeypatch):
+    """PagedAttention's mixed step with `ragged_kernel="mgpu"` at S2's step shapes (Qwen3-0.6B): the
+    Mosaic GPU ragged kernel and `decode_kernel`'s over the rows (the Triton one's modules verified)
+    lower for CUDA together."""
+    from mrv2_jax.models.attention import _mixed_rows_mgpu
+    from tests.triton_lowering import verify_triton_lowering
+
+    verified = verify_triton_lowering(monkeypatch)
+    f = jax.jit(functools.partial(_mixed_rows_mgpu, sm_scale=128**-0.5, decode_kernel=decode_kernel))
+    text = f.trace(*step_shapes(8192, 1024, 16, 8)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_paged_attention_mgpu" in text
+    assert verified == ([True] if decode_kernel == "pallas" else [])
+    assert ("paged_decode_attention_mgpu" in text) == (decode_kernel == "mgpu")
+
+
 def test_cuda_lowering_refuses_too_much_shared_memory():
     f = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=128**-0.5, config=RaggedConfig(8)))
     with pytest.raises(ValueError, match="shared memory"):
