@@ -14,7 +14,10 @@ kernel (`pallas_kernels.skinny_gemm_mgpu`), at Qwen3-0.6B's shapes.
           (128-wide output tiles: fewer x bytes per weight byte)
 
 Each call runs the projection once for each of `--layers` distinct weights (as a decode step does
-over its layers), so the weights stream from HBM and not from L2. Reported per shape, rows and way:
+over its layers), so the weights stream from HBM and not from L2. With `--stacked` those weights are
+one `[layers, K, N]` array, as the engine holds them, and each projection reads its layer in place
+(xla: `x @ w[l]`, XLA's dynamic-slice fusion; splitk: `layer=l`); the mgpu way is then skipped.
+Reported per shape, rows and way:
 microseconds per projection (median over calls, divided by the layers; beside it, on a GPU, the
 kernels' own time from a profiler trace), GB/s of weight read and the share of the 4.3 TB/s copy
 bandwidth; the mgpu way, whose time does not depend on the rows, at the largest `--rows` only (the
@@ -87,16 +90,22 @@ def lowers_for_cuda(config, k: int, n: int) -> None:
     jax.jit(lambda w, x: hm.matmul(w, x, None, config)).trace(w_t, x_t).lower(lowering_platforms=("cuda",))
 
 
-def projections(way: str, config=None):
-    """A jitted function of (x, weights) running the projection once per weight."""
+def projections(way: str, config=None, stacked: bool = False):
+    """A jitted function of (x, weights) running the projection once per weight (`stacked`: once
+    per layer of one [L, K, N] array)."""
     import jax
 
     if way == "xla":
+        if stacked:
+            return jax.jit(lambda x, ws: [x @ ws[j] for j in range(ws.shape[0])])
         return jax.jit(lambda x, ws: [x @ w for w in ws])
     if way == "splitk":
         from pallas_kernels import skinny_gemm_mgpu as sk
 
         interpret = jax.default_backend() != "gpu"
+        if stacked:
+            return jax.jit(lambda x, ws: [sk.skinny_matmul(x, ws, layer=j, config=config, interpret=interpret)
+                                          for j in range(ws.shape[0])])
         return jax.jit(lambda x, ws: [sk.skinny_matmul(x, w, config=config, interpret=interpret) for w in ws])
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
@@ -125,6 +134,8 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
 
     keys = jax.random.split(jax.random.key(0), layers + 1)
     weights = [jax.random.normal(keys[i], (k, n), jnp.bfloat16) * 0.02 for i in range(layers)]
+    if args.stacked:
+        weights = jnp.stack(weights)
     x = jax.random.normal(keys[-1], (rows, k), jnp.bfloat16)
     weight_bytes = k * n * 2
     results = []
@@ -147,7 +158,7 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
                                 "copy_bw_share": weight_bytes / seconds / COPY_BANDWIDTH, "kernel_us": kernel_us,
                                 "kernels": [k["kernel"] for k in kernels[:3]]})
 
-    xla_fn = projections("xla")
+    xla_fn = projections("xla", stacked=args.stacked)
     reference = [np.asarray(y, np.float32) for y in xla_fn(x, weights)]
     row("xla", xla_fn, (x, weights))
 
@@ -164,9 +175,9 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
             results.append({"shape": name, "k": k, "n": n, "rows": rows, "way": way,
                             "error": f"config or CUDA lowering: {type(exc).__name__}: {str(exc)[:200]}"})
             continue
-        row(way, projections("splitk", config), (x, weights), check_rows)
+        row(way, projections("splitk", config, args.stacked), (x, weights), check_rows)
         results[-1]["config"] = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    if not with_mgpu:
+    if not with_mgpu or args.stacked:
         return results
     weights_t = [w.T.copy() for w in weights]
     x_t = jnp.zeros((k, MGPU_ROWS), jnp.bfloat16).at[:, :rows].set(x.T)
@@ -192,6 +203,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=None, help="weights per call (default: the model's count)")
     p.add_argument("--ways", default="mgpu,splitk",
                    help="comma-separated Mosaic GPU ways to run beside xla (the reference, always run)")
+    p.add_argument("--stacked", action="store_true",
+                   help="the weights as one [layers, K, N] array, each layer read in place (the engine's way)")
     p.add_argument("--tiny", action="store_true", help="every shape cut to K=128, N=256 (CPU tests)")
     p.add_argument("--configs", default=None, help="comma-separated mgpu config names (default: all)")
     p.add_argument("--splitk-configs", default=",".join(SPLITK_RULES),

@@ -2,7 +2,10 @@
 
 Contract. ``skinny_matmul(x, w)`` takes ``x [M, K]`` bf16 with ``1 <= M <= 32`` and a projection
 weight ``w [K, N]`` bf16 (the engine's layout: ``y = x @ w``), accumulates in f32 and returns
-``y [M, N]`` bf16; ``skinny_matmul_reference`` is its jnp reference. ``K`` must divide into
+``y [M, N]`` bf16; ``skinny_matmul_reference`` is its jnp reference. ``w`` may also be a stack of
+layers' weights ``[L, K, N]`` with ``layer=`` an int32 scalar (may be traced): the product is then
+with ``w[layer]``, read in place (slicing the stack first would make XLA copy the slice for the
+custom call). ``K`` must divide into
 ``tile_k``-tiles and those evenly among the splits, ``N`` into ``tile_n``-tiles (the default
 configs need ``K % 64 == 0`` and ``N % 64 == 0``); anything else raises ``ValueError``.
 
@@ -119,6 +122,7 @@ def default_config(m: int, k: int, n: int, *, num_sms: int | None = None, ctas_p
 
 
 def _check(x, w, config: SkinnyConfig) -> None:
+    """``w`` here is one layer's ``[K, N]`` (the stack's shape without its leading axis)."""
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError(f"x must be [M, K] and w [K, N], got x{tuple(x.shape)} and w{tuple(w.shape)}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
@@ -141,8 +145,9 @@ def _check(x, w, config: SkinnyConfig) -> None:
         raise ValueError(f"max_concurrent_steps = {c.max_concurrent_steps} must be positive")
 
 
-def _skinny_kernel(x_gmem, w_gmem, out_gmem, *, tile_n, tile_k, steps, stages, mpad):
+def _skinny_kernel(layer_gmem, x_gmem, w_gmem, out_gmem, *, tile_n, tile_k, steps, stages, mpad):
     ni = lax.axis_index("n")
+    w_gmem = w_gmem.at[layer_gmem[0]]  # this layer's [K, N] of the [L, K, N] stack
     first = lax.axis_index("s") * steps  # the split's first K tile
     # A stage is refilled one step after its wgmma was issued, once wgmma_wait(1) saw it finish;
     # a single stage has no later step to release it in.
@@ -175,11 +180,14 @@ def _skinny_kernel(x_gmem, w_gmem, out_gmem, *, tile_n, tile_k, steps, stages, m
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def skinny_partials(x_padded, w, config: SkinnyConfig, *, interpret=False):
+def skinny_partials(x_padded, w, config: SkinnyConfig, *, layer=0, interpret=False):
     """The kernel alone: f32 ``[splits, N, mpad]`` partial ``y^T`` of each K split, for an already
-    padded ``x_padded [mpad, K]`` (``mpad`` in 8, 16, 32)."""
+    padded ``x_padded [mpad, K]`` (``mpad`` in 8, 16, 32) and ``w`` ``[K, N]`` or ``[L, K, N]``
+    (then at ``layer``)."""
+    if w.ndim == 2:
+        w = w[None]  # a free reshape: one code path for a weight and a stack of them
     mpad, k = x_padded.shape
-    n = w.shape[1]
+    n = w.shape[2]
     k_tiles = k // config.tile_k
     steps = k_tiles // config.splits
     if interpret is True:
@@ -194,15 +202,17 @@ def skinny_partials(x_padded, w, config: SkinnyConfig, *, interpret=False):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret or None,
     )
-    return kernel(x_padded, w)
+    return kernel(jnp.asarray(layer, jnp.int32).reshape(1), x_padded, w)
 
 
-def skinny_matmul(x, w, *, config: SkinnyConfig | None = None, interpret=False):
-    """``x [M, K] @ w [K, N]`` in bf16 with f32 accumulation, for ``M <= 32``.
+def skinny_matmul(x, w, *, layer=None, config: SkinnyConfig | None = None, interpret=False):
+    """``x [M, K] @ w [K, N]`` (or ``@ w[layer]`` of a stack) in bf16 with f32 accumulation, for ``M <= 32``.
 
     Args:
       x: ``[M, K]`` bf16, ``1 <= M <= 32``.
-      w: ``[K, N]`` bf16.
+      w: ``[K, N]`` bf16, or ``[L, K, N]`` with ``layer``.
+      layer: with a stacked ``w``, the layer to multiply by: an int32 scalar, may be traced (its
+        range is not checked on the device: a layer outside ``[0, L)`` reads out of bounds).
       config: the tiling; ``default_config(M, K, N)`` when None.
       interpret: run Mosaic GPU's interpreter on the CPU (CPU tests): ``True`` for its default
         ``plgpu.InterpretGPUParams()``, or such an instance.
@@ -210,14 +220,20 @@ def skinny_matmul(x, w, *, config: SkinnyConfig | None = None, interpret=False):
     Returns:
       ``y [M, N]`` bf16.
     """
-    if config is None and x.ndim == 2 and w.ndim == 2:
-        config = default_config(x.shape[0], x.shape[1], w.shape[1])
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"a stacked w [L, K, N] needs layer= and a w [K, N] takes none; got w{tuple(w.shape)} "
+                         f"and layer={layer!r}")
+    if isinstance(layer, int) and not 0 <= layer < w.shape[0]:
+        raise ValueError(f"layer = {layer} is outside the stack's {w.shape[0]} layers")
+    one = jax.ShapeDtypeStruct(w.shape[1:], w.dtype) if w.ndim == 3 else w  # one layer's weight, to check
+    if config is None and x.ndim == 2 and one.ndim == 2:
+        config = default_config(x.shape[0], x.shape[1], one.shape[1])
     config = config or SkinnyConfig()
-    _check(x, w, config)
+    _check(x, one, config)
     m, k = x.shape
     mpad = padded_rows(m)
     x_padded = jnp.pad(x, ((0, mpad - m), (0, 0)))
-    partials = skinny_partials(x_padded, w, config, interpret=interpret)
+    partials = skinny_partials(x_padded, w, config, layer=0 if layer is None else layer, interpret=interpret)
     return partials.sum(axis=0)[:, :m].T.astype(jnp.bfloat16)
 
 

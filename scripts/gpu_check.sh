@@ -366,7 +366,10 @@ for s in $sections; do case $s in
   skinny-splitk)
     run_section skinny-splitk-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_skinny_gemm_mgpu.py
     run_section skinny-splitk python3 -m benchmarks.skinny_gemm --ways splitk --rows 1 8 32 \
-        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk.json" ;;
+        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk.json"
+    # The engine's layout: one [28, K, N] stack per projection, each layer read in place.
+    run_section skinny-splitk-stacked python3 -m benchmarks.skinny_gemm --ways splitk --stacked --rows 1 8 32 \
+        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk_stacked.json" ;;
   # Issue 24: can the fused loop hand each step's tokens to the host (a callback per step) at the
   # loop's pace? A toy decode loop with and without it, and one step per call.
   loop-callback) run_section loop-callback python3 -m benchmarks.loop_callback --steps 16 --layers 28 \

@@ -116,3 +116,8 @@ def test_skinny_gemm_runs_the_mosaic_gpu_matmuls_interpreted_and_checks_them(tmp
     assert all(r["max_abs_error"] < 1e-2 for r in results[1:])  # bf16 outputs of magnitude ~0.2
     assert results[1]["config"]["splits"] > 1 and results[2]["config"]["tile_k"] == 128
     assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
+    # The engine's layout: one stack, each layer read in place; the mgpu way is skipped.
+    stacked = skinny_gemm.main(["--tiny", "--stacked", "--shapes", "o_proj", "--rows", "3", "--configs",
+                                "tm64_tk64_s4", "--splitk-configs", "auto", "--runs", "1", "--warmup", "0"])
+    assert [r["way"] for r in stacked] == ["xla", "splitk auto"]
+    assert "error" not in stacked[1] and stacked[1]["max_abs_error"] < 1e-2

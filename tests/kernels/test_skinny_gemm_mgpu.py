@@ -71,6 +71,24 @@ def test_interpreted_kernel_matches_reference(m, case):
     check(x, w, config)
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_stacked_weight_reads_the_given_layer(traced):
+    """A [L, K, N] stack with layer= gives x @ w[layer] for every layer, the layer a Python int or a
+    traced scalar (a scan's index): each layer's product against the reference on that layer alone."""
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (5, 256), jnp.bfloat16)
+    stack = (jax.random.normal(kw, (3, 256, 128), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    config = SkinnyConfig(tile_n=64, tile_k=64, splits=2, max_concurrent_steps=2)
+    run = functools.partial(skinny_matmul, config=config, interpret=not on_gpu)
+    for layer in range(3):
+        if traced:
+            y = jax.jit(lambda x, w, j: run(x, w, layer=j))(x, stack, jnp.int32(layer))
+        else:
+            y = run(x, stack, layer=layer)
+        ref = skinny_matmul_reference(x, stack[layer])
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32), rtol=2**-7, atol=1e-3)
+
+
 def test_interpreter_finds_no_race_in_the_pipeline():
     """Mosaic GPU's interpreter with its race detector: the TMA ring (8 steps through 3 stages) and
     the partials' store race with nothing. (It runs wgmma synchronously, so it cannot see a stage
@@ -119,6 +137,15 @@ def test_cuda_lowering_accepts_default_configs_at_qwen3_shapes(m, monkeypatch):
         jax.jit(skinny_matmul).trace(x, w).lower(lowering_platforms=("cuda",))
 
 
+def test_cuda_lowering_accepts_a_stacked_weight_with_a_traced_layer(monkeypatch):
+    """The stack read in place at a traced layer (the engine's layer loop) lowers for CUDA."""
+    monkeypatch.setattr(sk, "device_sm_count", lambda: 132)
+    k, n = QWEN3_06B["o_proj"]
+    x, w = jax.ShapeDtypeStruct((1, k), jnp.bfloat16), jax.ShapeDtypeStruct((28, k, n), jnp.bfloat16)
+    layer = jax.ShapeDtypeStruct((), jnp.int32)
+    jax.jit(lambda x, w, j: skinny_matmul(x, w, layer=j)).trace(x, w, layer).lower(lowering_platforms=("cuda",))
+
+
 def test_cuda_lowering_refuses_too_much_shared_memory():
     """Lowering checks the stages fit in shared memory (so the test above checks that too)."""
     x, w = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
@@ -140,11 +167,21 @@ def test_cuda_lowering_refuses_too_much_shared_memory():
     ((4, 128), (128, 128), (jnp.float32, jnp.bfloat16), None, "must be bfloat16, got x float32"),
     ((4, 128), (128, 128), (jnp.bfloat16, jnp.float16), None, "must be bfloat16, got x bfloat16 and w float16"),
     ((128,), (128, 128), None, None, "x must be \\[M, K\\]"),
+    ((4, 128), (2, 128, 128), None, None, "needs layer="),
 ])
 def test_bad_input_raises(x_shape, w_shape, dtypes, config, match):
     xd, wd = dtypes or (jnp.bfloat16, jnp.bfloat16)
     with pytest.raises(ValueError, match=match):
         skinny_matmul(jnp.zeros(x_shape, xd), jnp.zeros(w_shape, wd), config=config, interpret=True)
+
+
+@pytest.mark.parametrize(("w_shape", "layer", "match"), [
+    ((128, 128), 0, "takes none"), ((2, 128, 128), 2, "layer = 2 is outside the stack's 2 layers"),
+    ((2, 128, 128), -1, "layer = -1 is outside")])
+def test_bad_layer_raises(w_shape, layer, match):
+    with pytest.raises(ValueError, match=match):
+        skinny_matmul(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16), layer=layer,
+                      interpret=True)
 
 
 @pytest.mark.gpu
