@@ -17,6 +17,7 @@ from flax import nnx
 from mrv2_jax.models.attention import DenseAttention
 from mrv2_jax.models.layers import rms_norm
 from mrv2_jax.models.pipeline_parallel import pipeline_layers
+from mrv2_jax.models.projections import LayerWeight
 
 
 class StackedLayers(nnx.Module):
@@ -97,6 +98,10 @@ class CausalLM(nnx.Module):
     def __init__(self, spec, dtype, rngs: nnx.Rngs, layer_unroll: int | bool = 1):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
+        # How the layers multiply by `spec.projection_weights` (models/projections.py): None, XLA's
+        # dot of each layer's slice; else a projection that reads the stacked weights in place.
+        # Set per program, like layer_unroll, on the module a program traces.
+        self.projection = None
         # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
         # split over, set when the weights are placed there; None: all layers on every device.
         self.pipeline_mesh = None
@@ -137,7 +142,14 @@ class CausalLM(nnx.Module):
     def _run(self, forward, indices, stack, layer_ids, x, rope, attention, kv_cache):
         """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
         layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
-        if indices is None:
+        if self.projection is not None:  # the projection weights stay stacked, read at the layer
+            projected = set(self.spec.projection_weights)
+            indices = jnp.arange(stack[next(iter(stack))].shape[0], dtype=jnp.int32) if indices is None else indices
+            xs = (indices, layer_ids)
+
+            def take(j):
+                return {k: LayerWeight(v, j, self.projection) if k in projected else v[j] for k, v in stack.items()}
+        elif indices is None:
             xs, take = (stack, layer_ids), lambda params: params
         else:
             xs, take = (indices, layer_ids), lambda j: {k: v[j] for k, v in stack.items()}

@@ -69,6 +69,9 @@ class ModelState(ABC):
     # `set_tensor_parallel`. None: the experts are not split.
     expert_mesh = None
     num_experts: int = 0  # routed experts per MoE layer (0: a dense family)
+    # Layer weights the layer math only ever multiplies as `x @ p[name]`, with no other use: a
+    # small-batch program may hand them to the layer as models/projections.py's LayerWeight.
+    projection_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hf_config):
         self.hf_config = hf_config

@@ -10,6 +10,7 @@ _ATTN = "model.layers.{i}.self_attn."
 @register_model_state
 class Qwen3ModelState(ModelState):
     architecture = "Qwen3ForCausalLM"
+    projection_weights = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)

@@ -25,6 +25,7 @@ import numpy as np
 
 from mrv2_jax import envs
 from mrv2_jax.models.attention import PagedAttention
+from mrv2_jax.models.projections import SkinnyProjection
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.runner.base import RunnerBase
@@ -137,7 +138,8 @@ class ModelRunnerV2(RunnerBase):
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
                  stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
                  unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas",
-                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas"):
+                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas",
+                 decode_projections: str = "xla"):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -154,7 +156,10 @@ class ModelRunnerV2(RunnerBase):
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
-        rows take `decode_attention`'s where it is "mgpu"."""
+        rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "mgpu" multiplies the
+        family's projection weights through the skinny GEMM kernel (models/projections.py) in the
+        programs of buckets of at most its row limit of tokens (fused decode's too), "xla" never;
+        one device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -195,6 +200,7 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
+        self.decode_projections = decode_projections if tensor_parallel is None else "xla"
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -231,7 +237,8 @@ class ModelRunnerV2(RunnerBase):
              **({"next_prompt": (r,)} if self.spec else {})},
             float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
-    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False):
+    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False,
+                 projection=None):
         block_size, use_kernels = self.block_size, self.use_kernels
         mesh = None if self.tp is None else self.tp.attention_mesh
 
@@ -239,6 +246,7 @@ class ModelRunnerV2(RunnerBase):
             lm = self.params.merge(param_leaves)
             if unroll_layers:
                 lm.layer_unroll = True  # a fresh module per trace: the other programs keep the loop
+            lm.projection = projection
             return lm
 
         def step(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
@@ -287,7 +295,8 @@ class ModelRunnerV2(RunnerBase):
                                   eos_for_masks=self.eos_for_masks,
                                   mesh=None if self.tp is None else self.tp.attention_mesh,
                                   on_step=self._on_fused_step if self.stream_in_call else None,
-                                  decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention)
+                                  decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
+                                  projection=self.projection_for(bucket))
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
@@ -300,7 +309,8 @@ class ModelRunnerV2(RunnerBase):
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
         K decode steps (the buckets in `fused_buckets`)."""
-        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self.unrolls_layers(b)))
+        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self.unrolls_layers(b),
+                                                                 projection=self.projection_for(b)))
                  for b in self.buckets}
         steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
                                  lambda layout, features, b=b: self._fused_fn(b, layout, features))
@@ -311,6 +321,15 @@ class ModelRunnerV2(RunnerBase):
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
+
+    def projection_for(self, bucket: Bucket):
+        """The projection the programs of `bucket` multiply the projection weights with (None: XLA's
+        dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket's tokens fit it."""
+        from pallas_kernels.skinny_gemm_mgpu import MAX_ROWS
+
+        if self.decode_projections != "mgpu" or bucket.num_tokens > MAX_ROWS:
+            return None
+        return SkinnyProjection(interpret=jax.default_backend() != "gpu")
 
     def unrolls_layers(self, bucket: Bucket) -> bool:
         """Whether the step program of `bucket` unrolls the decoder layers."""
