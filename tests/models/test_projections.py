@@ -40,11 +40,10 @@ def test_skinny_projections_give_the_dot_s_logits(name, unroll):
     assert clear.any()
     np.testing.assert_array_equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
     # The kernel runs for the projections it can take: qkv, o and gate_up (K = 64); down_proj (K = 96,
-    # not a multiple of 64) falls back to the dot. One scanned body or one body per layer; Mosaic GPU's
-    # interpreter traces each kernel call as an `mpmd_map` over the kernel's body.
+    # not a multiple of 64) falls back to the dot. The jaxpr holds the scan's one body either way (XLA
+    # unrolls it); Mosaic GPU's interpreter traces each kernel call as an `mpmd_map` over the kernel's body.
     text = str(jax.make_jaxpr(forward)(ids))
-    layers = 1 if unroll == 1 else spec.num_layers
-    assert text.count("mpmd_map[") == 3 * layers
+    assert text.count("mpmd_map[") == 3
 
 
 def test_fallback_and_layer_weight_shape():
@@ -58,3 +57,20 @@ def test_fallback_and_layer_weight_shape():
     xb, wb = x[:33].astype(jnp.bfloat16), LayerWeight(stack.astype(jnp.bfloat16), 1, SkinnyProjection(interpret=True))
     np.testing.assert_array_equal(np.asarray(xb @ wb, np.float32), np.asarray(xb @ stack[1].astype(jnp.bfloat16),
                                                                               np.float32))
+
+
+@pytest.mark.parametrize("unroll", [1, True])
+def test_the_demo_model_with_skinny_projections_lowers_for_cuda(unroll):
+    """The real Mosaic GPU lowering of every projection the kernel takes in a whole model's forward
+    (the demo checkpoint, bf16: all four projections fit), the layer a scan index or unrolled."""
+    spec, lm, _ = load_model(FIXTURES.parent.parent / "checkpoints" / "demo-qwen3", dtype="bfloat16")
+    lm.projection, lm.layer_unroll = SkinnyProjection(), unroll
+    positions = jnp.arange(8, dtype=jnp.int32)
+
+    def forward(ids):
+        hidden, _ = lm(ids, positions, DenseAttention(jnp.zeros_like(ids), positions))
+        return lm.compute_logits(hidden)
+
+    ids = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = jax.jit(forward).trace(ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 4 * (spec.num_layers if unroll is True else 1)
