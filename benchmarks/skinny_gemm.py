@@ -11,7 +11,8 @@ kernel (`pallas_kernels.skinny_gemm_mgpu`), at Qwen3-0.6B's shapes.
           (wall and kernels') include the padding and the sum. Configs: `auto` (the kernel's default rule: at least 2
           CTAs per SM), `ctas1` and `ctas4` (the rule aiming at 1 or 4 CTAs per SM: fewer, longer
           CTAs and fewer partials, or more and shorter), `tk128` (128-deep K tiles), `tn128`
-          (128-wide output tiles: fewer x bytes per weight byte)
+          (128-wide output tiles: fewer x bytes per weight byte), `nosplit` (K whole in every CTA: no
+          partials to sum, the kernel stores the bf16 product)
 
 Each call runs the projection once for each of `--layers` distinct weights (as a decode step does
 over its layers), so the weights stream from HBM and not from L2. With `--stacked` those weights are
@@ -46,7 +47,7 @@ MGPU_ROWS = 64  # the shipped kernel's smallest tile on the rows' side (its B ti
 H200_SMS = 132
 # The split-K kernel's configs: name -> keyword arguments of skinny_gemm_mgpu.default_config.
 SPLITK_RULES = {"auto": {}, "ctas1": {"ctas_per_sm": 1}, "ctas4": {"ctas_per_sm": 4}, "tk128": {"tile_k": 128},
-                "tn128": {"tile_n": 128}}
+                "tn128": {"tile_n": 128}, "nosplit": {"splits": 1}}
 
 
 def splitk_config(name: str, rows: int, k: int, n: int):

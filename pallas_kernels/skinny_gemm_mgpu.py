@@ -37,7 +37,9 @@ Algorithm. The weight is the big operand, so it sits on wgmma's M side and the r
 * Partials: each CTA stores its accumulator through shared memory (one TMA store) to
   ``partials[s, n-tile, :]`` of an f32 ``[splits, N, mpad]`` array, i.e. transposed partial
   outputs. The wrapper then sums over the splits, drops the padding rows, transposes and casts
-  to bf16 with jnp: one small XLA fusion that reads ``splits * N * mpad * 4`` bytes. (The padding
+  to bf16 with jnp: one small XLA fusion that reads ``splits * N * mpad * 4`` bytes. With one
+  split the CTA stores bf16 ``y^T`` itself and nothing is left to sum: the wrapper's slice and
+  transpose can join the consumer's fusion. (The padding
   of x is a second tiny op, and none at 8, 16 or 32 rows.)
 
 Default config (``default_config``), for ``num_sms`` SMs (the device's count on a GPU, else the
@@ -102,9 +104,9 @@ def padded_rows(m: int) -> int:
 
 
 def default_config(m: int, k: int, n: int, *, num_sms: int | None = None, ctas_per_sm: int = 2,
-                   tile_k: int = 64, tile_n: int | None = None) -> SkinnyConfig:
+                   tile_k: int = 64, tile_n: int | None = None, splits: int | None = None) -> SkinnyConfig:
     """The config for an ``[m, k] @ [k, n]`` product (the rule in the module docstring); the keyword
-    arguments change the rule's constants (the benchmark's variants)."""
+    arguments change the rule's constants (the benchmark's variants); ``splits`` given is taken as is."""
     target = (num_sms or device_sm_count()) * ctas_per_sm
     if tile_n is None:
         tile_n = 128 if n % 128 == 0 and n // 128 >= target else 64
@@ -114,9 +116,10 @@ def default_config(m: int, k: int, n: int, *, num_sms: int | None = None, ctas_p
     divisors = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
     want = -(-target // n_tiles)
     cap = k // (4 * padded_rows(min(max(m, 1), MAX_ROWS)))
-    splits = min([d for d in divisors if d >= want] + [k_tiles])
-    if splits > cap:
-        splits = max([d for d in divisors if d <= cap] + [1])
+    if splits is None:
+        splits = min([d for d in divisors if d >= want] + [k_tiles])
+        if splits > cap:
+            splits = max([d for d in divisors if d <= cap] + [1])
     steps = k_tiles // splits
     return SkinnyConfig(tile_n=tile_n, tile_k=tile_k, splits=splits, max_concurrent_steps=min(steps, 4))
 
@@ -172,16 +175,17 @@ def _skinny_kernel(layer_gmem, x_gmem, w_gmem, out_gmem, *, tile_n, tile_k, step
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, mpad), jnp.float32))
 
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_n, mpad), jnp.float32))
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_n, mpad), out_gmem.dtype))
     def _store(o_smem):
-        o_smem[...] = acc
+        o_smem[...] = acc.astype(out_gmem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[lax.axis_index("s"), pl.ds(ni * tile_n, tile_n)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def skinny_partials(x_padded, w, config: SkinnyConfig, *, layer=0, interpret=False):
-    """The kernel alone: f32 ``[splits, N, mpad]`` partial ``y^T`` of each K split, for an already
+    """The kernel alone: ``[splits, N, mpad]`` partial ``y^T`` of each K split (f32; bf16 with one
+    split, which is then the product), for an already
     padded ``x_padded [mpad, K]`` (``mpad`` in 8, 16, 32) and ``w`` ``[K, N]`` or ``[L, K, N]``
     (then at ``layer``)."""
     if w.ndim == 2:
@@ -196,7 +200,7 @@ def skinny_partials(x_padded, w, config: SkinnyConfig, *, layer=0, interpret=Fal
     kernel = plgpu.kernel(
         functools.partial(_skinny_kernel, tile_n=config.tile_n, tile_k=config.tile_k, steps=steps,
                           stages=min(config.max_concurrent_steps, steps), mpad=mpad),
-        out_type=jax.ShapeDtypeStruct((config.splits, n, mpad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((config.splits, n, mpad), jnp.float32 if config.splits > 1 else jnp.bfloat16),
         grid=(n // config.tile_n, config.splits),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
