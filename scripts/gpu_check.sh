@@ -399,7 +399,7 @@ for s in $sections; do case $s in
   # Issue 12: where a batch-1 decode step's ~2.1 ms of device time goes (kernel split).
   timeline-b1) run_section timeline-b1 python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 \
-      --num-prompts 1 --disable-tqdm --output-json "$OUT/timeline_b1.json" ;;
+      --num-prompts 1 --disable-tqdm ${TIMELINE_B1_ARGS:-} --output-json "$OUT/timeline_b1${TAG:-}.json" ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
