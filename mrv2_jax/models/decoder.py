@@ -100,7 +100,8 @@ class CausalLM(nnx.Module):
         self.layer_unroll = layer_unroll
         # How the layers multiply by `spec.projection_weights` (models/projections.py): None, XLA's
         # dot of each layer's slice; else a projection that reads the stacked weights in place.
-        # Set per program, like layer_unroll, on the module a program traces.
+        # Set per program, like layer_unroll, on the module a program traces; not applied to layers
+        # split into pipeline stages.
         self.projection = None
         # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
         # split over, set when the weights are placed there; None: all layers on every device.
@@ -142,7 +143,7 @@ class CausalLM(nnx.Module):
     def _run(self, forward, indices, stack, layer_ids, x, rope, attention, kv_cache):
         """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
         layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
-        if self.projection is not None:  # the projection weights stay stacked, read at the layer
+        if self.projection is not None and self.pipeline_mesh is None:  # stacked weights read at the layer
             projected = set(self.spec.projection_weights)
             indices = jnp.arange(stack[next(iter(stack))].shape[0], dtype=jnp.int32) if indices is None else indices
             xs = (indices, layer_ids)

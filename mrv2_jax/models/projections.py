@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 @dataclass(frozen=True)
 class SkinnyProjection:
-    """`x @ stack[layer]` through the skinny kernel for `x` of at most `max_rows` rows (bf16, tile-
-    divisible shapes), XLA's dot otherwise. `interpret`: Mosaic GPU's interpreter (CPU tests)."""
+    """`x @ stack[layer]` through the skinny kernel for `x` of at most its MAX_ROWS (32) rows, both in
+    bf16 and K, N multiples of 64; XLA's dot otherwise. `interpret`: Mosaic GPU's interpreter (CPU tests)."""
 
     interpret: bool = False
 
