@@ -433,14 +433,15 @@ for s in $sections; do case $s in
           --kernels decode_attention=$k --output-json "$OUT/fused_decode_attention_$k.json"
     done ;;
   # Issue 26: decode's projections through the skinny GEMM on Mosaic GPU (--kernels decode_projections=mgpu)
-  # against XLA's dot: the engine's greedy tokens with each, then fused decode at batch 1 / 8 / 32.
+  # against XLA's dot: fused decode at batch 1 / 8 / 32 with each, then the engine's greedy tokens with each.
   projections)
-    run_section projections-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_decode_projections.py
     for p in ${PROJECTION_ARMS:-xla mgpu}; do
-      run_section fused-projections-$p python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      run_section fused-projections-$p timeout 200 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --fused-steps ${PROJECTION_FUSED_STEPS:-16} --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_$p.json"
-    done ;;
+    done
+    run_section projections-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/engine/test_decode_projections.py ;;
   fused-while) run_section fused-while env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" \
       python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --output-json "$OUT/fused_decode_while.json" ;;
   # Issue 24: what streaming from inside fused calls costs per token without the serving path (no
