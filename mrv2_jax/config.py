@@ -180,9 +180,10 @@ class KernelConfig:
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
     ``decode_projections``: the projections (the family's ``projection_weights``) of programs with at
-    most 32 tokens, fused decode's included: "xla" (XLA's dot, cuBLAS on GPUs) or "mgpu" (the skinny
-    GEMM on Mosaic GPU, pallas_kernels/skinny_gemm_mgpu.py, reading the stacked weights in place;
-    Hopper-class GPUs; one device). "auto": "xla".
+    most models/projections.py's KERNEL_MAX_TOKENS tokens, fused decode's included: "xla" (XLA's dot,
+    cuBLAS on GPUs) or "mgpu" (the skinny GEMM on Mosaic GPU, pallas_kernels/skinny_gemm_mgpu.py,
+    reading the stacked weights in place; Hopper-class GPUs; one device). "auto": "mgpu" on
+    Hopper-class GPUs, "xla" elsewhere.
     """
 
     attention: str = "auto"
@@ -263,4 +264,5 @@ class KernelConfig:
                             ragged_attention=auto(self.ragged_attention, "pallas", "pallas"),
                             sampler_truncation=(("threshold" if threshold else "sort")
                                                 if self.sampler_truncation == "auto" else self.sampler_truncation),
-                            decode_projections=auto(self.decode_projections, "xla", "xla"))
+                            decode_projections=auto(self.decode_projections, "mgpu" if gpu and has_wgmma() else "xla",
+                                                    "xla"))

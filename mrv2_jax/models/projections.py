@@ -19,6 +19,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+# The largest bucket (tokens per step) whose programs take the kernel: where it measured faster than
+# XLA's dot in fused decode (batch 1 and 8 faster, 32 slower; docs/benchmarks.md, session 40).
+KERNEL_MAX_TOKENS = 8
+
 
 @dataclass(frozen=True)
 class SkinnyProjection:

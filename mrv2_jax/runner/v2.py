@@ -25,7 +25,7 @@ import numpy as np
 
 from mrv2_jax import envs
 from mrv2_jax.models.attention import PagedAttention
-from mrv2_jax.models.projections import SkinnyProjection
+from mrv2_jax.models.projections import KERNEL_MAX_TOKENS, SkinnyProjection
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.runner.base import RunnerBase
@@ -158,7 +158,7 @@ class ModelRunnerV2(RunnerBase):
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "mgpu" multiplies the
         family's projection weights through the skinny GEMM kernel (models/projections.py) in the
-        programs of buckets of at most its row limit of tokens (fused decode's too), "xla" never;
+        programs of buckets of at most KERNEL_MAX_TOKENS tokens (fused decode's too), "xla" never;
         one device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
@@ -324,10 +324,9 @@ class ModelRunnerV2(RunnerBase):
 
     def projection_for(self, bucket: Bucket):
         """The projection the programs of `bucket` multiply the projection weights with (None: XLA's
-        dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket's tokens fit it."""
-        from pallas_kernels.skinny_gemm_mgpu import MAX_ROWS
-
-        if self.decode_projections != "mgpu" or bucket.num_tokens > MAX_ROWS:
+        dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket holds at most
+        KERNEL_MAX_TOKENS tokens."""
+        if self.decode_projections != "mgpu" or bucket.num_tokens > KERNEL_MAX_TOKENS:
             return None
         return SkinnyProjection(interpret=jax.default_backend() != "gpu")
 
