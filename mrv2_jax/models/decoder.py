@@ -143,8 +143,8 @@ class CausalLM(nnx.Module):
     def _run(self, forward, indices, stack, layer_ids, x, rope, attention, kv_cache):
         """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
         layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
-        if self.projection is not None and self.pipeline_mesh is None:  # stacked weights read at the layer
-            projected = set(self.spec.projection_weights)
+        projected = set(self.spec.projection_weights) & set(stack) if self.projection is not None else set()
+        if projected and self.pipeline_mesh is None:  # the projection weights read in place at the layer
             indices = jnp.arange(stack[next(iter(stack))].shape[0], dtype=jnp.int32) if indices is None else indices
             xs = (indices, layer_ids)
 
