@@ -24,7 +24,8 @@
 # fused-attn: fused decode at batch 1 / 8 / 32 on each), mixed-step attention on Mosaic GPU against
 # Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
 # cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
-# KV cache filling the GPU (large-kv).
+# KV cache filling the GPU (large-kv), decode's projections through the skinny GEMM against XLA's dot
+# (skinny-splitk: the kernel alone; projections: fused decode at batch 1 / 8 / 32 and the GPU test).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
