@@ -179,8 +179,8 @@ class KernelConfig:
     above for the rows they do not settle) or "sort" (one sort of every row). "auto": threshold on GPUs
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
-    ``decode_projections``: the projections (the family's ``projection_weights``) of programs with at
-    most models/projections.py's KERNEL_MAX_TOKENS tokens, fused decode's included: "xla" (XLA's dot,
+    ``decode_projections``: the projections (the family's ``projection_weights``) of fused decode's
+    programs of at most models/projections.py's KERNEL_MAX_TOKENS rows: "xla" (XLA's dot,
     cuBLAS on GPUs) or "mgpu" (the skinny GEMM on Mosaic GPU, pallas_kernels/skinny_gemm_mgpu.py,
     reading the stacked weights in place; Hopper-class GPUs; one device). "auto": "mgpu" on
     Hopper-class GPUs, "xla" elsewhere.

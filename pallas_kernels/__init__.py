@@ -9,7 +9,7 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   used by the engine).
 - ``skinny_gemm_mgpu``: ``skinny_matmul`` / ``skinny_matmul_reference`` (decode's projections at
   M <= 32, split over K to stream the weight on every SM, a stacked weight read in place at a layer;
-  Mosaic GPU, issue 26; the dense families' projections in buckets of up to 8 tokens with
+  Mosaic GPU, issue 26; the dense families' projections in fused decode of up to 8 rows with
   ``--kernels decode_projections=mgpu``, the default on Hopper-class GPUs).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-# The largest bucket (tokens per step) whose programs take the kernel: where it measured faster than
-# XLA's dot in fused decode (batch 1 and 8 faster, 32 slower; docs/benchmarks.md, session 40).
+# The largest fused-decode bucket (rows) whose program takes the kernel: where it measured faster than
+# XLA's dot (batch 1 and 8 faster, 32 slower; docs/benchmarks.md, session 40).
 KERNEL_MAX_TOKENS = 8
 
 

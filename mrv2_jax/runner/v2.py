@@ -157,9 +157,8 @@ class ModelRunnerV2(RunnerBase):
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "mgpu" multiplies the
-        family's projection weights through the skinny GEMM kernel (models/projections.py) in the
-        programs of buckets of at most KERNEL_MAX_TOKENS tokens (fused decode's too), "xla" never;
-        one device only."""
+        family's projection weights through the skinny GEMM kernel (models/projections.py) in fused
+        decode's programs of at most KERNEL_MAX_TOKENS rows, "xla" never; one device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -237,8 +236,7 @@ class ModelRunnerV2(RunnerBase):
              **({"next_prompt": (r,)} if self.spec else {})},
             float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
-    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False,
-                 projection=None):
+    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False):
         block_size, use_kernels = self.block_size, self.use_kernels
         mesh = None if self.tp is None else self.tp.attention_mesh
 
@@ -246,7 +244,6 @@ class ModelRunnerV2(RunnerBase):
             lm = self.params.merge(param_leaves)
             if unroll_layers:
                 lm.layer_unroll = True  # a fresh module per trace: the other programs keep the loop
-            lm.projection = projection
             return lm
 
         def step(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
@@ -309,8 +306,7 @@ class ModelRunnerV2(RunnerBase):
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
         K decode steps (the buckets in `fused_buckets`)."""
-        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self.unrolls_layers(b),
-                                                                 projection=self.projection_for(b)))
+        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self.unrolls_layers(b)))
                  for b in self.buckets}
         steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
                                  lambda layout, features, b=b: self._fused_fn(b, layout, features))
@@ -323,9 +319,10 @@ class ModelRunnerV2(RunnerBase):
             self.state, entries, entries, entries).compile()
 
     def projection_for(self, bucket: Bucket):
-        """The projection the programs of `bucket` multiply the projection weights with (None: XLA's
-        dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket holds at most
-        KERNEL_MAX_TOKENS tokens."""
+        """The projection fused decode's program of `bucket` multiplies the projection weights with
+        (None: XLA's dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket
+        holds at most KERNEL_MAX_TOKENS rows. Ordinary step programs keep XLA's dot: the kernel was
+        measured in fused decode only (one step per call, the host's cost of the call may differ)."""
         if self.decode_projections != "mgpu" or bucket.num_tokens > KERNEL_MAX_TOKENS:
             return None
         return SkinnyProjection(interpret=jax.default_backend() != "gpu")
