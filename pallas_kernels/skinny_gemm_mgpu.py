@@ -82,7 +82,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mgpu_common import check_weight_tile, device_sm_count
 
-__all__ = ["SkinnyConfig", "default_config", "skinny_matmul", "skinny_matmul_reference"]
+__all__ = ["SkinnyConfig", "accepts", "default_config", "skinny_matmul", "skinny_matmul_reference"]
 
 MAX_ROWS = 32  # the largest M the kernel takes (its accumulator is [tile_n, 32] at most)
 _ROW_PADS = (8, 16, 32)  # wgmma's N dimension takes multiples of 8
@@ -122,6 +122,18 @@ def default_config(m: int, k: int, n: int, *, num_sms: int | None = None, ctas_p
             splits = max([d for d in divisors if d <= cap] + [1])
     steps = k_tiles // splits
     return SkinnyConfig(tile_n=tile_n, tile_k=tile_k, splits=splits, max_concurrent_steps=min(steps, 4))
+
+
+def accepts(x, w) -> bool:
+    """Whether ``skinny_matmul(x, w)`` takes these shapes and dtypes with its default config (``w`` one
+    layer's ``[K, N]``); callers fall back to another product where it does not."""
+    if x.ndim != 2 or w.ndim != 2:
+        return False
+    try:
+        _check(x, w, default_config(x.shape[0], x.shape[1], w.shape[1]))
+    except ValueError:
+        return False
+    return True
 
 
 def _check(x, w, config: SkinnyConfig) -> None:

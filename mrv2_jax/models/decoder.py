@@ -145,7 +145,7 @@ class CausalLM(nnx.Module):
         layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
         projected = set(self.spec.projection_weights) & set(stack) if self.projection is not None else set()
         if projected and self.pipeline_mesh is None:  # the projection weights read in place at the layer
-            indices = jnp.arange(stack[next(iter(stack))].shape[0], dtype=jnp.int32) if indices is None else indices
+            indices = jnp.arange(layer_ids.shape[0], dtype=jnp.int32) if indices is None else indices
             xs = (indices, layer_ids)
 
             def take(j):

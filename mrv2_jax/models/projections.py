@@ -17,27 +17,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 
-# The largest fused-decode bucket (rows) whose program takes the kernel: where it measured faster than
-# XLA's dot (batch 1 and 8 faster, 32 slower; docs/benchmarks.md, session 40).
+# The largest fused-decode bucket (rows) whose program takes the kernel: the sizes where it measured
+# faster than XLA's dot (docs/benchmarks.md, "Decode projections through the skinny GEMM").
 KERNEL_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
 class SkinnyProjection:
-    """`x @ stack[layer]` through the skinny kernel for `x` of at most its MAX_ROWS (32) rows, both in
-    bf16 and K, N multiples of 64; XLA's dot otherwise. `interpret`: Mosaic GPU's interpreter (CPU tests)."""
+    """`x @ stack[layer]` through the skinny kernel where it takes the shapes and dtypes (at most 32
+    rows, bf16, tile-divisible K and N: `skinny_gemm_mgpu.accepts`), XLA's dot otherwise.
+    `interpret`: Mosaic GPU's interpreter (CPU tests)."""
 
     interpret: bool = False
 
     def __call__(self, x: jax.Array, stack: jax.Array, layer) -> jax.Array:
         from pallas_kernels import skinny_gemm_mgpu as sk
 
-        k, n = stack.shape[1:]
-        fits = (x.ndim == 2 and 1 <= x.shape[0] <= sk.MAX_ROWS and x.dtype == jnp.bfloat16
-                and stack.dtype == jnp.bfloat16 and k % 64 == 0 and n % 64 == 0)
-        if not fits:
+        if stack.ndim != 3 or not sk.accepts(x, jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype)):
             return x @ stack[layer]
         return sk.skinny_matmul(x, stack, layer=layer, interpret=self.interpret)
 
@@ -52,11 +49,3 @@ class LayerWeight:
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
         return self.projection(x, self.stack, self.layer)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
-    @property
-    def dtype(self):
-        return self.stack.dtype

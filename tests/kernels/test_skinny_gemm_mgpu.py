@@ -180,6 +180,20 @@ def test_bad_input_raises(x_shape, w_shape, dtypes, config, match):
         skinny_matmul(jnp.zeros(x_shape, xd), jnp.zeros(w_shape, wd), config=config, interpret=True)
 
 
+def test_accepts_names_the_inputs_the_default_config_takes():
+    """`accepts` says yes exactly where skinny_matmul with its default config does not raise."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    cases = {((32, 128), (128, 128), bf16): True, ((33, 128), (128, 128), bf16): False,
+             ((4, 96), (96, 128), bf16): False, ((4, 128), (128, 96), bf16): False,
+             ((4, 128), (128, 128), f32): False, ((128,), (128, 128), bf16): False}
+    for (x_shape, w_shape, dtype), ok in cases.items():
+        x, w = jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(w_shape, dtype)
+        assert sk.accepts(x, w) is ok, (x_shape, w_shape, dtype)
+        if not ok:
+            with pytest.raises(ValueError):
+                skinny_matmul(jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, dtype), interpret=True)
+
+
 @pytest.mark.parametrize(("w_shape", "layer", "match"), [
     ((128, 128), 0, "takes none"), ((2, 128, 128), 2, "layer = 2 is outside the stack's 2 layers"),
     ((2, 128, 128), -1, "layer = -1 is outside")])

@@ -46,12 +46,11 @@ def test_skinny_projections_give_the_dot_s_logits(name, unroll):
     assert text.count("mpmd_map[") == 3
 
 
-def test_fallback_and_layer_weight_shape():
+def test_fallback_where_the_kernel_does_not_fit():
     """A LayerWeight answers `x @ w` like its layer's slice wherever the kernel does not fit (too many
-    rows, float32), and shows that layer's shape and dtype."""
+    rows, float32)."""
     stack = jax.random.normal(jax.random.key(0), (3, 64, 128), jnp.float32)
     w = LayerWeight(stack, jnp.int32(2), SkinnyProjection(interpret=True))
-    assert w.shape == (64, 128) and w.dtype == jnp.float32
     x = jax.random.normal(jax.random.key(1), (40, 64), jnp.float32)
     np.testing.assert_allclose(np.asarray(x @ w), np.asarray(x @ stack[2]), rtol=1e-6)
     xb, wb = x[:33].astype(jnp.bfloat16), LayerWeight(stack.astype(jnp.bfloat16), 1, SkinnyProjection(interpret=True))
