@@ -25,7 +25,8 @@
 # Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
 # cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
 # KV cache filling the GPU (large-kv), decode's projections through the skinny GEMM against XLA's dot
-# (skinny-splitk: the kernel alone; projections: fused decode at batch 1 / 8 / 32 and the GPU test).
+# (skinny-splitk: the kernel alone; skinny-splitk-stacked: the same in the engine's layout;
+# projections: fused decode at batch 1 / 8 / 32 and the GPU test).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -367,10 +368,11 @@ for s in $sections; do case $s in
   skinny-splitk)
     run_section skinny-splitk-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_skinny_gemm_mgpu.py
     run_section skinny-splitk python3 -m benchmarks.skinny_gemm --ways splitk --rows 1 8 32 \
-        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk.json"
-    # The engine's layout: one [28, K, N] stack per projection, each layer read in place.
-    run_section skinny-splitk-stacked python3 -m benchmarks.skinny_gemm --ways splitk --stacked --rows 1 8 32 \
-        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk_stacked.json" ;;
+        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk.json" ;;
+  # The engine's layout: one [28, K, N] stack per projection, each layer read in place. Its own call:
+  # skinny-splitk's programs take ~7 min to compile and time.
+  skinny-splitk-stacked) run_section skinny-splitk-stacked python3 -m benchmarks.skinny_gemm --ways splitk --stacked \
+      --rows 1 8 32 --splitk-configs ${SPLITK_CONFIGS:-auto} --output-json "$OUT/skinny_gemm_splitk_stacked.json" ;;
   # Issue 24: can the fused loop hand each step's tokens to the host (a callback per step) at the
   # loop's pace? A toy decode loop with and without it, and one step per call.
   loop-callback) run_section loop-callback python3 -m benchmarks.loop_callback --steps 16 --layers 28 \

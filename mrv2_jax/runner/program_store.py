@@ -16,6 +16,10 @@ serialises such an executable without its kernels ("Function ... not found" when
 runs). `ProgramStore.compile` tells the two apart by JAX's cache-hit event, recorded on the
 compiling thread.
 
+A stored program may call Mosaic GPU kernels. Their custom call finds its runtime library through an
+environment variable that importing `jax.experimental.mosaic.gpu` sets, which tracing such a kernel
+does and loading a stored program does not: `ProgramStore.load` imports it first on a GPU.
+
 Each fingerprint is a folder; the least recently used folders beyond `MAX_FINGERPRINTS` are removed
 when a new one is made. Files are written to a temporary name and renamed, so processes sharing the
 folder never read half a program.
@@ -23,7 +27,9 @@ folder never read half a program.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import logging
 import os
 import pickle
@@ -50,6 +56,13 @@ def _count_cache_hits(event: str, **_) -> None:
 
 
 jax.monitoring.register_event_listener(_count_cache_hits)
+
+
+@functools.cache
+def _prepare_kernel_runtimes() -> None:
+    """Make the Mosaic GPU runtime findable by the programs about to be loaded (see the module's doc)."""
+    if jax.default_backend() == "gpu":
+        importlib.import_module("jax.experimental.mosaic.gpu")
 
 
 def source_digest(roots: Iterable[Path]) -> str:
@@ -107,6 +120,7 @@ class ProgramStore:
     def load(self, name: str):
         """The program saved as `name`, loaded on the default backend, or None."""
         path = self._file(name)
+        _prepare_kernel_runtimes()
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)

@@ -1,6 +1,9 @@
 """The program store: compiled step programs saved and loaded by a key of what builds them."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +134,37 @@ def test_a_second_engine_loads_every_program_and_gives_the_same_tokens(tmp_path,
     assert [o.outputs[0].token_ids for o in partial.generate(prompts, params, use_tqdm=False)] == want
     other = LLM(str(MODEL), compile_mode="eager", **(config | {"max_num_seqs": 2}))  # another key
     assert other.engine.runner.program_store.loaded == 0
+
+
+# Two fresh processes: the first compiles a Mosaic GPU kernel's program into the store, the second
+# only loads it (nothing there traces a kernel) and prints its product next to numpy's.
+_MGPU_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from mrv2_jax.runner.program_store import ProgramStore
+root, mode = sys.argv[1], sys.argv[2]
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+w = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.bfloat16)
+store = ProgramStore(root, "f" * 64)
+if mode == "save":
+    from pallas_kernels import skinny_gemm_mgpu
+    store.compile("mm", jax.jit(skinny_gemm_mgpu.skinny_matmul).lower(x, w))
+else:
+    program = store.load("mm")
+    assert program is not None, "the stored program did not load"
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    print(float(np.max(np.abs(np.asarray(program(x, w), np.float32) - want))))
+"""
+
+
+@pytest.mark.gpu
+def test_a_stored_mosaic_gpu_program_loads_in_a_fresh_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "MRV2_COMPILATION"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    runs = [subprocess.run([sys.executable, "-c", _MGPU_PROGRAM, str(tmp_path), mode], capture_output=True,
+                           text=True, env=env, timeout=300) for mode in ("save", "load")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "could not load" not in runs[1].stderr
+    assert float(runs[1].stdout.split()[-1]) < 0.05
