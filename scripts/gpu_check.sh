@@ -26,7 +26,8 @@
 # cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
 # KV cache filling the GPU (large-kv), decode's projections through the skinny GEMM against XLA's dot
 # (skinny-splitk: the kernel alone; skinny-splitk-stacked: the same in the engine's layout;
-# projections: fused decode at batch 1 / 8 / 32 and the GPU test).
+# projections: fused decode at batch 1 / 8 / 32 and the GPU test; fused-layer-unroll: fused decode
+# with the layer loop and with every layer unrolled).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -445,6 +446,18 @@ for s in $sections; do case $s in
     done
     run_section projections-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/engine/test_decode_projections.py ;;
+  # Issue 26: fused decode with the layer loop (layer_unroll 1) and with every layer unrolled (0:
+  # static weight slices, no loop control per layer); projections per `--kernels` (auto: the skinny
+  # GEMM on Hopper). LAYER_UNROLL_ARMS, LAYER_UNROLL_BATCHES override the arms and batches.
+  fused-layer-unroll)
+    for u in ${LAYER_UNROLL_ARMS:-1 0}; do
+      run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+          --batches ${LAYER_UNROLL_BATCHES:-1 8} --fused-steps 16 --layer-unroll $u --compile-mode lazy \
+          --output-json "$OUT/fused_decode_layer_unroll_$u.json"
+    done ;;
+  # A stored program with Mosaic GPU kernels loads in a fresh process (the program store's GPU test).
+  program-store-mgpu) run_section program-store-mgpu timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+      tests/runner/test_program_store.py ;;
   fused-while) run_section fused-while env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_command_buffer=+WHILE" \
       python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --output-json "$OUT/fused_decode_while.json" ;;
   # Issue 24: what streaming from inside fused calls costs per token without the serving path (no
