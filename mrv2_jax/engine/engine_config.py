@@ -51,9 +51,10 @@ class EngineConfig:
     # Decoder layers per lax.scan iteration (0: all, no loop). A loop whose body is one layer
     # compiles fastest; unrolled, XLA sees static weight slices and no loop control per layer.
     layer_unroll: int = 1
-    # V2: ordinary step programs of buckets with at most this many tokens unroll every layer (one
-    # command buffer per call, a cheaper call for the host at small batches); larger buckets and
-    # fused decode keep `layer_unroll`. 0: none; None: DEFAULT_UNROLLED_LAYERS_MAX_TOKENS on one GPU
+    # V2: the step programs and fused decode's programs of buckets with at most this many tokens
+    # unroll every layer (one command buffer per call, a cheaper call for the host at small batches;
+    # no loop control and static weight slices per layer on the device); larger buckets keep
+    # `layer_unroll`. 0: none; None: DEFAULT_UNROLLED_LAYERS_MAX_TOKENS on one GPU
     # with the v2 runner and no speculative decoding, 0 elsewhere (the call's host cost it cuts is
     # a GPU matter, and XLA:CPU compiles unrolled programs slowly).
     unrolled_layers_max_tokens: int | None = None

@@ -62,9 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser, compile_mode: str | None = 
     g.add_argument("--layer-unroll", type=int, default=1,
                    help="decoder layers per scan iteration; 0 unrolls them all (slower compile)")
     g.add_argument("--unrolled-layers-max-tokens", type=int, default=None, metavar="TOKENS",
-                   help="v2: step programs of buckets with at most this many tokens unroll every layer (a "
-                        "cheaper call for the host at small batches; fused decode and larger buckets keep "
-                        f"--layer-unroll); 0: none; default {DEFAULT_UNROLLED_LAYERS_MAX_TOKENS} on GPUs, 0 elsewhere")
+                   help="v2: the step and fused decode programs of buckets with at most this many tokens "
+                        "unroll every layer (a cheaper call for the host, less loop overhead on the device at "
+                        "small batches; larger buckets keep --layer-unroll); 0: none; default "
+                        f"{DEFAULT_UNROLLED_LAYERS_MAX_TOKENS} on GPUs, 0 elsewhere")
     g.add_argument("--unrolled-layers-max-rows", type=int, default=None, metavar="ROWS",
                    help="v2: only buckets of at most this many rows unroll (--unrolled-layers-max-tokens), and a "
                         "bucket of this many rows is added at each token count up to that many tokens whose own "

@@ -146,8 +146,8 @@ class ModelRunnerV2(RunnerBase):
         to `max_fused_rows` rows; it cannot be combined with a spec decoder.
         `stream_in_call`: fused decode hands each step's tokens to `token_sink` (set by the
         server's engine process) during the call; not with tensor parallelism.
-        `unrolled_layers_max_tokens`: the step programs of buckets with at most this many tokens
-        unroll every decoder layer (fused decode and larger buckets keep the model's loop);
+        `unrolled_layers_max_tokens`: the step programs and fused decode's programs of buckets with at
+        most this many tokens unroll every decoder layer (larger buckets keep the model's loop);
         `unrolled_layers_max_rows` (None: no limit) keeps the loop in buckets of more rows, and adds
         a bucket of that many rows at each of the plan's token counts up to `unrolled_layers_max_tokens`
         whose own bucket has more rows, so that a step with few rows and a prompt still gets an
@@ -293,7 +293,7 @@ class ModelRunnerV2(RunnerBase):
                                   mesh=None if self.tp is None else self.tp.attention_mesh,
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
-                                  projection=self.projection_for(bucket))
+                                  projection=self.projection_for(bucket), unroll_layers=self.unrolls_layers(bucket))
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
@@ -328,7 +328,7 @@ class ModelRunnerV2(RunnerBase):
         return SkinnyProjection(interpret=jax.default_backend() != "gpu")
 
     def unrolls_layers(self, bucket: Bucket) -> bool:
-        """Whether the step program of `bucket` unrolls the decoder layers."""
+        """Whether the programs of `bucket` (its step's, and fused decode's) unroll the decoder layers."""
         rows = self.unrolled_layers_max_rows
         return bucket.num_tokens <= self.unrolled_layers_max_tokens and (rows is None or bucket.num_reqs <= rows)
 

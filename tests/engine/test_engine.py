@@ -207,6 +207,25 @@ def test_small_buckets_with_unrolled_layers_give_the_same_tokens():
         make_llm(runner="v1", unrolled_layers_max_tokens=8)
 
 
+def test_fused_decode_of_a_small_bucket_unrolls_the_layers_too():
+    """unrolled_layers_max_tokens covers fused decode's programs: the 8-row fused program keeps only
+    its loop over steps (the looped engine's has the layer loop inside it), and greedy tokens of fused
+    decode with the layers unrolled equal one step per call's with the loop."""
+    prompts = random_prompts(6, seed=9)
+    looped = make_llm(runner="v2", max_num_batched_tokens=16, max_fused_steps=1)
+    want = [o.outputs[0].token_ids for o in looped.generate(prompts, GREEDY, use_tqdm=False)]
+    whiles = {}
+    for unrolled in (0, 8):
+        llm = make_llm(runner="v2", max_num_batched_tokens=16, unrolled_layers_max_tokens=unrolled, max_fused_steps=4,
+                       sampler_variants="greedy,all")
+        ((bucket, (_, programs)),) = llm.engine.runner.fused.items()
+        whiles[unrolled] = (bucket.num_tokens, programs[0].as_text().count(" while("))
+    assert whiles == {0: (8, 2), 8: (8, 1)}
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.runner.num_fused_calls > 0  # the tokens came from fused calls
+
+
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
     """unrolled_layers_max_rows: 8- and 16-token buckets of 4 rows are added and unroll; the buckets
     of 8 rows keep the loop; a step picks a few-row bucket when its rows fit; greedy tokens equal the
