@@ -182,8 +182,9 @@ class KernelConfig:
     ``decode_projections``: the projections (the family's ``projection_weights``) of fused decode's
     programs of at most models/projections.py's KERNEL_MAX_TOKENS rows: "xla" (XLA's dot,
     cuBLAS on GPUs) or "mgpu" (the skinny GEMM on Mosaic GPU, pallas_kernels/skinny_gemm_mgpu.py,
-    reading the stacked weights in place; Hopper-class GPUs; one device). "auto": "mgpu" on
-    Hopper-class GPUs, "xla" elsewhere.
+    reading the stacked weights in place; Hopper-class GPUs; one device). "auto": "xla" (with the
+    layers unrolled, as fused decode's small buckets are by default on one GPU, the kernel measured
+    no faster: docs/benchmarks.md, session 41).
     """
 
     attention: str = "auto"
@@ -264,5 +265,4 @@ class KernelConfig:
                             ragged_attention=auto(self.ragged_attention, "pallas", "pallas"),
                             sampler_truncation=(("threshold" if threshold else "sort")
                                                 if self.sampler_truncation == "auto" else self.sampler_truncation),
-                            decode_projections=auto(self.decode_projections, "mgpu" if gpu and has_wgmma() else "xla",
-                                                    "xla"))
+                            decode_projections=auto(self.decode_projections, "xla", "xla"))

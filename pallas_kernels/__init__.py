@@ -10,7 +10,7 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
 - ``skinny_gemm_mgpu``: ``skinny_matmul`` / ``skinny_matmul_reference`` (decode's projections at
   M <= 32, split over K to stream the weight on every SM, a stacked weight read in place at a layer;
   Mosaic GPU, issue 26; the dense families' projections in fused decode of up to 8 rows with
-  ``--kernels decode_projections=mgpu``, the default on Hopper-class GPUs).
+  ``--kernels decode_projections=mgpu``, opt-in).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``ragged_paged_attention_mgpu``: ``ragged_paged_attention_mgpu``, the same attention on Mosaic GPU

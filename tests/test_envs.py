@@ -103,8 +103,7 @@ def test_moe_backend_defaults_to_mosaic_gpu_on_hopper_class_gpus(monkeypatch):
         assert mgpu_common.has_wgmma() is has
         assert KernelConfig().resolved("gpu").moe_backend == ("mgpu" if has else "pallas")
         assert KernelConfig(moe_backend="pallas").resolved("gpu").moe_backend == "pallas"
-        # The small-batch projections' kernel too (wgmma and TMA).
-        assert KernelConfig().resolved("gpu").decode_projections == ("mgpu" if has else "xla")
+        assert KernelConfig().resolved("gpu").decode_projections == "xla"  # the kernel only when asked for
     assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
     assert KernelConfig.parse({"moe_backend": "pallas"}).moe_backend == "pallas"
     with pytest.raises(ValueError, match="KernelConfig.sampler_slow_path must be one of auto, kernel"):
