@@ -446,14 +446,14 @@ for s in $sections; do case $s in
     done
     run_section projections-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/engine/test_decode_projections.py ;;
-  # Issue 26: fused decode with the layer loop (layer_unroll 1) and with every layer unrolled (0:
-  # static weight slices, no loop control per layer); projections per `--kernels` (auto: the skinny
-  # GEMM on Hopper). LAYER_UNROLL_ARMS, LAYER_UNROLL_BATCHES override the arms and batches.
+  # Issue 26: fused decode with the layer loop (no bucket unrolled) and with every layer unrolled in the
+  # buckets of up to 128 tokens (the default on one GPU: static weight slices, no loop control per
+  # layer). LAYER_UNROLL_ARMS (tokens: 0 and/or 128), LAYER_UNROLL_BATCHES override the arms and batches.
   fused-layer-unroll)
-    for u in ${LAYER_UNROLL_ARMS:-1 0}; do
+    for u in ${LAYER_UNROLL_ARMS:-0 128}; do
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --batches ${LAYER_UNROLL_BATCHES:-1 8} --fused-steps 16 --layer-unroll $u --compile-mode lazy \
-          --output-json "$OUT/fused_decode_layer_unroll_$u.json"
+          --batches ${LAYER_UNROLL_BATCHES:-1 8 32} --fused-steps 16 --unrolled-layers-max-tokens $u \
+          --compile-mode lazy --output-json "$OUT/fused_decode_unrolled_max_tokens_$u.json"
     done ;;
   # A stored program with Mosaic GPU kernels loads in a fresh process (the program store's GPU test).
   program-store-mgpu) run_section program-store-mgpu timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \

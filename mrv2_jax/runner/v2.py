@@ -323,9 +323,10 @@ class ModelRunnerV2(RunnerBase):
     def projection_for(self, bucket: Bucket):
         """The projection fused decode's program of `bucket` multiplies the projection weights with
         (None: XLA's dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket
-        holds at most KERNEL_MAX_TOKENS rows. Ordinary step programs keep XLA's dot: the kernel was
-        measured in fused decode only (one step per call, the host's cost of the call may differ)."""
-        if self.decode_projections != "mgpu" or bucket.num_tokens > KERNEL_MAX_TOKENS:
+        holds at most KERNEL_MAX_TOKENS rows (its program's tokens). Ordinary step programs keep XLA's
+        dot: the kernel was measured in fused decode only (one step per call, the host's cost of the
+        call may differ)."""
+        if self.decode_projections != "mgpu" or bucket.num_reqs > KERNEL_MAX_TOKENS:
             return None
         return SkinnyProjection(interpret=jax.default_backend() != "gpu")
 

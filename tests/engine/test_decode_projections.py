@@ -26,10 +26,10 @@ def _llm(projections: str, max_fused_steps: int) -> LLM:
 
 def test_the_kernel_takes_fused_decode_s_small_buckets():
     runner = _llm("mgpu", 4).engine.runner
-    assert any(b.num_tokens <= KERNEL_MAX_TOKENS for b in runner.fused_buckets)
+    assert any(b.num_reqs <= KERNEL_MAX_TOKENS for b in runner.fused_buckets)
     for bucket in runner.fused_buckets:
         projection = runner.projection_for(bucket)
-        assert isinstance(projection, SkinnyProjection) == (bucket.num_tokens <= KERNEL_MAX_TOKENS), bucket
+        assert isinstance(projection, SkinnyProjection) == (bucket.num_reqs <= KERNEL_MAX_TOKENS), bucket
     assert all(_llm("xla", 4).engine.runner.projection_for(b) is None for b in runner.fused_buckets)
 
 
