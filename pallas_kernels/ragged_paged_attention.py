@@ -75,6 +75,7 @@ __all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "defaul
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
 _TARGET_PROGRAMS = 528  # ~4 programs per SM on an H200 (132 SMs), for the split heuristic
+_SMALL_BUCKET_TOKENS = 8  # a bucket of at most this many tokens gets decode tiles whatever its rows
 
 
 def _is_pow2(x: int) -> bool:
@@ -263,12 +264,14 @@ def _rpa_kernel(
 def default_tuning(num_tokens, num_rows, num_q_heads, num_kv_heads, max_context):
     """Static tuning defaults for a bucket: block_m, block_n, num_kv_splits, warps, stages.
 
-    Decode-shaped buckets (at most one query token per row on average) get small query
-    tiles and enough KV splits to put ~4 programs on each SM; everything else gets
-    prefill-sized tiles and no split. The runner may override any of them per bucket.
+    Decode-shaped buckets (at most one query token per row on average, or at most
+    ``_SMALL_BUCKET_TOKENS`` tokens in all, such as one decode row padded to the smallest
+    bucket) get small query tiles and enough KV splits to put ~4 programs on each SM;
+    everything else gets prefill-sized tiles and no split. The runner may override any of
+    them per bucket.
     """
     q_per_kv = num_q_heads // num_kv_heads
-    decode_like = num_tokens <= num_rows
+    decode_like = num_tokens <= max(num_rows, _SMALL_BUCKET_TOKENS)
     block_m = max(16 if decode_like else 64, _next_pow2(q_per_kv))
     block_n = 64
     splits = 1

@@ -274,6 +274,17 @@ def test_kernel_default_config_and_layer_index():
     check_kernel(b)
 
 
+@pytest.mark.parametrize("rows", [[(1, 300)], [(8, 300)]], ids=["one_decode_token", "eight_token_chunk"])
+def test_default_tuning_splits_the_smallest_bucket_of_one_row(rows):
+    # One row in an 8-token bucket (one decode token and padding, or a chunk of 8) gets decode
+    # tiles and a KV split, as a decode bucket of 8 rows does; larger one-row buckets do not.
+    tuning = rpa_mod.default_tuning(8, 1, 4, 2, 512)
+    assert tuning["block_m"] == 16 and tuning["num_kv_splits"] == 4
+    assert rpa_mod.default_tuning(32, 1, 4, 2, 512)["num_kv_splits"] == 1
+    b = build_batch(rows, **dict(FAM, T=8, R=1, max_blocks=32, num_blocks=40), seed=14)
+    check_kernel(b)
+
+
 def test_kernel_ignores_padded_row_metadata():
     # Rows >= num_seqs are dead whatever their seq_lens/block tables say.
     b = build_batch(COMPOSITIONS["padded_rows_and_tokens"], **FAM, seed=12)
