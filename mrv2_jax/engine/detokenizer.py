@@ -5,12 +5,10 @@ may be split across tokens (decoding half of it yields U+FFFD), and some tokeniz
 render a token differently depending on its left neighbour (leading-space markers).
 Re-decoding the whole output every step is right but O(length) per token.
 
-The offsets trick keeps a short window of token ids: ``[prefix_offset, read_offset)`` is
-text already emitted, kept only as left context; ``[read_offset, end)`` is new. Each update
-decodes the window with and without the new tokens and emits the difference, unless
-the decoded text ends in U+FFFD (an unfinished character): then it waits for more
-tokens. After emitting, the window slides forward, so the work per update is proportional
-to the new tokens, not to the output length.
+The Rust tokenizer's own ``tokenizers.decoders.DecodeStream`` does it incrementally: it keeps
+the text decoded so far from a short window of ids, decodes the window with the new tokens once
+per step, emits the difference and slides the window, and holds tokens back while the text ends
+in an unfinished character. It starts from the prompt's last few tokens as left context.
 
 Stop strings are searched only in the part of the text that the new characters can
 complete. While a request runs, the last ``len(longest stop) - 1`` characters are held
@@ -20,31 +18,26 @@ turn out to be the start of a stop string that must not be shown.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 from mrv2_jax.sampling_params import SamplingParams
 
-# Prompt tokens kept as left context for the first output tokens.
-_PROMPT_CONTEXT_TOKENS = 5
-_INCOMPLETE_CHAR = "\ufffd"
+# Tokens kept as left context: the prompt's for the first output tokens, and the stream's last
+# ones for the unfinished character a flush decodes.
+_CONTEXT_TOKENS = 5
 
 
-def _make_decode(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    """A ``decode(token_ids) -> str`` for a ``tokenizers.Tokenizer``, a transformers fast
-    tokenizer, or anything with a transformers-style ``decode``. Decoding goes straight
-    to the Rust tokenizer where there is one: no Python wrapper per call, and no
-    clean-up of tokenization spaces, which would make window decodes disagree with a
-    decode of the whole output."""
+def rust_tokenizer(tokenizer) -> tokenizers.Tokenizer:
+    """The ``tokenizers.Tokenizer`` of a Rust tokenizer or of a transformers fast tokenizer."""
     backend = tokenizer if isinstance(tokenizer, tokenizers.Tokenizer) else getattr(
-        tokenizer, "backend_tokenizer", None
-    )
-    if backend is not None:
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(
-        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-    )
+        tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        raise TypeError(f"detokenizing needs a tokenizers.Tokenizer or a transformers fast tokenizer "
+                        f"(one with a backend_tokenizer), got {type(tokenizer).__name__}")
+    return backend
 
 
 class IncrementalDetokenizer:
@@ -65,10 +58,12 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
-        self._decode = _make_decode(tokenizer, skip_special_tokens)
-        self._window: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._window)
+        self._tokenizer = rust_tokenizer(tokenizer)
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._context = context  # the last ids whose text was emitted (a flush's left context)
+        self._pending: list[int] = []  # ids the stream holds back: an unfinished character
         self._stop = list(stop)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._include_stop = include_stop_str_in_output
@@ -90,32 +85,30 @@ class IncrementalDetokenizer:
         )
 
     def update(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
-        if self.matched_stop_string is not None:
+        if self.matched_stop_string is not None or not new_token_ids:
             return "", None
-        self._window.extend(new_token_ids)
-        return self._append(self._decode_window(allow_incomplete=False), final=False)
+        new_token_ids = list(new_token_ids)
+        text = self._stream.step(self._tokenizer, new_token_ids)
+        if text is None:
+            self._pending += new_token_ids
+            return self._append("", final=False)
+        self._context = (self._context + self._pending + new_token_ids)[-_CONTEXT_TOKENS:]
+        self._pending = []
+        return self._append(text, final=False)
 
     def flush(self) -> str:
         """Everything not yet streamed, including an unfinished character at the end."""
         if self.matched_stop_string is not None:
             return ""
-        delta, _ = self._append(self._decode_window(allow_incomplete=True), final=True)
+        text = ""
+        if self._pending:  # what the stream holds back, decoded after its left context
+            decode = self._tokenizer.decode
+            prefix = decode(self._context, skip_special_tokens=self._skip_special_tokens)
+            full = decode(self._context + self._pending, skip_special_tokens=self._skip_special_tokens)
+            text = full[len(prefix):] if len(full) > len(prefix) else ""
+            self._pending = []
+        delta, _ = self._append(text, final=True)
         return delta
-
-    def _decode_window(self, allow_incomplete: bool) -> str:
-        """New text of the window's unread tokens; slides the window when there is some."""
-        window = self._window
-        prefix_text = self._decode(window[self._prefix_offset:self._read_offset])
-        full_text = self._decode(window[self._prefix_offset:])
-        if len(full_text) <= len(prefix_text):
-            return ""
-        if full_text.endswith(_INCOMPLETE_CHAR) and not allow_incomplete:
-            return ""
-        # The new read region becomes the next left context; older ids are not needed.
-        del window[:self._read_offset]
-        self._prefix_offset = 0
-        self._read_offset = len(window)
-        return full_text[len(prefix_text):]
 
     def _append(self, new_text: str, final: bool) -> tuple[str, str | None]:
         if new_text:

@@ -26,9 +26,11 @@ def decode(token_id):
     return f"<{token_id}>"
 
 
-class Tokenizer:
-    def decode(self, ids, **_):
-        return "".join(decode(i) for i in ids)
+def word_tokenizer(vocab: int = 64):
+    """A real (Rust) tokenizer whose token i reads as decode(i)."""
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({decode(i): i for i in range(vocab)}, unk_token=decode(0)))
 
 
 def random_block(rng, num_rows, vocab=50):
@@ -154,7 +156,7 @@ def test_pending_step_rows_of_a_fused_call():
 
 def test_output_processor_streams_lazy_snapshots():
     rng = np.random.default_rng(5)
-    proc = OutputProcessor(Tokenizer())
+    proc = OutputProcessor(word_tokenizer())
     proc.add(Request("r", [1, 2], SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True)))
     proc.add(Request("plain", [1, 2], SamplingParams(max_tokens=4, ignore_eos=True)))
     outputs, want = [], []
