@@ -61,6 +61,9 @@ class IncrementalDetokenizer:
         self._tokenizer = rust_tokenizer(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # Without a trailing unfinished character: DecodeStream would emit such a context as text.
+        while context and self._tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            context.pop()
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._context = context  # the last ids whose text was emitted (a flush's left context)
         self._pending: list[int] = []  # ids the stream holds back: an unfinished character

@@ -76,6 +76,14 @@ def test_incremental_equals_full_decode(tokenizer, text):
     assert not any("\ufffd" in delta for delta in deltas)
 
 
+def test_a_prompt_ending_inside_a_character_is_context_only(tokenizer):
+    prompt = tokenizer.encode("the lazy dog 東").ids[:-1]  # the last byte of 東 is not in the prompt
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    ids = tokenizer.encode("hello wörld").ids
+    deltas, _ = stream(IncrementalDetokenizer(tokenizer, prompt), ids, chunk_sizes=[1] * len(ids))
+    assert "".join(deltas) == "hello wörld"
+
+
 def test_one_token_at_a_time_emits_whole_characters(tokenizer):
     ids = tokenizer.encode("🚀ẞ東").ids
     detokenizer = IncrementalDetokenizer(tokenizer)
@@ -170,7 +178,10 @@ def test_random_texts_and_stop_strings(tokenizer, parts, data):
     stop = text[start:start + data.draw(st.integers(1, 4))]
     include = data.draw(st.booleans())
     chunks = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)))
-    detokenizer = IncrementalDetokenizer(tokenizer, stop=[stop], include_stop_str_in_output=include)
+    # A prompt cut at any token: its last character may be unfinished (left context only).
+    prompt = tokenizer.encode("".join(data.draw(st.lists(_ALPHABET, max_size=4)))).ids
+    prompt = prompt[:data.draw(st.integers(0, len(prompt)))]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, stop=[stop], include_stop_str_in_output=include)
     deltas, matched = stream(detokenizer, ids, chunk_sizes=chunks)
     first = text.index(stop)
     expected = text[:first + len(stop)] if include else text[:first]
