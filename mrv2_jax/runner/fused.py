@@ -87,7 +87,7 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
     return may_stop & jnp.any(state.stop_ids[idx_mapping] == last[:, None], axis=-1)
 
 
-def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams, num_tokens: int,
+def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams,
                       block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0,
                       mesh=None, on_step=None, decode_kernel: str = "pallas", ragged_kernel: str = "pallas",
                       projection=None, unroll_layers: bool = False):
@@ -109,7 +109,8 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
         decoding = state.num_computed[idx] + 1 == state.num_tokens[idx]
         active = real_row & decoding & (budget > 0) & ~rows_ended(state, idx)
         diverged = prepare.diverged_rows(state, idx, budget, num_reqs)
-        no_chunk = jnp.zeros((num_tokens,), jnp.int32)  # decodes read every input from the tables
+        # One token per row, read from the tables: no chunk of prompt tokens, no padding tokens.
+        no_chunk = jnp.zeros((num_rows,), jnp.int32)
 
         def one_step(step, carry):
             kv_cache, state, sampler_state, active, produced, outs = carry

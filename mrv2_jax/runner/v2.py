@@ -286,9 +286,7 @@ class ModelRunnerV2(RunnerBase):
         return step
 
     def _fused_fn(self, bucket: Bucket, layout: PackedLayout, features: SamplerFeatures):
-        # One token per row: the program's tokens are the bucket's rows (a bucket of fewer rows than
-        # tokens, such as 8 tokens for 1 row, would pad every layer's work and take prefill tiles).
-        fused = make_fused_decode(layout, features, params=self.params, num_tokens=bucket.num_reqs,
+        fused = make_fused_decode(layout, features, params=self.params,
                                   block_size=self.block_size, use_kernels=self.use_kernels,
                                   max_steps=self.max_fused_steps, unroll=self.fused_unroll,
                                   eos_for_masks=self.eos_for_masks,

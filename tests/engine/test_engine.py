@@ -227,15 +227,16 @@ def test_fused_decode_of_a_small_bucket_unrolls_the_layers_too():
 
 
 def test_fused_decode_runs_one_token_per_row(monkeypatch):
-    """A fused program takes one token per row: one row's bucket (8 tokens, 1 row) compiles a
-    1-token program, not 8 padded tokens; greedy tokens equal one step per call's."""
-    from mrv2_jax.runner import v2
+    """A fused program takes one token per row: one row's bucket (8 tokens, 1 row) runs its model
+    on 1 token, not 8 padded ones; greedy tokens equal one step per call's."""
+    from mrv2_jax.runner import fused
 
     prompts = random_prompts(3, seed=13)
     want = [o.outputs[0].token_ids for o in make_llm(runner="v2", max_num_seqs=1, max_fused_steps=1).generate(
         prompts, GREEDY, use_tqdm=False)]
-    tokens, make = [], v2.make_fused_decode
-    monkeypatch.setattr(v2, "make_fused_decode", lambda *a, **kw: tokens.append(kw["num_tokens"]) or make(*a, **kw))
+    tokens, forward = [], fused.forward_and_sample
+    monkeypatch.setattr(fused, "forward_and_sample",
+                        lambda *a, **kw: tokens.append(kw["input_ids"].shape[0]) or forward(*a, **kw))
     llm = make_llm(runner="v2", max_num_seqs=1, max_fused_steps=4)
     assert [(b.num_tokens, b.num_reqs) for b in llm.engine.runner.fused_buckets] == [(8, 1)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
