@@ -27,7 +27,8 @@
 # KV cache filling the GPU (large-kv), decode's projections through the skinny GEMM against XLA's dot
 # (skinny-splitk: the kernel alone; skinny-splitk-stacked: the same in the engine's layout;
 # projections: fused decode at batch 1 / 8 / 32 and the GPU test; fused-layer-unroll: fused decode
-# with the layer loop and with every layer unrolled).
+# with the layer loop and with every layer unrolled; fused-before-after: fused decode, the old tree
+# against this one).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -454,6 +455,17 @@ for s in $sections; do case $s in
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --batches ${LAYER_UNROLL_BATCHES:-1 8 32} --fused-steps 16 --unrolled-layers-max-tokens $u \
           --compile-mode lazy --output-json "$OUT/fused_decode_unrolled_max_tokens_$u.json"
+    done ;;
+  # Fused decode at batch 1 / 8 / 32 (K = 16, lazy compile), the old tree (.ab_old, as for
+  # ab-s1-before-after) against this one, ROUNDS rounds with the trees alternated.
+  fused-before-after)
+    for round in $(seq ${ROUNDS:-2}); do
+      for tree in old new; do
+        path=.; [ $tree = old ] && path=.ab_old:.
+        PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section fused-$tree-$round timeout 200 \
+          python3 -P -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 16 --compile-mode lazy \
+          --output-json "$OUT/fused_decode_${tree}_$round.json"
+      done
     done ;;
   # A stored program with Mosaic GPU kernels loads in a fresh process (the program store's GPU test).
   program-store-mgpu) run_section program-store-mgpu timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \

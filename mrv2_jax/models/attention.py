@@ -3,7 +3,8 @@
 A backend is a callable `(q, k, v, layer, kv_cache, scale) -> (out, kv_cache)`. The model
 code never knows whether it runs on the dense reference path or on the paged KV cache: the
 backend object carries that step's metadata, and the decoder threads `kv_cache` through its
-layer loop.
+layer loop. Families whose q and k take a `QKNormRope` call `attend_qkv` with the fused
+projection instead, so that a backend may do the norm, the rotation and the KV write in one kernel.
 """
 
 import dataclasses
@@ -14,14 +15,43 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from mrv2_jax.models.layers import dense_causal_attention
+from mrv2_jax.models.layers import apply_rope_halves_partial, dense_causal_attention, rms_norm, split_qkv
 from mrv2_jax.models.tensor_parallel import AXIS
 
 _META_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "num_seqs")
 
 
 @dataclass(frozen=True)
-class DenseAttention:
+class QKNormRope:
+    """What a family does to q and k between the fused projection and attention: RMSNorm of every
+    head (Qwen3's q_norm / k_norm; None for families without) and "halves" RoPE over the first
+    `2 * cos.shape[-1]` dims of a head."""
+
+    q_norm: jax.Array | None  # [head_dim]
+    k_norm: jax.Array | None
+    eps: float
+    cos: jax.Array  # float32[T, rotary_dim // 2]
+    sin: jax.Array
+
+    def __call__(self, q, k):
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        return apply_rope_halves_partial(q, self.cos, self.sin), apply_rope_halves_partial(k, self.cos, self.sin)
+
+
+class AttentionBackend:
+    """The entry from the fused projection; a backend that has a fused kernel for it overrides it."""
+
+    def attend_qkv(self, qkv, heads, norm_rope: QKNormRope, layer, kv_cache, scale, shards=1):
+        """`qkv [T, (H + 2 Hkv) * D]` (in the tensor-parallel layout of `shards` devices), `heads` =
+        (H, Hkv, D): split, `norm_rope`, attend."""
+        q, k, v = split_qkv(qkv, *heads, shards)
+        q, k = norm_rope(q, k)
+        return self(q, k, v, layer, kv_cache, scale)
+
+
+@dataclass(frozen=True)
+class DenseAttention(AttentionBackend):
     """Attention over the tokens of this call only (no KV cache): the reference path, also
     used for training. Tokens attend within their segment, causally by position."""
 
@@ -34,7 +64,7 @@ class DenseAttention:
 
 
 @dataclass(frozen=True)
-class PagedAttention:
+class PagedAttention(AttentionBackend):
     """Attention over the paged KV cache: write this step's K/V into their slots, then run
     ragged paged attention for the whole mixed prefill/decode batch. Metadata layout:
     docs/architecture.md. `use_kernels=False` selects the pure-jnp references (fast on CPU,
@@ -88,25 +118,38 @@ class PagedAttention:
                                    query_start_loc=jnp.clip(qsl - start, 0, size), seq_lens=self.seq_lens - after,
                                    one_token_rows=False)
 
+    def attend_qkv(self, qkv, heads, norm_rope, layer, kv_cache, scale, shards=1):
+        """With the kernels on one device: q/k norm, RoPE and the KV write in one kernel."""
+        if not self.use_kernels or self.mesh is not None or shards > 1:
+            return super().attend_qkv(qkv, heads, norm_rope, layer, kv_cache, scale, shards)
+        from pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
+
+        q, *kv_cache = qk_norm_rope_kv_write(qkv, norm_rope.q_norm, norm_rope.k_norm, norm_rope.cos, norm_rope.sin,
+                                             *kv_cache, self.slot_mapping, layer, num_heads=heads[0],
+                                             eps=norm_rope.eps, interpret=self.interpret)
+        return self._attend_cached(q, layer, tuple(kv_cache), scale)
+
     def _attend(self, q, k, v, layer, kv_cache, scale):
         from pallas_kernels import kv_write
+
+        write = kv_write.write_kv if self.use_kernels else kv_write.write_kv_reference
+        kv_cache = write(*kv_cache, k, v, self.slot_mapping, layer, interpret=self.interpret)
+        return self._attend_cached(q, layer, kv_cache, scale)
+
+    def _attend_cached(self, q, layer, kv_cache, scale):
+        """Attention of q over the cache, this step's K/V already in it."""
         from pallas_kernels import ragged_paged_attention as rpa
 
-        k_cache, v_cache = kv_cache
+        attend = rpa.ragged_paged_attention_reference
         if self.use_kernels:
-            k_cache, v_cache = kv_write.write_kv(k_cache, v_cache, k, v, self.slot_mapping, layer,
-                                                 interpret=self.interpret)
             attend = functools.partial(rpa.ragged_paged_attention, interpret=self.interpret)
             if self.ragged_kernel == "mgpu" and not self.one_token_rows:
                 attend = functools.partial(_mixed_rows_mgpu, decode_kernel=self.decode_kernel, interpret=self.interpret)
             if self.one_token_rows and self.decode_kernel == "mgpu":
                 attend = functools.partial(_one_token_rows_mgpu, interpret=self.interpret)
-        else:
-            k_cache, v_cache = kv_write.write_kv_reference(k_cache, v_cache, k, v, self.slot_mapping, layer)
-            attend = rpa.ragged_paged_attention_reference
-        out = attend(q, k_cache, v_cache, layer, self.block_tables, self.seq_lens,
+        out = attend(q, *kv_cache, layer, self.block_tables, self.seq_lens,
                      self.query_start_loc, self.num_seqs, sm_scale=scale)
-        return out, (k_cache, v_cache)
+        return out, kv_cache
 
 
 def _one_token_rows_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,

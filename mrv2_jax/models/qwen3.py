@@ -1,6 +1,7 @@
 """Qwen3 (dense): per-head RMSNorm on q and k, full "halves" RoPE, SwiGLU MLP."""
 
-from mrv2_jax.models.layers import apply_rope_halves, gated_mlp, rms_norm, rope_angles, split_qkv
+from mrv2_jax.models.attention import QKNormRope
+from mrv2_jax.models.layers import gated_mlp, rms_norm, rope_angles
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
 from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
@@ -72,11 +73,9 @@ class Qwen3ModelState(ModelState):
         qkv = h @ p["qkv_proj"]
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
-        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.tp_size)
-        cos, sin = rope
-        q = apply_rope_halves(rms_norm(q, p["q_norm"], eps), cos, sin)
-        k = apply_rope_halves(rms_norm(k, p["k_norm"], eps), cos, sin)
-        out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
+        norm_rope = QKNormRope(p["q_norm"], p["k_norm"], eps, *rope)
+        out, kv_cache = attention.attend_qkv(qkv, (self.num_heads, self.num_kv_heads, self.head_dim), norm_rope,
+                                             layer, kv_cache, self.head_dim**-0.5, self.tp_size)
         out = row_parallel(out.reshape(x.shape[0], -1), p["o_proj"], self.tp_size)
         if self.attention_bias:
             out = out + p["o_bias"]

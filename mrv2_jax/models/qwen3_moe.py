@@ -15,13 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from mrv2_jax.models import fp8
-from mrv2_jax.models.layers import (
-    apply_rope_halves_partial,
-    gated_mlp,
-    rms_norm,
-    rope_angles,
-    split_qkv,
-)
+from mrv2_jax.models.attention import QKNormRope
+from mrv2_jax.models.layers import gated_mlp, rms_norm, rope_angles
 from mrv2_jax.models.model_state import (
     LayerGroup,
     ModelState,
@@ -171,12 +166,10 @@ class Qwen3MoeModelState(ModelState):
         qkv = self.linear(rms_norm(x, p["input_norm"], eps), p, "qkv_proj")
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
-        q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.tp_size)
-        if self.qk_norm:
-            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-        cos, sin = rope
-        q, k = apply_rope_halves_partial(q, cos, sin), apply_rope_halves_partial(k, cos, sin)
-        out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
+        norm_rope = QKNormRope(p["q_norm"] if self.qk_norm else None, p["k_norm"] if self.qk_norm else None,
+                               eps, *rope)
+        out, kv_cache = attention.attend_qkv(qkv, (self.num_heads, self.num_kv_heads, self.head_dim), norm_rope,
+                                             layer, kv_cache, self.head_dim**-0.5, self.tp_size)
         out = out.reshape(x.shape[0], -1)
         # Tensor parallelism (no FP8 then): o_proj is row-parallel, summed in f32 by one all-reduce.
         out = row_parallel(out, p["o_proj"], self.tp_size) if self.tp_size > 1 else self.linear(out, p, "o_proj")

@@ -59,6 +59,9 @@ class _ShiftedLayer:
     def __call__(self, q, k, v, layer, kv_cache, scale):
         return self.inner(q, k, v, layer - self.first_layer, kv_cache, scale)
 
+    def attend_qkv(self, qkv, heads, norm_rope, layer, kv_cache, scale, shards=1):
+        return self.inner.attend_qkv(qkv, heads, norm_rope, layer - self.first_layer, kv_cache, scale, shards)
+
 
 class MtpProposer(Proposer):
     def __init__(self, model_state, lm, k: int, *, num_blocks: int, block_size: int, max_model_len: int,
