@@ -55,11 +55,11 @@ def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_he
         raise ValueError(f"norm weights {q_norm.shape}/{k_norm.shape}: expected ({head_dim},)")
 
 
-def _kernel(layer_ref, slot_ref, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, k_in_ref, v_in_ref,
+def _kernel(layer_ref, slot_ref, qkv_ref, norm_ref, cos_ref, sin_ref, k_in_ref, v_in_ref,
             q_out_ref, k_out_ref, v_out_ref, *, num_tokens, num_heads, num_kv_heads, num_blocks, block_size,
             block_t, eps, rotary_dim, has_norm):
     del k_in_ref, v_in_ref  # aliased to the outputs
-    head_dim = q_norm_ref.shape[0]
+    head_dim = norm_ref.shape[1]
     half = rotary_dim // 2
     h = pl.program_id(1)
     is_q = h < num_heads
@@ -76,8 +76,9 @@ def _kernel(layer_ref, slot_ref, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_r
     if has_norm:
         x32 = x.astype(jnp.float32)
         scale = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / head_dim + eps)[:, None]
-        weight = jnp.where(is_q, q_norm_ref[...], k_norm_ref[...])
-        weight_p = jnp.where(is_q, pltriton.load(q_norm_ref.at[partner]), pltriton.load(k_norm_ref.at[partner]))
+        which = jnp.where(is_q, 0, 1)  # row 0: q_norm, row 1: k_norm
+        weight = pltriton.load(norm_ref.at[which, d])
+        weight_p = pltriton.load(norm_ref.at[which, partner])
         x = weight[None, :] * (x32 * scale).astype(dtype)
         xp = weight_p[None, :] * (xp.astype(jnp.float32) * scale).astype(dtype)
     # cos/sin of each element's pair; dims past rotary_dim keep their value (cos 1, sin 0).
@@ -145,13 +146,15 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
         kernel,
         grid=(pl.cdiv(num_tokens, block_t), num_heads + num_kv_heads),
         out_shape=(jax.ShapeDtypeStruct((num_tokens * num_heads, head_dim), qkv.dtype), rows_shape, rows_shape),
-        # Inputs: layer, slot, qkv, q_norm, k_norm, cos, sin, k_cache (7), v_cache (8).
-        input_output_aliases={7: 1, 8: 2},
+        # Inputs: layer, slot, qkv, norm weights, cos, sin, k_cache (6), v_cache (7).
+        input_output_aliases={6: 1, 7: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="qk_norm_rope_kv_write",
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32), qkv,
-      q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype), cos.astype(jnp.float32), sin.astype(jnp.float32),
+      # One [2, D] operand: a custom call copies each slice of a stacked weight it is given, so two
+      # weights would cost two copies a layer; stacked, XLA makes them one fusion.
+      jnp.stack([q_norm, k_norm]).astype(qkv.dtype), cos.astype(jnp.float32), sin.astype(jnp.float32),
       k_cache.reshape(num_rows, head_dim), v_cache.reshape(num_rows, head_dim))
     return q.reshape(num_tokens, num_heads, head_dim), k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)
 
