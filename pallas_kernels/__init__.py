@@ -5,6 +5,9 @@ The bottom layer: these modules import only jax, numpy, the standard library and
 their kernels take arrays and return arrays; mrv2_jax adapts its own types to them.
 
 - ``kv_write``: ``write_kv`` / ``write_kv_reference`` (slot-mapped cache update).
+- ``qk_norm_rope_kv_write``: ``qk_norm_rope_kv_write`` / ``..._reference`` (from the fused qkv projection:
+  q/k RMSNorm, halves RoPE, q out and K/V into the cache in one kernel; the paged attention's
+  ``attend_qkv`` on one device).
 - ``kv_write_mgpu``: ``write_kv_mgpu``, the same update on the Mosaic GPU backend (issue 27; not yet
   used by the engine).
 - ``skinny_gemm_mgpu``: ``skinny_matmul`` / ``skinny_matmul_reference`` (decode's projections at
