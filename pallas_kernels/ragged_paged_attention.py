@@ -47,8 +47,8 @@ Split-K (flash decoding). A decode tile has a single query token and a long key 
 program per (row, kv head) cannot fill 132 SMs at small batch. With ``num_kv_splits = S >
 1``, the tile's chunk range is cut into S contiguous parts, one per program along grid axis
 2; each writes its unnormalised partial (acc, running max, running sum) to f32 scratch
-outputs, and a small jnp epilogue (fused by XLA) merges the S partials with the usual
-log-sum-exp rescaling. Every (split, token, head) partial is written (empty splits write
+outputs, and a second small kernel (one program per token and q head) merges the S partials
+with the usual log-sum-exp rescaling into q's dtype. Every (split, token, head) partial is written (empty splits write
 acc=0, sum=0), so the merge reads no uninitialised memory. S is static; the default picks
 S from the static shapes (more splits when there are few rows); the runner can pass its own.
 
@@ -401,21 +401,39 @@ def ragged_paged_attention(
     )
     if num_splits == 1:
         return outs.reshape(T, num_q_heads, head_dim)
-    return _merge_splits(*outs, num_splits, q.shape).astype(q.dtype)
+    return _merge_splits(*outs, num_splits, q, interpret=interpret)
 
 
-def _merge_splits(acc, m, l, num_splits, q_shape):
-    """Combines the split-K partials (acc, running max in log2 units, running sum)."""
-    T, num_q_heads, head_dim = q_shape
-    acc = acc.reshape(num_splits, T, num_q_heads, head_dim)
-    m = m.reshape(num_splits, T, num_q_heads)
-    l = l.reshape(num_splits, T, num_q_heads)
-    m_max = jnp.max(m, axis=0)
-    w = jnp.exp2(m - m_max)  # 0 for splits that saw no visible key
-    l_sum = jnp.sum(w * l, axis=0)
-    acc_sum = jnp.sum(w[..., None] * acc, axis=0)
-    # l_sum == 0 only for padding tokens (acc_sum == 0 there too): output 0.
-    return acc_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, num_splits, num_rows):
+    """One (token, q head) row: its S partials rescaled to the common max and summed."""
+    head_dim = o_ref.shape[1]
+    row = pl.program_id(0)
+    split_rows = jnp.arange(num_splits, dtype=jnp.int32) * num_rows + row
+    m = pltriton.load(m_ref.at[split_rows])
+    l = pltriton.load(l_ref.at[split_rows])
+    w = jnp.exp2(m - jnp.max(m))  # 0 for splits that saw no visible key
+    l_sum = jnp.sum(w * l)
+    acc = pltriton.load(acc_ref.at[split_rows[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :]])
+    out = jnp.sum(acc * w[:, None], axis=0)
+    # l_sum == 0 only for padding tokens (their partials are 0 too): output 0.
+    pltriton.store(o_ref.at[row, jnp.arange(head_dim, dtype=jnp.int32)],
+                   (out / jnp.where(l_sum > 0, l_sum, 1.0)).astype(o_ref.dtype))
+
+
+def _merge_splits(acc, m, l, num_splits, q, *, interpret=False):
+    """Combines the split-K partials (acc, running max in log2 units, running sum) into q's shape
+    and dtype: one program per (token, q head), one launch (XLA made two fusions of the jnp form)."""
+    T, num_q_heads, head_dim = q.shape
+    num_rows = T * num_q_heads
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=num_splits, num_rows=num_rows),
+        grid=(num_rows,),
+        out_shape=jax.ShapeDtypeStruct((num_rows, head_dim), q.dtype),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4 if num_splits * head_dim <= 8192 else 8, num_stages=1),
+        name="merge_kv_splits",
+    )(acc, m, l)
+    return out.reshape(q.shape)
 
 
 # ----------------------------------------------------------------------------------------
