@@ -47,10 +47,11 @@ Split-K (flash decoding). A decode tile has a single query token and a long key 
 program per (row, kv head) cannot fill 132 SMs at small batch. With ``num_kv_splits = S >
 1``, the tile's chunk range is cut into S contiguous parts, one per program along grid axis
 2; each writes its unnormalised partial (acc, running max, running sum) to f32 scratch
-outputs, and a second small kernel (one program per token and q head) merges the S partials
-with the usual log-sum-exp rescaling into q's dtype. Every (split, token, head) partial is written (empty splits write
-acc=0, sum=0), so the merge reads no uninitialised memory. S is static; the default picks
-S from the static shapes (more splits when there are few rows); the runner can pass its own.
+outputs, and a merge (a small kernel for buckets of a few tokens, else a jnp epilogue XLA
+fuses) combines the S partials with the usual log-sum-exp rescaling into q's dtype. Every
+(split, token, head) partial is written (empty splits write acc=0, sum=0), so the merge reads
+no uninitialised memory. S is static; the default picks S from the static shapes (more splits
+when there are few rows); the runner can pass its own.
 
 ``ragged_paged_attention_reference`` is the pure-jnp version (gather each row's pages, dense
 masked softmax); it is also the fallback and the GPU baseline.
@@ -422,9 +423,20 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, num_splits, num_rows):
 
 def _merge_splits(acc, m, l, num_splits, q, *, interpret=False):
     """Combines the split-K partials (acc, running max in log2 units, running sum) into q's shape
-    and dtype: one program per (token, q head), one launch (XLA made two fusions of the jnp form)."""
+    and dtype. A bucket of at most _SMALL_BUCKET_TOKENS tokens merges in one small kernel (one
+    program per token and q head); XLA makes two fusions of the jnp form, which is faster once there
+    are more rows (docs/benchmarks.md, "The KV-split merge as a kernel")."""
     T, num_q_heads, head_dim = q.shape
     num_rows = T * num_q_heads
+    if T > _SMALL_BUCKET_TOKENS:
+        acc = acc.reshape(num_splits, T, num_q_heads, head_dim)
+        m = m.reshape(num_splits, T, num_q_heads)
+        l = l.reshape(num_splits, T, num_q_heads)
+        w = jnp.exp2(m - jnp.max(m, axis=0))  # 0 for splits that saw no visible key
+        l_sum = jnp.sum(w * l, axis=0)
+        acc_sum = jnp.sum(w[..., None] * acc, axis=0)
+        # l_sum == 0 only for padding tokens (acc_sum == 0 there too): output 0.
+        return (acc_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]).astype(q.dtype)
     out = pl.pallas_call(
         functools.partial(_merge_kernel, num_splits=num_splits, num_rows=num_rows),
         grid=(num_rows,),
