@@ -5,14 +5,15 @@ Why the Triton backend: the Mosaic GPU kernel for mixed prefill and decode rows
 slower on decode rows, which most mixed steps are full of: in the engine it was even with this one at
 S2 and slower at S1@256 (docs/benchmarks.md, sessions 38-39); the decode-only one
 (paged_decode_attention_mgpu.py) measured even with this kernel inside fused decode at S1@256. This
-stays the default until one measures faster.
+stays the default until one measures faster. The split-K merge kernel below is Triton too: it reads
+this kernel's partials, a few kilobytes a layer, where a launch costs more than the work.
 
 One call serves a whole step's batch: prefill chunks (many query tokens of a row, causal
 within the chunk and over the row's earlier cached context) mixed with decodes (one query
 token, or a few for speculative decoding). The metadata is the step's (docs/architecture.md):
 row ``i`` owns query tokens ``q[qsl[i]:qsl[i+1]]`` at positions ``seq_lens[i] - q_len + j``,
 and its keys are positions ``0 .. seq_lens[i]-1`` of its pages ``block_tables[i]``. This
-step's K/V are already in the cache (``write_kv`` runs first).
+step's K/V are already in the cache (``write_kv`` or ``qk_norm_rope_kv_write`` runs first).
 
 Layout inside the kernel. Both caches are viewed as 2-D ``[rows, head_dim]`` (a free reshape)
 where ``row = ((layer*num_blocks + block)*num_kv_heads + kv_head)*block_size + offset``: each
