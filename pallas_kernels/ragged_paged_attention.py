@@ -5,8 +5,9 @@ Why the Triton backend: the Mosaic GPU kernel for mixed prefill and decode rows
 slower on decode rows, which most mixed steps are full of: in the engine it was even with this one at
 S2 and slower at S1@256 (docs/benchmarks.md, sessions 38-39); the decode-only one
 (paged_decode_attention_mgpu.py) measured even with this kernel inside fused decode at S1@256. This
-stays the default until one measures faster. The split-K merge kernel below is Triton too: it reads
-this kernel's partials, a few kilobytes a layer, where a launch costs more than the work.
+stays the default until one measures faster. The split-K merge kernel below is Triton too: it gathers a
+few kilobytes of this kernel's partials per call, the size at which the Mosaic GPU port of the KV
+write measured slower than its Triton kernel (kv_write.py); no Mosaic GPU merge was tried.
 
 One call serves a whole step's batch: prefill chunks (many query tokens of a row, causal
 within the chunk and over the row's earlier cached context) mixed with decodes (one query
