@@ -129,6 +129,8 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
     _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
     num_layers, num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     num_tokens = qkv.shape[0]
+    if num_tokens == 0:
+        return jnp.zeros((0, num_heads, head_dim), qkv.dtype), k_cache, v_cache
     block_t = min(block_t, pl.next_power_of_2(num_tokens))
     if head_dim & (head_dim - 1) or block_t & (block_t - 1):
         raise ValueError(f"head_dim={head_dim} and block_t={block_t} must be powers of two")

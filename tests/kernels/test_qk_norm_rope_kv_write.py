@@ -136,6 +136,17 @@ def test_qwen3_sizes_on_gpu(T):
     check_bfloat16(case, num_heads, layer=2)
 
 
+def test_no_tokens_leaves_the_cache_alone():
+    case, num_heads = make_case(T=3)
+    empty = {name: (a[:0] if name in ("qkv", "cos", "sin", "slot_mapping") else a) for name, a in case.items()}
+    q, k_cache, v_cache = qk_norm_rope_kv_write(empty["qkv"], empty["q_norm"], empty["k_norm"], empty["cos"],
+                                                empty["sin"], empty["k_cache"], empty["v_cache"],
+                                                empty["slot_mapping"], 0, num_heads=num_heads, interpret=True)
+    assert q.shape == (0, num_heads, case["k_cache"].shape[-1])
+    np.testing.assert_array_equal(bits(k_cache), bits(case["k_cache"]))
+    np.testing.assert_array_equal(bits(v_cache), bits(case["v_cache"]))
+
+
 def test_bad_shapes_are_named():
     case, num_heads = make_case(T=3)
     with pytest.raises(ValueError, match="qkv"):

@@ -42,7 +42,9 @@ def test_chunked_paged_prefill_matches_dense(name, chunk):
 
 
 @pytest.mark.slow
-def test_chunked_paged_prefill_with_pallas_kernels_matches_dense():
+# The three ways into qk_norm_rope_kv_write: q/k norm with full rotary, with partial rotary, no norm.
+@pytest.mark.parametrize("name", ["qwen3-tiny", "glm4-moe-tiny", "glm4-moe-tiny-plain"])
+def test_chunked_paged_prefill_with_pallas_kernels_matches_dense(name):
     prompt = list(np.random.default_rng(2).integers(0, 96, 11))
-    paged, dense = paged_logits_in_chunks("qwen3-tiny", prompt, 7, use_kernels=True)
+    paged, dense = paged_logits_in_chunks(name, prompt, 7, use_kernels=True)
     assert np.abs(paged - dense).max() <= 1e-4
