@@ -6,6 +6,8 @@ kernel (`pallas_kernels.skinny_gemm_mgpu`), at Qwen3-0.6B's shapes.
   xla     y[M, N] = x[M, K] @ W[K, N], one dot per layer's weight
   mgpu    y^T[N, 64] = W^T[N, K] @ x^T[K, 64]: the weight is the kernel's big operand and the rows
           its small one, padded to 64 (the shipped kernel's smallest tile on that side)
+  reduce  the same product as a multiply and a sum over K in f32: no cuBLAS call, XLA's own
+          reduction kernel (which could take an elementwise prologue such as SiLU x up)
   splitk  skinny_matmul(x, W): the rows padded to 8/16/32, K split so that even a 1024-wide
           output makes a few hundred CTAs, f32 partials summed by a second (XLA) op; both times
           (wall and kernels') include the padding and the sum. Configs: `auto` (the kernel's default rule: at least 2
@@ -91,6 +93,12 @@ def lowers_for_cuda(config, k: int, n: int) -> None:
     jax.jit(lambda w, x: hm.matmul(w, x, None, config)).trace(w_t, x_t).lower(lowering_platforms=("cuda",))
 
 
+def _as_reduction(x, w):
+    import jax.numpy as jnp
+
+    return jnp.sum(x[:, :, None].astype(jnp.float32) * w[None].astype(jnp.float32), axis=1).astype(x.dtype)
+
+
 def projections(way: str, config=None, stacked: bool = False):
     """A jitted function of (x, weights) running the projection once per weight (`stacked`: once
     per layer of one [L, K, N] array)."""
@@ -100,6 +108,10 @@ def projections(way: str, config=None, stacked: bool = False):
         if stacked:
             return jax.jit(lambda x, ws: [x @ ws[j] for j in range(ws.shape[0])])
         return jax.jit(lambda x, ws: [x @ w for w in ws])
+    if way == "reduce":
+        if stacked:
+            return jax.jit(lambda x, ws: [_as_reduction(x, ws[j]) for j in range(ws.shape[0])])
+        return jax.jit(lambda x, ws: [_as_reduction(x, w) for w in ws])
     if way == "splitk":
         from pallas_kernels import skinny_gemm_mgpu as sk
 
@@ -166,6 +178,8 @@ def measure(name: str, k: int, n: int, layers: int, rows: int, args, with_mgpu: 
     def check_rows(outs):
         return max(float(np.max(np.abs(np.asarray(o, np.float32) - r))) for o, r in zip(outs, reference))
 
+    if "reduce" in args.ways:
+        row("reduce", projections("reduce", stacked=args.stacked), (x, weights), check_rows)
     for config_name in args.splitk_configs if "splitk" in args.ways else ():
         way = f"splitk {config_name}"
         try:
@@ -203,7 +217,7 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--layers", type=int, default=None, help="weights per call (default: the model's count)")
     p.add_argument("--ways", default="mgpu,splitk",
-                   help="comma-separated Mosaic GPU ways to run beside xla (the reference, always run)")
+                   help="comma-separated ways to run beside xla (the reference, always run): mgpu, splitk, reduce")
     p.add_argument("--stacked", action="store_true",
                    help="the weights as one [layers, K, N] array, each layer read in place (the engine's way)")
     p.add_argument("--tiny", action="store_true", help="every shape cut to K=128, N=256 (CPU tests)")
@@ -217,8 +231,8 @@ def main(argv=None):
     configs = mgpu_configs()
     args.configs = {c: configs[c] for c in args.configs.split(",")} if args.configs else configs
     args.ways = [w for w in args.ways.split(",") if w]
-    if set(args.ways) - {"mgpu", "splitk"}:
-        p.error(f"--ways takes mgpu and splitk, got {args.ways}")
+    if set(args.ways) - {"mgpu", "splitk", "reduce"}:
+        p.error(f"--ways takes mgpu, splitk and reduce, got {args.ways}")
     args.splitk_configs = [c for c in args.splitk_configs.split(",") if c]
     unknown = set(args.splitk_configs) - set(SPLITK_RULES)
     if unknown:

@@ -118,6 +118,7 @@ def test_skinny_gemm_runs_the_mosaic_gpu_matmuls_interpreted_and_checks_them(tmp
     assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
     # The engine's layout: one stack, each layer read in place; the mgpu way is skipped.
     stacked = skinny_gemm.main(["--tiny", "--stacked", "--shapes", "o_proj", "--rows", "3", "--configs",
-                                "tm64_tk64_s4", "--splitk-configs", "auto", "--runs", "1", "--warmup", "0"])
-    assert [r["way"] for r in stacked] == ["xla", "splitk auto"]
-    assert "error" not in stacked[1] and stacked[1]["max_abs_error"] < 1e-2
+                                "tm64_tk64_s4", "--ways", "splitk,reduce", "--splitk-configs", "auto", "--runs", "1",
+                                "--warmup", "0"])
+    assert [r["way"] for r in stacked] == ["xla", "reduce", "splitk auto"]
+    assert all("error" not in r and r["max_abs_error"] < 1e-2 for r in stacked[1:])
