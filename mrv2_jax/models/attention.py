@@ -124,10 +124,10 @@ class PagedAttention(AttentionBackend):
             return super().attend_qkv(qkv, heads, norm_rope, layer, kv_cache, scale, shards)
         from pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
 
-        q, *kv_cache = qk_norm_rope_kv_write(qkv, norm_rope.q_norm, norm_rope.k_norm, norm_rope.cos, norm_rope.sin,
-                                             *kv_cache, self.slot_mapping, layer, num_heads=heads[0],
-                                             eps=norm_rope.eps, interpret=self.interpret)
-        return self._attend_cached(q, layer, tuple(kv_cache), scale)
+        q, k_cache, v_cache = qk_norm_rope_kv_write(qkv, norm_rope.q_norm, norm_rope.k_norm, norm_rope.cos,
+                                                    norm_rope.sin, *kv_cache, self.slot_mapping, layer,
+                                                    num_heads=heads[0], eps=norm_rope.eps, interpret=self.interpret)
+        return self._attend_cached(q, layer, (k_cache, v_cache), scale)
 
     def _attend(self, q, k, v, layer, kv_cache, scale):
         from pallas_kernels import kv_write

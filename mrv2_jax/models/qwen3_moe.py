@@ -166,8 +166,8 @@ class Qwen3MoeModelState(ModelState):
         qkv = self.linear(rms_norm(x, p["input_norm"], eps), p, "qkv_proj")
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
-        norm_rope = QKNormRope(p["q_norm"] if self.qk_norm else None, p["k_norm"] if self.qk_norm else None,
-                               eps, *rope)
+        norms = (p["q_norm"], p["k_norm"]) if self.qk_norm else (None, None)
+        norm_rope = QKNormRope(*norms, eps, *rope)
         out, kv_cache = attention.attend_qkv(qkv, (self.num_heads, self.num_kv_heads, self.head_dim), norm_rope,
                                              layer, kv_cache, self.head_dim**-0.5, self.tp_size)
         out = out.reshape(x.shape[0], -1)
