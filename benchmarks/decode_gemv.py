@@ -29,16 +29,20 @@ LAYERS = 28
 # op -> (K, N of the weight, the kernel's keyword arguments besides the weight).
 OPS = {"qkv": (1024, 4096, {"norm": True}), "o": (2048, 1024, {"residual": True}),
        "gate_up": (1024, 6144, {"norm": True, "activation": "silu_mul"}), "down": (3072, 1024, {"residual": True})}
-# Tuning tried per rows: (block_n, block_k, num_warps, num_stages); None: the kernel's defaults.
-CONFIGS = {1: [None, (64, 128, 4, 3), (16, 256, 4, 4), (32, 128, 4, 4), (64, 256, 8, 3), (32, 512, 8, 3)],
-           "many": [None, (32, 128, 4, 3), (16, 256, 4, 3), (16, 64, 4, 4), (64, 64, 4, 3), (32, 64, 4, 4)]}
+# Tuning tried per rows: (block_n, block_k, wave_bytes, num_warps); None: the kernel's defaults.
+CONFIGS = {1: [None, (8, 256, 65536, 4), (16, 256, 65536, 8), (32, 256, 65536, 8), (8, 512, 131072, 8),
+               (16, 128, 32768, 4)],
+           "many": [None, (16, 256, 65536, 8), (32, 128, 65536, 8), (16, 128, 131072, 8), (16, 256, 32768, 4),
+                    (32, 256, 131072, 8)]}
 
 
-def make_op(op: str, fn, tuning=None):
+def make_op(op: str, fn, call_args, tuning=None):
+    """The op over every layer, compiled. XLA's dot merger is off: it would concatenate the layers'
+    weights into one dot because the benchmark multiplies them all by the same x."""
     import jax
 
     kw = OPS[op][2]
-    tuning = dict(zip(("block_n", "block_k", "num_warps", "num_stages"), tuning)) if tuning else {}
+    tuning = dict(zip(("block_n", "block_k", "wave_bytes", "num_warps"), tuning)) if tuning else {}
 
     @jax.jit
     def run(x, stack, norm_weights, residual):
@@ -49,7 +53,7 @@ def make_op(op: str, fn, tuning=None):
                            **tuning))
         return outs
 
-    return run
+    return run.lower(*call_args).compile({"xla_disable_hlo_passes": "dot_merger"})
 
 
 def measure(op: str, rows: int, args) -> list[dict]:
@@ -73,7 +77,7 @@ def measure(op: str, rows: int, args) -> list[dict]:
     residual = jax.random.normal(keys[3], (rows, n_out), jnp.bfloat16)
     call_args = (x, stack, norm_weights, residual)
     on_gpu = jax.default_backend() == "gpu"
-    reference = [np.asarray(y, np.float32) for y in make_op(op, decode_gemv_reference)(*call_args)]
+    reference = [np.asarray(y, np.float32) for y in make_op(op, decode_gemv_reference, call_args)(*call_args)]
     results = []
 
     def row(way, fn, tuning=None):
@@ -95,12 +99,13 @@ def measure(op: str, rows: int, args) -> list[dict]:
                                 "copy_bw_share": weight_bytes / seconds / COPY_BANDWIDTH,
                                 "kernels": [k_["kernel"] for k_ in kernels[:4]]})
 
-    row("xla", make_op(op, decode_gemv_reference))
+    row("xla", make_op(op, decode_gemv_reference, call_args))
     interpret = not on_gpu
     for tuning in CONFIGS[1 if rows == 1 else "many"][: args.max_configs]:
         def fn(*a, **kw_):
             return decode_gemv(*a, **kw_, interpret=interpret)
-        row("gemv" if tuning is None else "gemv " + "/".join(map(str, tuning)), make_op(op, fn, tuning), tuning)
+        way = "gemv" if tuning is None else "gemv " + "/".join(map(str, tuning))
+        row(way, make_op(op, fn, call_args, tuning), tuning)
     return results
 
 

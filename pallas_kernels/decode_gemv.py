@@ -71,62 +71,68 @@ def _check(x, stack, norm, activation, residual):
 
 
 def _kernel(layer_ref, x_ref, w_ref, norm_ref, res_ref, out_ref, *, rows, k_dim, n_out, block_m, block_n, block_k,
-            eps, has_norm, silu_mul, has_residual):
+            wave, eps, has_norm, silu_mul, has_residual):
     layer = layer_ref[0]
     dtype = x_ref.dtype
     m = jnp.arange(block_m, dtype=jnp.int32)
     m_ok = m < rows
     col = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = col < n_out
-    k_steps = pl.cdiv(k_dim, block_k)
+    ks = [i * block_k + jnp.arange(block_k, dtype=jnp.int32) for i in range(pl.cdiv(k_dim, block_k))]
 
-    def x_tile(i):
-        k = i * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        k_ok = k < k_dim
-        xk = pltriton.load(x_ref.at[m[:, None], k[None, :]], mask=m_ok[:, None] & k_ok[None, :], other=0)
-        return k, k_ok, xk
+    def x_tile(k):
+        return pltriton.load(x_ref.at[m[:, None], k[None, :]], mask=m_ok[:, None] & (k < k_dim)[None, :], other=0)
 
-    if has_norm:
-        def sum_squares(i, acc):
-            _, _, xk = x_tile(i)
-            xk = xk.astype(jnp.float32)
-            return acc + jnp.sum(xk * xk, axis=1)
+    def w_tiles(k):
+        mask = (k < k_dim)[:, None] & col_ok[None, :]
+        return [pltriton.load(w_ref.at[(layer * k_dim + k)[:, None], (col + offset)[None, :]], mask=mask, other=0)
+                for offset in ((0, n_out) if silu_mul else (0,))]
 
-        scale = lax.rsqrt(lax.fori_loop(0, k_steps, sum_squares, jnp.zeros((block_m,), jnp.float32)) / k_dim + eps)
-
-    def w_tile(k, k_ok, offset):
-        rows_ = layer * k_dim + k
-        return pltriton.load(w_ref.at[rows_[:, None], (col + offset)[None, :]], mask=k_ok[:, None] & col_ok[None, :],
-                             other=0)
-
-    def step(i, accs):
-        k, k_ok, xk = x_tile(i)
-        if has_norm:
-            weight = pltriton.load(norm_ref.at[layer, k], mask=k_ok, other=0)
-            xk = weight[None, :] * (xk.astype(jnp.float32) * scale[:, None]).astype(dtype)
-        tiles = [w_tile(k, k_ok, 0)] + ([w_tile(k, k_ok, n_out)] if silu_mul else [])
-        if block_m == 1:  # CUDA cores: multiply now, sum over K once at the end
-            return tuple(acc + xk.astype(jnp.float32).reshape(block_k, 1) * w.astype(jnp.float32)
-                         for acc, w in zip(accs, tiles))
-        return tuple(acc + jnp.dot(xk, w, preferred_element_type=jnp.float32) for acc, w in zip(accs, tiles))
+    if has_norm:  # each row's RMS scale, from x (a few KB, read from L2)
+        squares = [jnp.sum(jnp.square(x_tile(k).astype(jnp.float32)), axis=1) for k in ks]
+        scale = lax.rsqrt(functools.reduce(jnp.add, squares) / k_dim + eps)
 
     acc_shape = (block_k, block_n) if block_m == 1 else (block_m, block_n)
-    accs = lax.fori_loop(0, k_steps, step, tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(1 + silu_mul)))
+    accs = [jnp.zeros(acc_shape, jnp.float32) for _ in range(1 + silu_mul)]
+    # K in waves of tiles whose loads are all issued before their arithmetic: the column block's
+    # bytes are in flight together, which is what keeps HBM busy with one program per SM.
+    for first in range(0, len(ks), wave):
+        group = ks[first:first + wave]
+        tiles = [w_tiles(k) for k in group]
+        for k, tile in zip(group, tiles):
+            xk = x_tile(k)
+            if has_norm:
+                weight = pltriton.load(norm_ref.at[layer, k], mask=k < k_dim, other=0)
+                xk = weight[None, :] * (xk.astype(jnp.float32) * scale[:, None]).astype(dtype)
+            for j, w in enumerate(tile):
+                if block_m == 1:  # CUDA cores: multiply now, sum over K once at the end
+                    accs[j] = accs[j] + xk.astype(jnp.float32).reshape(block_k, 1) * w.astype(jnp.float32)
+                else:
+                    accs[j] = accs[j] + jnp.dot(xk, w, preferred_element_type=jnp.float32)
     if block_m == 1:
-        accs = tuple(jnp.sum(acc, axis=0).reshape(1, block_n) for acc in accs)
+        accs = [jnp.sum(acc, axis=0).reshape(1, block_n) for acc in accs]
     out = accs[0].astype(dtype)
     if silu_mul:
-        gate, up = out.astype(jnp.float32), accs[1].astype(dtype)
-        sig = (1.0 / (1.0 + jnp.exp(-gate))).astype(dtype)
-        out = (out * sig) * up
+        sig = (1.0 / (1.0 + jnp.exp(-out.astype(jnp.float32)))).astype(dtype)
+        out = (out * sig) * accs[1].astype(dtype)
     mask = m_ok[:, None] & col_ok[None, :]
     if has_residual:
         out = pltriton.load(res_ref.at[m[:, None], col[None, :]], mask=mask, other=0) + out
     pltriton.store(out_ref.at[m[:, None], col[None, :]], out.astype(out_ref.dtype), mask=mask)
 
 
+def default_block_n(rows: int, n_out: int, programs: int = 128) -> int:
+    """Output columns per program: the widest of 8-64 that still gives ``programs`` programs (one an
+    SM), at least 16 where the rows multiply on the tensor cores."""
+    narrowest = 8 if rows == 1 else 16
+    width = 64
+    while width > narrowest and n_out // width < programs:
+        width //= 2
+    return width
+
+
 def decode_gemv(x, stack, layer, *, norm=None, activation=None, residual=None, interpret=False, block_n=None,
-                block_k=None, num_warps=4, num_stages=3):
+                block_k=None, wave_bytes=64 * 1024, num_warps=8):
     """``[residual +] act(rms_norm(x) @ stack[layer])`` for ``x [M <= 32, K]``.
 
     Args:
@@ -136,7 +142,8 @@ def decode_gemv(x, stack, layer, *, norm=None, activation=None, residual=None, i
       norm: ``(weights [L, K], eps)``, RMSNorm of ``x`` with ``weights[layer]`` first; or None.
       activation: None, or ``"silu_mul"``: ``silu(y[:, :N/2]) * y[:, N/2:]``.
       residual: ``[M, N_out]`` added to the result, or None.
-      block_n, block_k, num_warps, num_stages: tuning (defaults by the rows).
+      block_n, block_k, wave_bytes, num_warps: tuning: output columns per program, K per tile, the
+        weight bytes a program loads at once (defaults by the rows and shapes).
 
     Returns:
       ``[M, N_out]`` in ``x``'s dtype (``N_out = N``, or ``N / 2`` with ``silu_mul``).
@@ -145,20 +152,20 @@ def decode_gemv(x, stack, layer, *, norm=None, activation=None, residual=None, i
     rows, k_dim = x.shape
     num_layers, _, n = stack.shape
     block_m = 1 if rows == 1 else max(16, pl.next_power_of_2(rows))
-    block_n = block_n or (32 if rows == 1 else 16)
-    block_k = block_k or (256 if rows == 1 else 128)
-    block_k = min(block_k, max(16, pl.next_power_of_2(k_dim)))
+    block_n = block_n or default_block_n(rows, n_out)
+    block_k = min(block_k or 256, max(16, pl.next_power_of_2(k_dim)))
+    wave = max(1, wave_bytes // (block_k * block_n * stack.dtype.itemsize * (2 if activation else 1)))
     has_norm, has_residual = norm is not None, residual is not None
     norm_weights = norm[0].astype(x.dtype) if has_norm else jnp.zeros((1, 1), x.dtype)
     kernel = functools.partial(_kernel, rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m, block_n=block_n,
-                               block_k=block_k, eps=norm[1] if has_norm else 0.0, has_norm=has_norm,
+                               block_k=block_k, wave=wave, eps=norm[1] if has_norm else 0.0, has_norm=has_norm,
                                silu_mul=activation == "silu_mul", has_residual=has_residual)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(n_out, block_n),),
         out_shape=jax.ShapeDtypeStruct((rows, n_out), x.dtype),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="decode_gemv",
     )(jnp.asarray(layer, jnp.int32).reshape(1), x, stack.reshape(num_layers * k_dim, n), norm_weights,
       residual if has_residual else jnp.zeros((1, 1), x.dtype))
