@@ -1,6 +1,6 @@
 """A decode projection with its neighbours, in one weight-streaming kernel (Pallas, Triton backend).
 
-``decode_gemv(x, stack, layer)`` computes ``x @ stack[layer]`` for decode's few rows (``M <= 32``),
+``decode_gemv(x, stack, layer)`` computes ``x @ stack[layer]`` for decode's few rows (``M <= 8``),
 reading layer ``layer`` of a stacked ``[L, K, N]`` weight in place, and may take on the small
 operations a decoder layer puts around its projections:
 
@@ -10,22 +10,24 @@ operations a decoder layer puts around its projections:
   result ``silu(gate) * up`` (``[M, I]``);
 * ``residual=[M, N]``: the result is ``residual + x @ w`` (o and down projections).
 
-Why. At decode the projections stream their weights once per step for 1-32 rows, so they are
+Why. At decode the projections stream their weights once per step for a few rows, so they are
 bound by memory; around them a layer runs the norms, SwiGLU's product and the residual adds as
 kernels of their own, each a launch that moves a few kilobytes (docs/benchmarks.md, "Decode
-projections as weight-streaming GEMVs"). Why the Triton backend: the rows (1-32) sit far below
+projections as weight-streaming GEMVs"). Why the Triton backend: the rows (1-8) sit far below
 Mosaic GPU's 64-row wgmma tile, so a Mosaic GPU kernel must put the weight on wgmma's M side and
 hand back a transposed product, whose split-K partial sums cost a fusion per projection
 (``skinny_gemm_mgpu``, measured no faster than cuBLAS in the engine); here each program keeps its
-output columns' whole K in registers and finishes the epilogue itself.
+output columns' whole K to itself and finishes the epilogue in registers.
 
 Algorithm. Program ``j`` of the grid ``(cdiv(N_out, block_n),)`` owns output columns
-``[j*block_n, (j+1)*block_n)`` and walks K in ``block_k`` steps, loading the weight tile
-``[block_k, block_n]`` (rows of ``block_n`` contiguous elements) and the matching ``[rows, block_k]``
-of ``x`` (tiny, from L2). One row multiplies on the CUDA cores into a ``[block_k, block_n]`` f32
-accumulator summed over K once at the end; more rows are padded to 16 or 32 and multiply on the
-tensor cores (``tl.dot``). With a norm, a first pass over ``x`` computes each row's scale. With
-``silu_mul`` the program also loads the matching ``up`` tile ``I`` columns on.
+``[j*block_n, (j+1)*block_n)`` and walks K in ``block_k``-deep weight tiles ``[block_k, block_n]``
+(rows of ``block_n`` contiguous elements). It issues the loads of a wave of tiles (``wave_bytes``
+of weight) before multiplying any of them, so that the column block's bytes are in flight
+together: with one program per SM that is what keeps HBM busy. The multiply is on the CUDA cores
+(a few rows do not fill a tensor-core tile): per row, an f32 ``[block_k, block_n]`` accumulator
+takes ``x[row, k-tile]`` (a column read from L2) times the tile, and is summed over K once at the
+end. With a norm, a first pass over ``x`` computes each row's scale. With ``silu_mul`` the program
+also loads the matching ``up`` tile ``I`` columns on.
 
 Numerics follow the jnp reference (and the engine's layers): the product accumulates in f32 and is
 rounded to the input dtype before the epilogue, as XLA's dot then the elementwise ops would.
@@ -43,7 +45,7 @@ from jax.experimental.pallas import triton as pltriton
 
 __all__ = ["MAX_ROWS", "accepts", "decode_gemv", "decode_gemv_reference"]
 
-MAX_ROWS = 32
+MAX_ROWS = 8
 ACTIVATIONS = (None, "silu_mul")
 
 
@@ -70,18 +72,16 @@ def _check(x, stack, norm, activation, residual):
     return n_out
 
 
-def _kernel(layer_ref, x_ref, w_ref, norm_ref, res_ref, out_ref, *, rows, k_dim, n_out, block_m, block_n, block_k,
-            wave, eps, has_norm, silu_mul, has_residual):
+def _kernel(layer_ref, x_ref, w_ref, norm_ref, res_ref, out_ref, *, rows, k_dim, n_out, block_n, block_k, wave,
+            eps, has_norm, silu_mul, has_residual):
     layer = layer_ref[0]
     dtype = x_ref.dtype
-    m = jnp.arange(block_m, dtype=jnp.int32)
-    m_ok = m < rows
     col = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     col_ok = col < n_out
     ks = [i * block_k + jnp.arange(block_k, dtype=jnp.int32) for i in range(pl.cdiv(k_dim, block_k))]
 
-    def x_tile(k):
-        return pltriton.load(x_ref.at[m[:, None], k[None, :]], mask=m_ok[:, None] & (k < k_dim)[None, :], other=0)
+    def x_column(m, k):  # x[m, k-tile] as a [block_k, 1] column, the weight tile's layout along K
+        return pltriton.load(x_ref.at[m, k[:, None]], mask=(k < k_dim)[:, None], other=0)
 
     def w_tiles(k):
         mask = (k < k_dim)[:, None] & col_ok[None, :]
@@ -89,54 +89,47 @@ def _kernel(layer_ref, x_ref, w_ref, norm_ref, res_ref, out_ref, *, rows, k_dim,
                 for offset in ((0, n_out) if silu_mul else (0,))]
 
     if has_norm:  # each row's RMS scale, from x (a few KB, read from L2)
-        squares = [jnp.sum(jnp.square(x_tile(k).astype(jnp.float32)), axis=1) for k in ks]
-        scale = lax.rsqrt(functools.reduce(jnp.add, squares) / k_dim + eps)
-
-    acc_shape = (block_k, block_n) if block_m == 1 else (block_m, block_n)
-    accs = [jnp.zeros(acc_shape, jnp.float32) for _ in range(1 + silu_mul)]
-    # K in waves of tiles whose loads are all issued before their arithmetic: the column block's
-    # bytes are in flight together, which is what keeps HBM busy with one program per SM.
+        scales = [lax.rsqrt(functools.reduce(jnp.add, [jnp.sum(jnp.square(x_column(m, k).astype(jnp.float32)))
+                                                       for k in ks]) / k_dim + eps) for m in range(rows)]
+    accs = [[jnp.zeros((block_k, block_n), jnp.float32) for _ in range(1 + silu_mul)] for _ in range(rows)]
     for first in range(0, len(ks), wave):
         group = ks[first:first + wave]
-        tiles = [w_tiles(k) for k in group]
+        tiles = [w_tiles(k) for k in group]  # the wave's loads, issued before its arithmetic
         for k, tile in zip(group, tiles):
-            xk = x_tile(k)
+            tile = [w.astype(jnp.float32) for w in tile]
             if has_norm:
-                weight = pltriton.load(norm_ref.at[layer, k], mask=k < k_dim, other=0)
-                xk = weight[None, :] * (xk.astype(jnp.float32) * scale[:, None]).astype(dtype)
-            for j, w in enumerate(tile):
-                if block_m == 1:  # CUDA cores: multiply now, sum over K once at the end
-                    accs[j] = accs[j] + xk.astype(jnp.float32).reshape(block_k, 1) * w.astype(jnp.float32)
-                else:
-                    accs[j] = accs[j] + jnp.dot(xk, w, preferred_element_type=jnp.float32)
-    if block_m == 1:
-        accs = [jnp.sum(acc, axis=0).reshape(1, block_n) for acc in accs]
-    out = accs[0].astype(dtype)
-    if silu_mul:
-        sig = (1.0 / (1.0 + jnp.exp(-out.astype(jnp.float32)))).astype(dtype)
-        out = (out * sig) * accs[1].astype(dtype)
-    mask = m_ok[:, None] & col_ok[None, :]
-    if has_residual:
-        out = pltriton.load(res_ref.at[m[:, None], col[None, :]], mask=mask, other=0) + out
-    pltriton.store(out_ref.at[m[:, None], col[None, :]], out.astype(out_ref.dtype), mask=mask)
+                weight = pltriton.load(norm_ref.at[layer, k[:, None]], mask=(k < k_dim)[:, None], other=0)
+            for m in range(rows):
+                xk = x_column(m, k)
+                if has_norm:
+                    xk = weight * (xk.astype(jnp.float32) * scales[m]).astype(dtype)
+                xk = xk.astype(jnp.float32)
+                accs[m] = [acc + xk * w for acc, w in zip(accs[m], tile)]
+    for m in range(rows):
+        y = [jnp.sum(acc, axis=0).astype(dtype) for acc in accs[m]]
+        out = y[0]
+        if silu_mul:
+            sig = (1.0 / (1.0 + jnp.exp(-out.astype(jnp.float32)))).astype(dtype)
+            out = (out * sig) * y[1]
+        if has_residual:
+            out = pltriton.load(res_ref.at[m, col], mask=col_ok, other=0) + out
+        pltriton.store(out_ref.at[m, col], out.astype(out_ref.dtype), mask=col_ok)
 
 
-def default_block_n(rows: int, n_out: int, programs: int = 128) -> int:
-    """Output columns per program: the widest of 8-64 that still gives ``programs`` programs (one an
-    SM), at least 16 where the rows multiply on the tensor cores."""
-    narrowest = 8 if rows == 1 else 16
+def default_block_n(n_out: int, programs: int = 96) -> int:
+    """Output columns per program: the widest of 8-64 that still gives ``programs`` programs."""
     width = 64
-    while width > narrowest and n_out // width < programs:
+    while width > 8 and n_out // width < programs:
         width //= 2
     return width
 
 
 def decode_gemv(x, stack, layer, *, norm=None, activation=None, residual=None, interpret=False, block_n=None,
                 block_k=None, wave_bytes=64 * 1024, num_warps=8):
-    """``[residual +] act(rms_norm(x) @ stack[layer])`` for ``x [M <= 32, K]``.
+    """``[residual +] act(rms_norm(x) @ stack[layer])`` for ``x [M <= 8, K]``.
 
     Args:
-      x: ``[M, K]``, the rows (1 <= M <= 32).
+      x: ``[M, K]``, the rows (1 <= M <= 8).
       stack: ``[L, K, N]`` stacked weights, read in place at ``layer``.
       layer: int32 scalar (may be traced).
       norm: ``(weights [L, K], eps)``, RMSNorm of ``x`` with ``weights[layer]`` first; or None.
@@ -151,13 +144,12 @@ def decode_gemv(x, stack, layer, *, norm=None, activation=None, residual=None, i
     n_out = _check(x, stack, norm, activation, residual)
     rows, k_dim = x.shape
     num_layers, _, n = stack.shape
-    block_m = 1 if rows == 1 else max(16, pl.next_power_of_2(rows))
-    block_n = block_n or default_block_n(rows, n_out)
-    block_k = min(block_k or 256, max(16, pl.next_power_of_2(k_dim)))
+    block_n = block_n or default_block_n(n_out)
+    block_k = min(block_k or (256 if rows <= 2 else 128), max(16, pl.next_power_of_2(k_dim)))
     wave = max(1, wave_bytes // (block_k * block_n * stack.dtype.itemsize * (2 if activation else 1)))
     has_norm, has_residual = norm is not None, residual is not None
     norm_weights = norm[0].astype(x.dtype) if has_norm else jnp.zeros((1, 1), x.dtype)
-    kernel = functools.partial(_kernel, rows=rows, k_dim=k_dim, n_out=n_out, block_m=block_m, block_n=block_n,
+    kernel = functools.partial(_kernel, rows=rows, k_dim=k_dim, n_out=n_out, block_n=block_n,
                                block_k=block_k, wave=wave, eps=norm[1] if has_norm else 0.0, has_norm=has_norm,
                                silu_mul=activation == "silu_mul", has_residual=has_residual)
     return pl.pallas_call(

@@ -378,7 +378,7 @@ for s in $sections; do case $s in
   # Issue 26: the layer projections as XLA's own reduction (no cuBLAS) beside XLA's dot, in the engine's layout.
   decode-gemv)
     run_section decode-gemv-tests timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_decode_gemv.py
-    run_section decode-gemv timeout 400 python3 -m benchmarks.decode_gemv --rows 1 8 32 ${DECODE_GEMV_ARGS:-} \
+    run_section decode-gemv timeout 400 python3 -m benchmarks.decode_gemv --rows 1 2 8 ${DECODE_GEMV_ARGS:-} \
         --output-json "$OUT/decode_gemv.json" ;;
   skinny-reduce) run_section skinny-reduce timeout 200 python3 -m benchmarks.skinny_gemm --ways reduce --stacked \
       --rows 1 8 32 --output-json "$OUT/skinny_gemm_reduce.json" ;;
