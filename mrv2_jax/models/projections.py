@@ -26,8 +26,9 @@ from mrv2_jax.models.layers import rms_norm
 # The largest fused-decode bucket (rows) whose program takes the skinny GEMM: the sizes where it
 # measured faster than XLA's dot (docs/benchmarks.md, "Decode projections through the skinny GEMM").
 KERNEL_MAX_TOKENS = 8
-# The same for decode_gemv (docs/benchmarks.md, "Decode projections as weight-streaming GEMVs").
-GEMV_MAX_TOKENS = 8
+# The same for decode_gemv: one row (docs/benchmarks.md, "Decode projections as weight-streaming
+# GEMVs": at 8 rows it measured far slower than XLA's dot).
+GEMV_MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,22 @@ from mrv2_jax.sampling_params import SamplingParams
 DEMO = Path(__file__).parents[2] / "checkpoints" / "demo-qwen3"
 
 
-def _llm(projections: str, max_fused_steps: int) -> LLM:
-    return LLM(str(DEMO), runner="v2", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+def _llm(projections: str, max_fused_steps: int, max_num_seqs: int = 4) -> LLM:
+    return LLM(str(DEMO), runner="v2", max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=256,
                kernels=f"decode_projections={projections}", max_fused_steps=max_fused_steps, compile_mode="lazy",
                gpu_memory_utilization=0.3,
                show_progress=False)
 
 
+# The kernels and the engine's rows: the GEMV kernel takes only one-row buckets, which an engine of
+# max_num_seqs 1 has.
+ROWS = {"mgpu": 4, "gemv": 1}
+
+
 @pytest.mark.parametrize("kernel,kind,limit", [("mgpu", SkinnyProjection, KERNEL_MAX_TOKENS),
                                                ("gemv", GemvProjection, GEMV_MAX_TOKENS)])
 def test_the_kernel_takes_fused_decode_s_small_buckets(kernel, kind, limit):
-    runner = _llm(kernel, 4).engine.runner
+    runner = _llm(kernel, 4, ROWS[kernel]).engine.runner
     assert any(b.num_reqs <= limit for b in runner.fused_buckets)
     for bucket in runner.fused_buckets:
         projection = runner.projection_for(bucket)
@@ -45,7 +50,7 @@ def test_greedy_tokens_equal_xla_s(kernel, max_fused_steps):
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     tokens = {}
     for projections in ("xla", kernel):
-        llm = _llm(projections, max_fused_steps)
+        llm = _llm(projections, max_fused_steps, ROWS[kernel])
         tokens[projections] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
         gc.collect()  # free the KV cache for the next engine
