@@ -29,8 +29,9 @@ LAYERS = 28
 # op -> (K, N of the weight, the kernel's keyword arguments besides the weight).
 OPS = {"qkv": (1024, 4096, {"norm": True}), "o": (2048, 1024, {"residual": True}),
        "gate_up": (1024, 6144, {"norm": True, "activation": "silu_mul"}), "down": (3072, 1024, {"residual": True})}
-# Tuning tried per rows: (block_n, block_k, wave_bytes, num_warps); None: the kernel's defaults.
-CONFIGS = {1: [None, (8, 256, 65536, 4), (16, 256, 65536, 8), (32, 256, 65536, 8), (8, 512, 131072, 8)],
+# Tuning tried per rows: (block_n, block_k, wave_bytes, num_warps); None: the kernel's defaults
+# (block_k is capped at K's next power of two).
+CONFIGS = {1: [None, (8, 4096, 65536, 16), (16, 4096, 65536, 8), (32, 4096, 131072, 16), (8, 256, 65536, 8)],
            "many": [None, (8, 64, 65536, 8), (16, 128, 65536, 8), (8, 128, 32768, 4)]}
 
 

@@ -24,10 +24,11 @@ Algorithm. Program ``j`` of the grid ``(cdiv(N_out, block_n),)`` owns output col
 (rows of ``block_n`` contiguous elements). It issues the loads of a wave of tiles (``wave_bytes``
 of weight) before multiplying any of them, so that the column block's bytes are in flight
 together: with one program per SM that is what keeps HBM busy. The multiply is on the CUDA cores
-(a few rows do not fill a tensor-core tile): per row, an f32 ``[block_k, block_n]`` accumulator
-takes ``x[row, k-tile]`` (a column read from L2) times the tile, and is summed over K once at the
-end. With a norm, a first pass over ``x`` computes each row's scale. With ``silu_mul`` the program
-also loads the matching ``up`` tile ``I`` columns on.
+(a few rows do not fill a tensor-core tile): per row, ``x[row, k-tile]`` (a column read from L2)
+times the tile, summed over the tile's K into an f32 ``[block_n]`` accumulator. By default a tile
+is as deep as ``wave_bytes`` allows, so one load brings a whole wave. With a norm, a first pass
+over ``x`` computes each row's scale. With ``silu_mul`` the program also loads the matching ``up``
+tile ``I`` columns on.
 
 Numerics follow the jnp reference (and the engine's layers): the product accumulates in f32 and is
 rounded to the input dtype before the epilogue, as XLA's dot then the elementwise ops would.
@@ -91,7 +92,7 @@ def _kernel(layer_ref, x_ref, w_ref, norm_ref, res_ref, out_ref, *, rows, k_dim,
     if has_norm:  # each row's RMS scale, from x (a few KB, read from L2)
         scales = [lax.rsqrt(functools.reduce(jnp.add, [jnp.sum(jnp.square(x_column(m, k).astype(jnp.float32)))
                                                        for k in ks]) / k_dim + eps) for m in range(rows)]
-    accs = [[jnp.zeros((block_k, block_n), jnp.float32) for _ in range(1 + silu_mul)] for _ in range(rows)]
+    accs = [[jnp.zeros((block_n,), jnp.float32) for _ in range(1 + silu_mul)] for _ in range(rows)]
     for first in range(0, len(ks), wave):
         group = ks[first:first + wave]
         tiles = [w_tiles(k) for k in group]  # the wave's loads, issued before its arithmetic
@@ -104,9 +105,9 @@ def _kernel(layer_ref, x_ref, w_ref, norm_ref, res_ref, out_ref, *, rows, k_dim,
                 if has_norm:
                     xk = weight * (xk.astype(jnp.float32) * scales[m]).astype(dtype)
                 xk = xk.astype(jnp.float32)
-                accs[m] = [acc + xk * w for acc, w in zip(accs[m], tile)]
+                accs[m] = [acc + jnp.sum(xk * w, axis=0) for acc, w in zip(accs[m], tile)]
     for m in range(rows):
-        y = [jnp.sum(acc, axis=0).astype(dtype) for acc in accs[m]]
+        y = [acc.astype(dtype) for acc in accs[m]]
         out = y[0]
         if silu_mul:
             sig = (1.0 / (1.0 + jnp.exp(-out.astype(jnp.float32)))).astype(dtype)
@@ -145,8 +146,11 @@ def decode_gemv(x, stack, layer, *, norm=None, activation=None, residual=None, i
     rows, k_dim = x.shape
     num_layers, _, n = stack.shape
     block_n = block_n or default_block_n(n_out)
-    block_k = min(block_k or (256 if rows <= 2 else 128), max(16, pl.next_power_of_2(k_dim)))
-    wave = max(1, wave_bytes // (block_k * block_n * stack.dtype.itemsize * (2 if activation else 1)))
+    tile_bytes_per_k = block_n * stack.dtype.itemsize * (2 if activation else 1)
+    # By default one tile as deep as wave_bytes allows: one load brings a wave's bytes in flight.
+    block_k = min(block_k or 1 << (max(16, wave_bytes // tile_bytes_per_k).bit_length() - 1),
+                  max(16, pl.next_power_of_2(k_dim)))
+    wave = max(1, wave_bytes // (block_k * tile_bytes_per_k))
     has_norm, has_residual = norm is not None, residual is not None
     norm_weights = norm[0].astype(x.dtype) if has_norm else jnp.zeros((1, 1), x.dtype)
     kernel = functools.partial(_kernel, rows=rows, k_dim=k_dim, n_out=n_out, block_n=block_n,
