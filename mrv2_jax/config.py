@@ -180,11 +180,9 @@ class KernelConfig:
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
     ``decode_projections``: the projections (the family's ``projection_weights``) of fused decode's
-    programs of a few rows (models/projections.py): "xla" (XLA's dot, cuBLAS on GPUs), "mgpu" (the
-    skinny GEMM on Mosaic GPU, pallas_kernels/skinny_gemm_mgpu.py, reading the stacked weights in
-    place; Hopper-class GPUs; one device; up to KERNEL_MAX_TOKENS rows) or "gemv" (decode_gemv, the
-    projection with its RMSNorm, SwiGLU product or residual add in one kernel; one device; up to
-    GEMV_MAX_TOKENS rows). "auto": "xla" (with the
+    programs of at most models/projections.py's KERNEL_MAX_TOKENS rows: "xla" (XLA's dot,
+    cuBLAS on GPUs) or "mgpu" (the skinny GEMM on Mosaic GPU, pallas_kernels/skinny_gemm_mgpu.py,
+    reading the stacked weights in place; Hopper-class GPUs; one device). "auto": "xla" (with the
     layers unrolled, as fused decode's small buckets are by default on one GPU, the kernel measured
     no faster: docs/benchmarks.md, session 41).
     """
@@ -209,7 +207,7 @@ class KernelConfig:
         "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
         "sampler_truncation": (None, ("auto", "threshold", "sort")),
-        "decode_projections": (None, ("auto", "xla", "mgpu", "gemv")),
+        "decode_projections": (None, ("auto", "xla", "mgpu")),
     }
 
     def __post_init__(self) -> None:

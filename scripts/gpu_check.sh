@@ -26,8 +26,7 @@
 # cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
 # KV cache filling the GPU (large-kv), decode's projections through the skinny GEMM against XLA's dot
 # (skinny-splitk: the kernel alone; skinny-splitk-stacked: the same in the engine's layout;
-# skinny-reduce: the projections as XLA reductions; decode-gemv: each projection with its norm,
-# SwiGLU product or residual as one Triton GEMV kernel against XLA, and the kernel's GPU tests;
+# skinny-reduce: the projections as XLA reductions;
 # projections: fused decode at batch 1 / 8 / 32 and the GPU test; fused-layer-unroll: fused decode
 # with the layer loop and with every layer unrolled; fused-before-after: fused decode, the old tree
 # against this one).
@@ -376,10 +375,6 @@ for s in $sections; do case $s in
   # The engine's layout: one [28, K, N] stack per projection, each layer read in place. Its own call:
   # skinny-splitk's programs take ~7 min to compile and time.
   # Issue 26: the layer projections as XLA's own reduction (no cuBLAS) beside XLA's dot, in the engine's layout.
-  decode-gemv)
-    run_section decode-gemv-tests timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_decode_gemv.py
-    run_section decode-gemv timeout 400 python3 -m benchmarks.decode_gemv --rows 1 2 8 ${DECODE_GEMV_ARGS:-} \
-        --output-json "$OUT/decode_gemv.json" ;;
   skinny-reduce) run_section skinny-reduce timeout 200 python3 -m benchmarks.skinny_gemm --ways reduce --stacked \
       --rows 1 8 32 --output-json "$OUT/skinny_gemm_reduce.json" ;;
   skinny-splitk-stacked) run_section skinny-splitk-stacked python3 -m benchmarks.skinny_gemm --ways splitk --stacked \

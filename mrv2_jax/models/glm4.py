@@ -1,9 +1,8 @@
 """GLM-4-0414 (Glm4ForCausalLM): partial interleaved RoPE, q/k/v bias, fused gate_up,
 and two extra norms (after attention and after the MLP, before each residual add)."""
 
-from mrv2_jax.models.layers import apply_rope_interleaved_partial, rms_norm, rope_angles, split_qkv
+from mrv2_jax.models.layers import apply_rope_interleaved_partial, gated_mlp, rms_norm, rope_angles, split_qkv
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
-from mrv2_jax.models.projections import project
 
 _LAYER = "model.layers.{i}."
 
@@ -11,7 +10,7 @@ _LAYER = "model.layers.{i}."
 @register_model_state
 class Glm4ModelState(ModelState):
     architecture = "Glm4ForCausalLM"
-    projection_weights = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_attention_norm")
+    projection_weights = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)
@@ -56,7 +55,7 @@ class Glm4ModelState(ModelState):
 
     def layer_forward(self, p, x, rope, attention, layer, kv_cache):
         eps = self.rms_norm_eps
-        qkv = project(x, p["qkv_proj"], norm=(p["input_norm"], eps))
+        qkv = rms_norm(x, p["input_norm"], eps) @ p["qkv_proj"]
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
         q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -65,7 +64,6 @@ class Glm4ModelState(ModelState):
         k = apply_rope_interleaved_partial(k, cos, sin)
         out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
         x = x + rms_norm(out.reshape(x.shape[0], -1) @ p["o_proj"], p["post_self_attn_norm"], eps)
-        h = project(x, p["gate_up_proj"], norm=(p["post_attention_norm"], eps), activation="silu_mul")
-        mlp = h @ p["down_proj"]
+        mlp = gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"])
         x = x + rms_norm(mlp, p["post_mlp_norm"], eps)
         return x, kv_cache

@@ -3,7 +3,6 @@
 from mrv2_jax.models.attention import QKNormRope
 from mrv2_jax.models.layers import gated_mlp, rms_norm, rope_angles
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
-from mrv2_jax.models.projections import project
 from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
 _ATTN = "model.layers.{i}.self_attn."
@@ -12,7 +11,7 @@ _ATTN = "model.layers.{i}.self_attn."
 @register_model_state
 class Qwen3ModelState(ModelState):
     architecture = "Qwen3ForCausalLM"
-    projection_weights = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_attention_norm")
+    projection_weights = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)
@@ -70,20 +69,17 @@ class Qwen3ModelState(ModelState):
 
     def layer_forward(self, p, x, rope, attention, layer, kv_cache):
         eps = self.rms_norm_eps
-        qkv = project(x, p["qkv_proj"], norm=(p["input_norm"], eps))
+        h = rms_norm(x, p["input_norm"], eps)
+        qkv = h @ p["qkv_proj"]
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
         norm_rope = QKNormRope(p["q_norm"], p["k_norm"], eps, *rope)
         out, kv_cache = attention.attend_qkv(qkv, (self.num_heads, self.num_kv_heads, self.head_dim), norm_rope,
                                              layer, kv_cache, self.head_dim**-0.5, self.tp_size)
-        out = out.reshape(x.shape[0], -1)
-        if self.tp_size > 1 or self.attention_bias:
-            out = row_parallel(out, p["o_proj"], self.tp_size)
-            x = x + (out + p["o_bias"] if self.attention_bias else out)
-        else:
-            x = project(out, p["o_proj"], residual=x)
-        if self.tp_size > 1:  # the weights are plain arrays in the tensor-parallel layout
-            return x + gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"],
-                                 self.tp_size), kv_cache
-        h = project(x, p["gate_up_proj"], norm=(p["post_attention_norm"], eps), activation="silu_mul")
-        return project(h, p["down_proj"], residual=x), kv_cache
+        out = row_parallel(out.reshape(x.shape[0], -1), p["o_proj"], self.tp_size)
+        if self.attention_bias:
+            out = out + p["o_bias"]
+        x = x + out
+        x = x + gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"],
+                          self.tp_size)
+        return x, kv_cache

@@ -25,7 +25,7 @@ import numpy as np
 
 from mrv2_jax import envs
 from mrv2_jax.models.attention import PagedAttention
-from mrv2_jax.models.projections import GEMV_MAX_TOKENS, KERNEL_MAX_TOKENS, GemvProjection, SkinnyProjection
+from mrv2_jax.models.projections import KERNEL_MAX_TOKENS, SkinnyProjection
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.runner.base import RunnerBase
@@ -158,9 +158,7 @@ class ModelRunnerV2(RunnerBase):
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "mgpu" multiplies the
         family's projection weights through the skinny GEMM kernel (models/projections.py) in fused
-        decode's programs of at most KERNEL_MAX_TOKENS rows, "gemv" through decode_gemv (with their
-        norms, SwiGLU product and residual adds) in those of at most GEMV_MAX_TOKENS rows, "xla" never;
-        one device only."""
+        decode's programs of at most KERNEL_MAX_TOKENS rows, "xla" never; one device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -323,16 +321,12 @@ class ModelRunnerV2(RunnerBase):
     def projection_for(self, bucket: Bucket):
         """The projection fused decode's program of `bucket` multiplies the projection weights with
         (None: XLA's dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket
-        holds at most KERNEL_MAX_TOKENS rows (its program's tokens), the GEMV kernel where it is "gemv"
-        and the bucket holds at most GEMV_MAX_TOKENS. Ordinary step programs keep XLA's dot: the
-        kernels were measured in fused decode only (one step per call, the host's cost of the call may
-        differ)."""
-        interpret = jax.default_backend() != "gpu"
-        if self.decode_projections == "gemv" and bucket.num_reqs <= GEMV_MAX_TOKENS:
-            return GemvProjection(interpret=interpret)
-        if self.decode_projections == "mgpu" and bucket.num_reqs <= KERNEL_MAX_TOKENS:
-            return SkinnyProjection(interpret=interpret)
-        return None
+        holds at most KERNEL_MAX_TOKENS rows (its program's tokens). Ordinary step programs keep XLA's
+        dot: the kernel was measured in fused decode only (one step per call, the host's cost of the
+        call may differ)."""
+        if self.decode_projections != "mgpu" or bucket.num_reqs > KERNEL_MAX_TOKENS:
+            return None
+        return SkinnyProjection(interpret=jax.default_backend() != "gpu")
 
     def unrolls_layers(self, bucket: Bucket) -> bool:
         """Whether the programs of `bucket` (its step's, and fused decode's) unroll the decoder layers."""

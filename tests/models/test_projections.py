@@ -1,8 +1,7 @@
-"""The small-batch projections (models/projections.py): with the skinny GEMM kernel (Mosaic GPU's
-interpreter on the CPU) or the GEMV kernel (Pallas's interpreter) reading the stacked weights in
-place, both dense families compute the logits of XLA's dot, with the layer loop scanned or
-unrolled; the kernel really runs (the program holds its calls); a projection whose shape the kernel
-cannot take falls back to XLA's ops."""
+"""The small-batch projections (models/projections.py): with the skinny GEMM kernel reading the stacked
+weights in place (Mosaic GPU's interpreter on the CPU), both dense families compute the logits of
+XLA's dot, with the layer loop scanned or unrolled; the kernel really runs (the program holds its
+calls); a projection whose shape the kernel cannot take falls back to the dot."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import pytest
 
 from mrv2_jax.models.attention import DenseAttention
 from mrv2_jax.models.loader import load_model
-from mrv2_jax.models.projections import GemvProjection, LayerWeight, SkinnyProjection, project
+from mrv2_jax.models.projections import LayerWeight, SkinnyProjection
 from tests.parity import FIXTURES
 
 
@@ -47,51 +46,14 @@ def test_skinny_projections_give_the_dot_s_logits(name, unroll):
     assert text.count("mpmd_map[") == 3
 
 
-@pytest.mark.parametrize("unroll", [1, True])
-@pytest.mark.parametrize("name", ["qwen3-tiny", "glm4-tiny"])
-def test_gemv_projections_give_the_dot_s_logits(name, unroll):
-    spec, lm, _ = load_model(FIXTURES / name, dtype="bfloat16")
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab_size, 5), jnp.int32)
-    _, expected = logits_of(lm, ids, None, unroll)
-    forward, got = logits_of(lm, ids, GemvProjection(interpret=True), unroll)
-    scale = np.abs(expected).max()
-    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), atol=0.03 * scale, rtol=0)
-    margin = np.sort(expected, axis=-1)[:, -1] - np.sort(expected, axis=-1)[:, -2]
-    clear = margin > 0.06 * scale
-    assert clear.any()
-    np.testing.assert_array_equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
-    # Every projection of the layer body is one kernel call, its norm, SwiGLU product and residual
-    # add inside (the scan's one body in the jaxpr either way).
-    text = str(jax.make_jaxpr(forward)(ids))
-    assert text.count("name=decode_gemv") == 4
-
-
-def test_project_s_ops_match_the_kernel_s_and_xla_s():
-    """`project` on a plain array (XLA's ops in turn), on a LayerWeight through the kernel, and on a
-    LayerWeight whose norm weight is a plain array (the kernel's product, XLA's norm) agree."""
-    keys = jax.random.split(jax.random.key(3), 4)
-    stack = (jax.random.normal(keys[0], (2, 64, 96), jnp.float32) * 0.1).astype(jnp.bfloat16)
-    norms = (1 + 0.1 * jax.random.normal(keys[1], (2, 64))).astype(jnp.bfloat16)
-    x = jax.random.normal(keys[2], (3, 64), jnp.bfloat16)
-    residual = jax.random.normal(keys[3], (3, 48), jnp.bfloat16)
-    gemv = GemvProjection(interpret=True)
-    kw = dict(activation="silu_mul", residual=residual)
-    want = np.asarray(project(x, stack[1], norm=(norms[1], 1e-6), **kw), np.float32)
-    fused = project(x, LayerWeight(stack, 1, gemv), norm=(LayerWeight(norms, 1, gemv), 1e-6), **kw)
-    split = project(x, LayerWeight(stack, 1, gemv), norm=(norms[1], 1e-6), **kw)
-    for got in (fused, split):
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.05, rtol=0.02)
-
-
-@pytest.mark.parametrize("projection", [SkinnyProjection(interpret=True), GemvProjection(interpret=True)])
-def test_fallback_where_the_kernel_does_not_fit(projection):
+def test_fallback_where_the_kernel_does_not_fit():
     """A LayerWeight answers `x @ w` like its layer's slice wherever the kernel does not fit (too many
-    rows, float32 against the skinny GEMM)."""
+    rows, float32)."""
     stack = jax.random.normal(jax.random.key(0), (3, 64, 128), jnp.float32)
-    w = LayerWeight(stack, jnp.int32(2), projection)
+    w = LayerWeight(stack, jnp.int32(2), SkinnyProjection(interpret=True))
     x = jax.random.normal(jax.random.key(1), (40, 64), jnp.float32)
     np.testing.assert_allclose(np.asarray(x @ w), np.asarray(x @ stack[2]), rtol=1e-6)
-    xb, wb = x[:33].astype(jnp.bfloat16), LayerWeight(stack.astype(jnp.bfloat16), 1, projection)
+    xb, wb = x[:33].astype(jnp.bfloat16), LayerWeight(stack.astype(jnp.bfloat16), 1, SkinnyProjection(interpret=True))
     np.testing.assert_array_equal(np.asarray(xb @ wb, np.float32), np.asarray(xb @ stack[1].astype(jnp.bfloat16),
                                                                               np.float32))
 
@@ -111,4 +73,3 @@ def test_the_demo_model_with_skinny_projections_lowers_for_cuda(unroll):
     ids = jax.ShapeDtypeStruct((8,), jnp.int32)
     text = jax.jit(forward).trace(ids).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 4 * (spec.num_layers if unroll is True else 1)
-
