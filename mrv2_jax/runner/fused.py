@@ -45,6 +45,11 @@ from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
 from mrv2_jax.sampling_params import SamplingParams
 
+# The fewest tokens a fused step computes (padding past its rows): with fewer, XLA turns the
+# projections into reductions, slower than cuBLAS's GEMMs of 8 rows (docs/benchmarks.md, "Fused
+# decode of one row").
+MIN_TOKENS = 8
+
 
 def _stop_ids(params: SamplingParams, eos_token_ids) -> list[int]:
     """The ids that end this request, each once, stop_token_ids first."""
@@ -109,8 +114,10 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
         decoding = state.num_computed[idx] + 1 == state.num_tokens[idx]
         active = real_row & decoding & (budget > 0) & ~rows_ended(state, idx)
         diverged = prepare.diverged_rows(state, idx, budget, num_reqs)
-        # One token per row, read from the tables: no chunk of prompt tokens, no padding tokens.
-        no_chunk = jnp.zeros((num_rows,), jnp.int32)
+        # One token per row, read from the tables (no chunk of prompt tokens), and padding tokens up to
+        # MIN_TOKENS: XLA makes a product of fewer rows a reduction instead of a GEMM, slower here.
+        num_tokens = max(num_rows, MIN_TOKENS)
+        no_chunk = jnp.zeros((num_tokens,), jnp.int32)
 
         def one_step(step, carry):
             kv_cache, state, sampler_state, active, produced, outs = carry
@@ -122,7 +129,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             sampling, penalties = slot_state.batch_inputs(sampler_state, sampling, sampler_rows)
             attention = PagedAttention(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens,
                                        inputs.query_start_loc, num_reqs, use_kernels=use_kernels, mesh=mesh,
-                                       one_token_rows=True, decode_kernel=decode_kernel,
+                                       one_token_rows=num_tokens == num_rows, decode_kernel=decode_kernel,
                                        ragged_kernel=ragged_kernel)
             lm = params.merge(param_leaves)
             lm.projection = projection
