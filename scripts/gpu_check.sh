@@ -29,7 +29,8 @@
 # skinny-reduce: the projections as XLA reductions;
 # projections: fused decode at batch 1 / 8 / 32 and the GPU test; fused-layer-unroll: fused decode
 # with the layer loop and with every layer unrolled; fused-before-after: fused decode, the old tree
-# against this one).
+# against this one; fused-one-row: batch 1 in a one-row bucket and in an 8-row one; projection-flags:
+# fused decode at batch 1 / 8 under XLA flags that change how its GEMMs are picked).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -454,6 +455,24 @@ for s in $sections; do case $s in
   # Issue 26: fused decode with the layer loop (no bucket unrolled) and with every layer unrolled in the
   # buckets of up to 128 tokens (the default on one GPU: static weight slices, no loop control per
   # layer). LAYER_UNROLL_ARMS (tokens: 0 and/or 128), LAYER_UNROLL_BATCHES override the arms and batches.
+  # Issue 26: batch-1 fused decode in a one-row bucket (max_num_seqs 1, padded to 8 tokens) against an
+  # 8-row one (max_num_seqs 8), alternated ROUNDS times.
+  fused-one-row)
+    for r in $(seq ${ROUNDS:-2}); do for n in 1 8; do
+      run_section fused-one-row-seqs$n-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+          --batches 1 --max-num-seqs $n --fused-steps 16 --compile-mode lazy \
+          --output-json "$OUT/fused_decode_one_row_seqs${n}_r$r.json"
+    done; done ;;
+  # Issue 26: the projections' GEMMs under other XLA flags (PROJECTION_FLAG_ARMS: names below), fused
+  # decode at batch 1 and 8 (8-row buckets): cuBLASLt instead of cuBLAS picks its own small-M kernels.
+  projection-flags)
+    for arm in ${PROJECTION_FLAG_ARMS:-default cublaslt}; do
+      case $arm in default) flags="" ;; cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
+        *) echo "projection-flags: unknown arm $arm" >&2; continue ;; esac
+      run_section projection-flags-$arm env XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 150 \
+          python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --batches 1 8 --fused-steps 16 \
+          --compile-mode lazy --output-json "$OUT/fused_decode_projection_flags_$arm.json"
+    done ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \

@@ -45,10 +45,10 @@ from mrv2_jax.sample.features import SamplerFeatures
 from mrv2_jax.sample.sampler import SamplerOutput
 from mrv2_jax.sampling_params import SamplingParams
 
-# The fewest tokens a fused step computes (padding past its rows): with fewer, XLA turns the
-# projections into reductions, slower than cuBLAS's GEMMs of 8 rows (docs/benchmarks.md, "Fused
-# decode of one row").
-MIN_TOKENS = 8
+# The tokens a one-row fused step computes (one real, the rest padding): a one-token product is a
+# vector-matrix product, which XLA rewrites into multiply and reduce fusions, slower than cuBLAS's
+# GEMM of 8 rows (docs/benchmarks.md, "Fused decode of one row").
+ONE_ROW_TOKENS = 8
 
 
 def _stop_ids(params: SamplingParams, eos_token_ids) -> list[int]:
@@ -114,9 +114,9 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
         decoding = state.num_computed[idx] + 1 == state.num_tokens[idx]
         active = real_row & decoding & (budget > 0) & ~rows_ended(state, idx)
         diverged = prepare.diverged_rows(state, idx, budget, num_reqs)
-        # One token per row, read from the tables (no chunk of prompt tokens), and padding tokens up to
-        # MIN_TOKENS: XLA makes a product of fewer rows a reduction instead of a GEMM, slower here.
-        num_tokens = max(num_rows, MIN_TOKENS)
+        # One token per row, read from the tables (no chunk of prompt tokens); one row pads to
+        # ONE_ROW_TOKENS, so that its projections stay GEMMs.
+        num_tokens = ONE_ROW_TOKENS if num_rows == 1 else num_rows
         no_chunk = jnp.zeros((num_tokens,), jnp.int32)
 
         def one_step(step, carry):

@@ -226,10 +226,10 @@ def test_fused_decode_of_a_small_bucket_unrolls_the_layers_too():
     assert llm.engine.runner.num_fused_calls > 0  # the tokens came from fused calls
 
 
-def test_fused_decode_of_one_row_pads_to_min_tokens(monkeypatch):
-    """A fused program takes one token per row, padded to fused.MIN_TOKENS: one row's bucket (8 tokens,
-    1 row) runs its model on 1 real token and 7 padding ones (the projections stay GEMMs); greedy
-    tokens equal one step per call's."""
+def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
+    """A fused program takes one token per row, and one row pads to fused.ONE_ROW_TOKENS: one row's
+    bucket (8 tokens, 1 row) runs its model on 1 real token and 7 padding ones (the projections stay
+    GEMMs); greedy tokens equal one step per call's."""
     from mrv2_jax.runner import fused
 
     prompts = random_prompts(3, seed=13)
@@ -242,7 +242,7 @@ def test_fused_decode_of_one_row_pads_to_min_tokens(monkeypatch):
     assert [(b.num_tokens, b.num_reqs) for b in llm.engine.runner.fused_buckets] == [(8, 1)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == want and llm.engine.runner.num_fused_calls > 0
-    assert tokens and set(tokens) == {fused.MIN_TOKENS} and fused.MIN_TOKENS > 1
+    assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
