@@ -36,8 +36,9 @@ Algorithm. The weight is the big operand, so it sits on wgmma's M side and the r
   (with a single stage: ``wgmma_wait(0)``, no delay).
 * Partials: each CTA stores its accumulator through shared memory (one TMA store) to
   ``partials[s, n-tile, :]`` of an f32 ``[splits, N, mpad]`` array, i.e. transposed partial
-  outputs. The wrapper then sums over the splits, drops the padding rows, transposes and casts
-  to bf16 with jnp: one small XLA fusion that reads ``splits * N * mpad * 4`` bytes. With one
+  outputs. The wrapper then sums over the splits (as adds of slices, elementwise, so that XLA may
+  fuse the sum into the consumer's fusion), drops the padding rows, transposes and casts to bf16
+  with jnp, reading ``splits * N * mpad * 4`` bytes. With one
   split the CTA stores bf16 ``y^T`` itself and nothing is left to sum: the wrapper's slice and
   transpose can join the consumer's fusion. (The padding
   of x is a second tiny op, and none at 8, 16 or 32 rows.)
@@ -250,7 +251,10 @@ def skinny_matmul(x, w, *, layer=None, config: SkinnyConfig | None = None, inter
     mpad = padded_rows(m)
     x_padded = jnp.pad(x, ((0, mpad - m), (0, 0)))
     partials = skinny_partials(x_padded, w, config, layer=0 if layer is None else layer, interpret=interpret)
-    return partials.sum(axis=0)[:, :m].T.astype(jnp.bfloat16)
+    # The splits summed as adds of slices, not a reduce: elementwise ops that XLA may fuse, with the
+    # slice and the transpose, into the consumer's own fusion (a reduce would be a kernel of its own).
+    splits = [partials[s, :, :m] for s in range(partials.shape[0])]
+    return functools.reduce(jnp.add, splits).T.astype(jnp.bfloat16)
 
 
 def skinny_matmul_reference(x, w):
