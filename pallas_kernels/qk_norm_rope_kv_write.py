@@ -35,7 +35,7 @@ from pallas_kernels.kv_write import write_kv_reference
 __all__ = ["qk_norm_rope_kv_write", "qk_norm_rope_kv_write_reference"]
 
 
-def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads):
+def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer=None):
     if k_cache.shape != v_cache.shape or k_cache.ndim != 5:
         raise ValueError(f"bad cache shapes {k_cache.shape} {v_cache.shape}")
     _, _, num_kv_heads, _, head_dim = k_cache.shape
@@ -51,15 +51,18 @@ def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_he
                          f"rotary_dim <= {head_dim}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: both or neither")
-    if q_norm is not None and (q_norm.shape != (head_dim,) or k_norm.shape != (head_dim,)):
-        raise ValueError(f"norm weights {q_norm.shape}/{k_norm.shape}: expected ({head_dim},)")
+    if q_norm is None:
+        return
+    want = "(L, head_dim) with norm_layer" if norm_layer is not None else "(head_dim,)"
+    if (any(n.ndim != (1 if norm_layer is None else 2) or n.shape[-1] != head_dim for n in (q_norm, k_norm))):
+        raise ValueError(f"norm weights {q_norm.shape}/{k_norm.shape}: expected {want}, head_dim {head_dim}")
 
 
-def _kernel(layer_ref, slot_ref, qkv_ref, norm_ref, cos_ref, sin_ref, k_in_ref, v_in_ref,
+def _kernel(layer_ref, norm_rows_ref, slot_ref, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, k_in_ref, v_in_ref,
             q_out_ref, k_out_ref, v_out_ref, *, num_tokens, num_heads, num_kv_heads, num_blocks, block_size,
             block_t, eps, rotary_dim, has_norm):
     del k_in_ref, v_in_ref  # aliased to the outputs
-    head_dim = norm_ref.shape[1]
+    head_dim = q_norm_ref.shape[1]
     half = rotary_dim // 2
     h = pl.program_id(1)
     is_q = h < num_heads
@@ -76,9 +79,10 @@ def _kernel(layer_ref, slot_ref, qkv_ref, norm_ref, cos_ref, sin_ref, k_in_ref, 
     if has_norm:
         x32 = x.astype(jnp.float32)
         scale = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / head_dim + eps)[:, None]
-        which = jnp.where(is_q, 0, 1)  # row 0: q_norm, row 1: k_norm
-        weight = pltriton.load(norm_ref.at[which, d])
-        weight_p = pltriton.load(norm_ref.at[which, partner])
+        q_row, k_row = norm_rows_ref[0], norm_rows_ref[1]
+        weight = jnp.where(is_q, pltriton.load(q_norm_ref.at[q_row, d]), pltriton.load(k_norm_ref.at[k_row, d]))
+        weight_p = jnp.where(is_q, pltriton.load(q_norm_ref.at[q_row, partner]),
+                             pltriton.load(k_norm_ref.at[k_row, partner]))
         x = weight[None, :] * (x32 * scale).astype(dtype)
         xp = weight_p[None, :] * (xp.astype(jnp.float32) * scale).astype(dtype)
     # cos/sin of each element's pair; dims past rotary_dim keep their value (cos 1, sin 0).
@@ -112,21 +116,24 @@ def _kernel(layer_ref, slot_ref, qkv_ref, norm_ref, cos_ref, sin_ref, k_in_ref, 
 
 
 def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, layer, *, num_heads,
-                          eps=1e-6, interpret=False, block_t=16, num_warps=4):
+                          eps=1e-6, norm_layer=None, interpret=False, block_t=16, num_warps=4):
     """q/k RMSNorm + halves RoPE + the KV write, from the fused projection.
 
     Args:
       qkv: ``[T, (num_heads + 2 Hkv) * D]``, the fused projection (bias added).
-      q_norm, k_norm: ``[D]`` RMSNorm weights of every q / k head, or both None (no norm).
+      q_norm, k_norm: ``[D]`` RMSNorm weights of every q / k head, or both None (no norm); or, with
+        ``norm_layer``, stacked ``[L, D]`` weights read in place at row ``norm_layer`` (a slice of a
+        stack handed to the kernel would be copied first).
       cos, sin: ``float32[T, rotary_dim // 2]``; dims past ``rotary_dim`` are not rotated.
       k_cache, v_cache: ``[num_layers, num_blocks, Hkv, block_size, D]``; donate them in the caller.
       slot_mapping: ``int32[T]``, ``-1`` for padding tokens (their q is computed, their K/V not written).
-      layer: int32 scalar (may be traced).
+      layer: int32 scalar (may be traced), the cache's layer.
+      norm_layer: int32 scalar (may be traced) or None, the norm weights' row (see above).
 
     Returns:
       ``(q [T, num_heads, D], k_cache, v_cache)``.
     """
-    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
+    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
     num_layers, num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
@@ -140,6 +147,14 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
     has_norm = q_norm is not None
     if not has_norm:
         q_norm = k_norm = jnp.ones((head_dim,), qkv.dtype)
+    if norm_layer is None:
+        # One [2, D] operand for both: a custom call copies each slice of a stacked weight it is
+        # given, so two weights would cost two copies a layer; stacked, XLA makes them one fusion.
+        both = jnp.stack([q_norm, k_norm]).astype(qkv.dtype)
+        norm_operands, norm_rows = (both, both), jnp.array([0, 1], jnp.int32)
+    else:
+        norm_operands = (q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype))
+        norm_rows = jnp.full((2,), norm_layer, jnp.int32)
     kernel = functools.partial(_kernel, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                num_blocks=num_blocks, block_size=block_size, block_t=block_t, eps=eps,
                                rotary_dim=2 * cos.shape[1], has_norm=has_norm)
@@ -148,15 +163,13 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
         kernel,
         grid=(pl.cdiv(num_tokens, block_t), num_heads + num_kv_heads),
         out_shape=(jax.ShapeDtypeStruct((num_tokens * num_heads, head_dim), qkv.dtype), rows_shape, rows_shape),
-        # Inputs: layer, slot, qkv, norm weights, cos, sin, k_cache (6), v_cache (7).
-        input_output_aliases={6: 1, 7: 2},
+        # Inputs: layer, norm rows, slot, qkv, q and k norm weights, cos, sin, k_cache (8), v_cache (9).
+        input_output_aliases={8: 1, 9: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="qk_norm_rope_kv_write",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32), qkv,
-      # One [2, D] operand: a custom call copies each slice of a stacked weight it is given, so two
-      # weights would cost two copies a layer; stacked, XLA makes them one fusion.
-      jnp.stack([q_norm, k_norm]).astype(qkv.dtype), cos.astype(jnp.float32), sin.astype(jnp.float32),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), norm_rows, slot_mapping.astype(jnp.int32), qkv, *norm_operands,
+      cos.astype(jnp.float32), sin.astype(jnp.float32),
       k_cache.reshape(num_rows, head_dim), v_cache.reshape(num_rows, head_dim))
     return q.reshape(num_tokens, num_heads, head_dim), k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)
 
@@ -176,10 +189,12 @@ def _rope_halves(x, cos, sin):
 
 
 def qk_norm_rope_kv_write_reference(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, layer, *,
-                                    num_heads, eps=1e-6, interpret=False, **unused_tuning):
+                                    num_heads, eps=1e-6, norm_layer=None, interpret=False, **unused_tuning):
     """Pure-jnp ``qk_norm_rope_kv_write``: split, norm, rotate, then ``write_kv_reference``."""
     del interpret, unused_tuning
-    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
+    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
+    if q_norm is not None and norm_layer is not None:
+        q_norm, k_norm = q_norm[norm_layer], k_norm[norm_layer]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
     num_tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

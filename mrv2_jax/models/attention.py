@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mrv2_jax.models.layers import apply_rope_halves_partial, dense_causal_attention, rms_norm, split_qkv
+from mrv2_jax.models.projections import LayerWeight, weight_array
 from mrv2_jax.models.tensor_parallel import AXIS
 
 _META_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "num_seqs")
@@ -27,15 +28,15 @@ class QKNormRope:
     head (Qwen3's q_norm / k_norm; None for families without) and "halves" RoPE over the first
     `2 * cos.shape[-1]` dims of a head."""
 
-    q_norm: jax.Array | None  # [head_dim]
-    k_norm: jax.Array | None
+    q_norm: jax.Array | LayerWeight | None  # [head_dim], or its layer of a stack
+    k_norm: jax.Array | LayerWeight | None
     eps: float
     cos: jax.Array  # float32[T, rotary_dim // 2]
     sin: jax.Array
 
     def __call__(self, q, k):
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = rms_norm(q, weight_array(self.q_norm), self.eps), rms_norm(k, weight_array(self.k_norm), self.eps)
         return apply_rope_halves_partial(q, self.cos, self.sin), apply_rope_halves_partial(k, self.cos, self.sin)
 
 
@@ -124,9 +125,14 @@ class PagedAttention(AttentionBackend):
             return super().attend_qkv(qkv, heads, norm_rope, layer, kv_cache, scale, shards)
         from pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
 
-        q, k_cache, v_cache = qk_norm_rope_kv_write(qkv, norm_rope.q_norm, norm_rope.k_norm, norm_rope.cos,
-                                                    norm_rope.sin, *kv_cache, self.slot_mapping, layer,
-                                                    num_heads=heads[0], eps=norm_rope.eps, interpret=self.interpret)
+        q_norm, k_norm = norm_rope.q_norm, norm_rope.k_norm
+        norms = dict(q_norm=weight_array(q_norm), k_norm=weight_array(k_norm))
+        if isinstance(q_norm, LayerWeight) and isinstance(k_norm, LayerWeight):  # the stacks, read in place
+            norms = dict(q_norm=q_norm.stack, k_norm=k_norm.stack, norm_layer=q_norm.layer)
+        q, k_cache, v_cache = qk_norm_rope_kv_write(qkv, cos=norm_rope.cos, sin=norm_rope.sin, k_cache=kv_cache[0],
+                                                    v_cache=kv_cache[1], slot_mapping=self.slot_mapping, layer=layer,
+                                                    num_heads=heads[0], eps=norm_rope.eps, interpret=self.interpret,
+                                                    **norms)
         return self._attend_cached(q, layer, (k_cache, v_cache), scale)
 
     def _attend(self, q, k, v, layer, kv_cache, scale):

@@ -144,12 +144,14 @@ class CausalLM(nnx.Module):
         """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
         layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
         projected = set(self.spec.projection_weights) & set(stack) if self.projection is not None else set()
-        if projected and self.pipeline_mesh is None:  # the projection weights read in place at the layer
+        in_place = (projected | set(self.spec.in_place_weights)) & set(stack)
+        if in_place and self.pipeline_mesh is None:  # those weights handed on with their stack and layer
             indices = jnp.arange(layer_ids.shape[0], dtype=jnp.int32) if indices is None else indices
             xs = (indices, layer_ids)
 
             def take(j):
-                return {k: LayerWeight(v, j, self.projection) if k in projected else v[j] for k, v in stack.items()}
+                return {k: LayerWeight(v, j, self.projection if k in projected else None) if k in in_place else v[j]
+                        for k, v in stack.items()}
         elif indices is None:
             xs, take = (stack, layer_ids), lambda params: params
         else:

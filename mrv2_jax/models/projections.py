@@ -41,11 +41,25 @@ class SkinnyProjection:
 
 @dataclass(frozen=True)
 class LayerWeight:
-    """Layer `layer` of the stacked weight `stack`, multiplied from the left by `projection`."""
+    """Layer `layer` of the stacked weight `stack`, multiplied from the left by `projection` (None:
+    XLA's dot of the slice). Also the form of `ModelState.in_place_weights`, which a kernel reads in
+    place (the q/k norms: models/attention.py)."""
 
     stack: jax.Array
     layer: jax.Array
-    projection: SkinnyProjection
+    projection: SkinnyProjection | None = None
+
+    @property
+    def array(self) -> jax.Array:
+        """The layer's slice, for XLA's own ops."""
+        return self.stack[self.layer]
 
     def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        if self.projection is None:
+            return x @ self.array
         return self.projection(x, self.stack, self.layer)
+
+
+def weight_array(w):
+    """A weight that may be a LayerWeight as a plain array (None stays None)."""
+    return w.array if isinstance(w, LayerWeight) else w

@@ -33,6 +33,7 @@ _ATTN = _L + "self_attn."
 @register_model_state
 class Qwen3MoeModelState(ModelState):
     architecture = "Qwen3MoeForCausalLM"
+    in_place_weights = ("q_norm", "k_norm")  # when the family has them (GLM-4-MoE may not)
     fp8_exempt = ("router",)  # FP8 checkpoints keep the router gate in bf16
     # Which grouped GEMM runs the experts (moe.BACKENDS); an engine sets its KernelConfig.moe_backend here.
     moe_backend = "auto"

@@ -109,6 +109,29 @@ def test_without_norm_and_with_partial_rotary():
     check(case, num_heads, layer=1, with_norm=True)
 
 
+def test_stacked_norm_weights_read_at_their_row():
+    """norm_layer: the kernel reads row `norm_layer` of stacked [L, D] q/k norm weights; the result is
+    bit for bit the one with that row's [D] weights."""
+    case, num_heads = make_case(T=6, seed=8)
+    rng = np.random.default_rng(9)
+    stacked = {n: jnp.asarray(rng.uniform(0.5, 1.5, (3, case[n].shape[0])).astype(np.float32)).at[2].set(case[n])
+               for n in ("q_norm", "k_norm")}
+    args = [case[n] for n in ("cos", "sin", "k_cache", "v_cache", "slot_mapping")]
+    want = qk_norm_rope_kv_write(case["qkv"], case["q_norm"], case["k_norm"], *args, 1, num_heads=num_heads,
+                                 eps=EPS, interpret=not on_gpu)
+    got = jax.jit(lambda row: qk_norm_rope_kv_write(case["qkv"], stacked["q_norm"], stacked["k_norm"], *args, 1,
+                                                   num_heads=num_heads, eps=EPS, norm_layer=row,
+                                                   interpret=not on_gpu))(jnp.int32(2))
+    ref = qk_norm_rope_kv_write_reference(case["qkv"], stacked["q_norm"], stacked["k_norm"], *args, 1,
+                                          num_heads=num_heads, eps=EPS, norm_layer=2)
+    for g, w, r in zip(got, want, ref):
+        np.testing.assert_array_equal(bits(g), bits(w))
+        np.testing.assert_allclose(np.nan_to_num(np.asarray(r)), np.nan_to_num(np.asarray(w)), atol=2e-5)
+    with pytest.raises(ValueError, match="norm weights"):
+        qk_norm_rope_kv_write(case["qkv"], case["q_norm"], case["k_norm"], *args, 1, num_heads=num_heads,
+                              norm_layer=0)
+
+
 def check_bfloat16(case, num_heads, layer):
     q, k_cache, v_cache = jitted(qk_norm_rope_kv_write, num_heads, True)(case, np.int32(layer))
     q_ref, k_ref, v_ref = jitted(qk_norm_rope_kv_write_reference, num_heads, True)(case, np.int32(layer))

@@ -48,3 +48,26 @@ def test_chunked_paged_prefill_with_pallas_kernels_matches_dense(name):
     prompt = list(np.random.default_rng(2).integers(0, 96, 11))
     paged, dense = paged_logits_in_chunks(name, prompt, 7, use_kernels=True)
     assert np.abs(paged - dense).max() <= 1e-4
+
+
+@pytest.mark.parametrize("unroll", [1, True])
+def test_the_qk_kernel_reads_the_stacked_norm_weights_in_place(monkeypatch, unroll):
+    """ModelState.in_place_weights: the q/k norm weights reach the fused qk kernel as the whole
+    [L, D] stacks with the layer's row (a slice handed to a custom call would be copied each layer),
+    with the layer loop scanned or unrolled."""
+    import jax
+
+    from mrv2_jax.models.attention import PagedAttention
+    from pallas_kernels import qk_norm_rope_kv_write as qk
+
+    spec, lm, _ = load_model(FIXTURES / "qwen3-tiny", dtype="float32")
+    lm.layer_unroll = unroll
+    kv = allocate_kv_cache(spec, num_blocks=4, block_size=BLOCK_SIZE, dtype=jnp.float32)
+    seen, kernel = [], qk.qk_norm_rope_kv_write
+    monkeypatch.setattr(qk, "qk_norm_rope_kv_write",
+                        lambda *a, **kw: seen.append((kw["q_norm"].shape, kw.get("norm_layer"))) or kernel(*a, **kw))
+    ids = jnp.zeros(8, jnp.int32)
+    attention = PagedAttention(jnp.full(8, -1, jnp.int32), jnp.zeros((1, 4), jnp.int32), jnp.zeros(1, jnp.int32),
+                               jnp.array([0, 8], jnp.int32), jnp.int32(1), use_kernels=True, interpret=True)
+    jax.make_jaxpr(lambda ids: lm(ids, jnp.arange(8, dtype=jnp.int32), attention, kv))(ids)
+    assert seen and all(shape == (spec.num_layers, spec.head_dim) and row is not None for shape, row in seen)
