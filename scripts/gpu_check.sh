@@ -464,10 +464,12 @@ for s in $sections; do case $s in
           --output-json "$OUT/fused_decode_one_row_seqs${n}_r$r.json"
     done; done ;;
   # Issue 26: the projections' GEMMs under other XLA flags (PROJECTION_FLAG_ARMS: names below), fused
-  # decode at batch 1 and 8 (8-row buckets): cuBLASLt instead of cuBLAS picks its own small-M kernels.
+  # decode at batch 1 and 8 (8-row buckets): cuBLASLt instead of cuBLAS picks its own small-M kernels;
+  # triton: XLA's autotuned Triton GEMMs (split-K among their configs; the layers' static weight slices).
   projection-flags)
-    for arm in ${PROJECTION_FLAG_ARMS:-default cublaslt}; do
+    for arm in ${PROJECTION_FLAG_ARMS:-default cublaslt triton}; do
       case $arm in default) flags="" ;; cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
+        triton) flags="--xla_gpu_enable_triton_gemm=true" ;;
         *) echo "projection-flags: unknown arm $arm" >&2; continue ;; esac
       run_section projection-flags-$arm env XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 150 \
           python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --batches 1 8 --fused-steps 16 \
