@@ -54,7 +54,7 @@ def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_he
     if q_norm is None:
         return
     want = "(L, head_dim) with norm_layer" if norm_layer is not None else "(head_dim,)"
-    if (any(n.ndim != (1 if norm_layer is None else 2) or n.shape[-1] != head_dim for n in (q_norm, k_norm))):
+    if any(n.ndim != (1 if norm_layer is None else 2) or n.shape[-1] != head_dim for n in (q_norm, k_norm)):
         raise ValueError(f"norm weights {q_norm.shape}/{k_norm.shape}: expected {want}, head_dim {head_dim}")
 
 
@@ -145,8 +145,9 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
     if num_rows >= 2**31:
         raise ValueError("cache has >= 2**31 rows; int32 row indices would overflow")
     has_norm = q_norm is not None
-    if not has_norm:
+    if not has_norm:  # the kernel reads no weights; ones keep its operands' shapes
         q_norm = k_norm = jnp.ones((head_dim,), qkv.dtype)
+        norm_layer = None
     if norm_layer is None:
         # One [2, D] operand for both: a custom call copies each slice of a stacked weight it is
         # given, so two weights would cost two copies a layer; stacked, XLA makes them one fusion.
