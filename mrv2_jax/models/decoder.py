@@ -144,18 +144,27 @@ class CausalLM(nnx.Module):
         """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
         layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
         projected = set(self.spec.projection_weights) & set(stack) if self.projection is not None else set()
-        in_place = (projected | set(self.spec.in_place_weights)) & set(stack)
-        if in_place and self.pipeline_mesh is None:  # those weights handed on with their stack and layer
-            indices = jnp.arange(layer_ids.shape[0], dtype=jnp.int32) if indices is None else indices
+        # Weights handed on with their stack and layer (LayerWeight); the others sliced per layer,
+        # by the scan itself where it walks the whole stack (the weights' GEMMs read those slices in
+        # place through XLA's dynamic-slice fusion).
+        wrapped = (projected | set(self.spec.in_place_weights)) & set(stack) if self.pipeline_mesh is None else set()
+
+        def wrap(j):
+            return {k: LayerWeight(stack[k], j, self.projection if k in projected else None) for k in wrapped}
+
+        if indices is None and not wrapped:
+            xs, take = (stack, layer_ids), lambda params: params
+        elif indices is None:
+            sliced = {k: v for k, v in stack.items() if k not in wrapped}
+            xs = ((sliced, jnp.arange(layer_ids.shape[0], dtype=jnp.int32)), layer_ids)
+
+            def take(params):
+                return params[0] | wrap(params[1])
+        else:
             xs = (indices, layer_ids)
 
             def take(j):
-                return {k: LayerWeight(v, j, self.projection if k in projected else None) if k in in_place else v[j]
-                        for k, v in stack.items()}
-        elif indices is None:
-            xs, take = (stack, layer_ids), lambda params: params
-        else:
-            xs, take = (indices, layer_ids), lambda j: {k: v[j] for k, v in stack.items()}
+                return {k: v[j] for k, v in stack.items() if k not in wrapped} | wrap(j)
 
         def one_layer(carry, xs):
             x, kv = carry
