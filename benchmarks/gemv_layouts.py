@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 
 import mrv2_jax  # noqa: F401  (the engine's XLA flags)
@@ -156,10 +155,9 @@ def main(argv=None):
         print(f"{r['shape']:>8} {r['rows']:>4} {r['way']:>24} {r['us']:7.1f} {r['wall_us']:8.1f} "
               f"{r['gb_per_s']:6.0f} {r['max_abs_error']:8.3g}")
     if args.output_json:
-        from mrv2_jax.bench.environment import describe_environment
+        from mrv2_jax.bench.environment import describe_environment, write_report
 
-        with open(args.output_json, "w") as f:
-            json.dump({**describe_environment(), "settings": vars(args), "results": results}, f, indent=1)
+        write_report({**describe_environment(), "settings": vars(args), "results": results}, args.output_json)
     return results
 
 
