@@ -485,14 +485,15 @@ for s in $sections; do case $s in
           --compile-mode lazy --output-json "$OUT/fused_decode_unrolled_max_tokens_$u.json"
     done ;;
   # Fused decode at batch 1 / 8 / 32 (K = 16, lazy compile), the old tree (.ab_old, as for
-  # ab-s1-before-after) against this one, ROUNDS rounds with the trees alternated.
+  # ab-s1-before-after) against this one, ROUNDS rounds with the trees alternated; FUSED_AB_ARGS: more
+  # bench fused arguments (the later wins), e.g. "--batches 1 --max-num-seqs 1" for a one-row bucket.
   fused-before-after)
     for round in $(seq ${ROUNDS:-2}); do
       for tree in old new; do
         path=.; [ $tree = old ] && path=.ab_old:.
         PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section fused-$tree-$round timeout 200 \
           python3 -P -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 16 --compile-mode lazy \
-          --output-json "$OUT/fused_decode_${tree}_$round.json"
+          ${FUSED_AB_ARGS:-} --output-json "$OUT/fused_decode_${tree}_$round.json"
       done
     done ;;
   # A stored program with Mosaic GPU kernels loads in a fresh process (the program store's GPU test).
