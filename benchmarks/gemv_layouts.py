@@ -28,9 +28,11 @@ import functools
 import statistics
 
 import mrv2_jax  # noqa: F401  (the engine's XLA flags)
+from benchmarks.skinny_gemm import SHAPES as _PROJECTIONS
 
 LAYERS = 28
-SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
+# Qwen3-0.6B's layer projections: name -> (K, N).
+SHAPES = {name: (k, n) for name, (k, n, _) in _PROJECTIONS.items() if name != "lm_head"}
 # (block_n, block_k, num_warps, num_stages) per kernel way.
 CONFIGS = {"tdot_nk": [(16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 512, 4, 3)],
            "tfma_nk": [(8, 512, 4, 3), (16, 256, 4, 4), (8, 1024, 8, 2), (32, 256, 8, 3)]}
@@ -84,7 +86,7 @@ def gemv_nk(x, wt, layer, *, block_n, block_k, num_warps, num_stages, fma, inter
                           )(jnp.asarray(layer, jnp.int32).reshape(1), x, wt.reshape(num_layers * n, k_dim))
 
 
-def _over_layers(fn, x, w):
+def _over_layers(fn):
     import jax
 
     return jax.jit(lambda x, w: [fn(x, w, layer) for layer in range(w.shape[0])])
@@ -120,7 +122,7 @@ def measure(name: str, rows: int, args) -> list[dict]:
     results = []
     for way, (fn, weights) in ways.items():
         entry = {"shape": name, "k": k, "n": n, "rows": rows, "way": way}
-        call = _over_layers(fn, x, weights)
+        call = _over_layers(fn)
         try:
             outs = [np.asarray(o, np.float32) for o in call(x, weights)]
             reference = outs if reference is None else reference

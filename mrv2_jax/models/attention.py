@@ -126,9 +126,10 @@ class PagedAttention(AttentionBackend):
         from pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
 
         q_norm, k_norm = norm_rope.q_norm, norm_rope.k_norm
-        norms = dict(q_norm=weight_array(q_norm), k_norm=weight_array(k_norm))
         if isinstance(q_norm, LayerWeight) and isinstance(k_norm, LayerWeight):  # the stacks, read in place
             norms = dict(q_norm=q_norm.stack, k_norm=k_norm.stack, norm_layer=q_norm.layer)
+        else:
+            norms = dict(q_norm=weight_array(q_norm), k_norm=weight_array(k_norm))
         q, k_cache, v_cache = qk_norm_rope_kv_write(qkv, cos=norm_rope.cos, sin=norm_rope.sin, k_cache=kv_cache[0],
                                                     v_cache=kv_cache[1], slot_mapping=self.slot_mapping, layer=layer,
                                                     num_heads=heads[0], eps=norm_rope.eps, interpret=self.interpret,
