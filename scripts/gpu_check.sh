@@ -31,7 +31,8 @@
 # with the layer loop and with every layer unrolled; fused-before-after: fused decode, the old tree
 # against this one; fused-one-row: batch 1 in a one-row bucket and in an 8-row one; projection-flags:
 # fused decode at batch 1 / 8 under XLA flags that change how its GEMMs are picked; gemv-layouts:
-# the projections as Triton GEMVs over an [N, K] weight layout against XLA's dot in both layouts).
+# the projections as Triton and Mosaic GPU GEMVs over an [N, K] weight layout against XLA's dot in
+# both layouts).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -476,7 +477,7 @@ for s in $sections; do case $s in
           python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --batches 1 8 --fused-steps 16 \
           --compile-mode lazy --output-json "$OUT/fused_decode_projection_flags_$arm.json"
     done ;;
-  gemv-layouts) run_section gemv-layouts timeout 300 python3 -m benchmarks.gemv_layouts --rows 1 8 --runs 10 \
+  gemv-layouts) run_section gemv-layouts timeout 360 python3 -m benchmarks.gemv_layouts --rows 1 8 --runs 10 \
       --output-json "$OUT/gemv_layouts.json" ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do
