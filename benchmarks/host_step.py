@@ -119,17 +119,24 @@ def main(argv=None, prog=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokenizer", default=str(DEMO_TOKENIZER), help="a tokenizer directory, or 'none'")
+    ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer_arg(args.tokenizer)
     print(f"{args.steps} steps, prompt {args.prompt_len} tokens, "
           f"tokenizer={'none' if tokenizer is None else args.tokenizer}; median µs per steady decode step")
     print(f"  {'case':22s}" + "".join(f"{k:>11s}" for k in PARTS) + f"{'engine':>11s}")
+    cases = []
     for rows in args.rows:
         for final_only in (True, False):
             r = run_case(tokenizer, rows=rows, steps=args.steps, final_only=final_only,
                          prompt_len=args.prompt_len)
             name = f"{rows} {'final_only' if final_only else 'streaming'}"
             print(f"  {name:22s}" + "".join(f"{r[k]:11.0f}" for k in PARTS) + f"{r['engine_total']:11.0f}")
+            cases.append({"rows": rows, "final_only": final_only, "median_us": r})
+    if args.output_json:
+        from mrv2_jax.bench.environment import describe_environment, write_report
+
+        write_report({**describe_environment(), "settings": vars(args), "cases": cases}, args.output_json)
 
 
 if __name__ == "__main__":

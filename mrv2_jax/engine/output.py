@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """A token's log probability, its rank (1 = most likely) and its text."""
 
@@ -15,7 +15,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request (index 0: only n == 1 is supported).
 
@@ -47,7 +47,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timestamps (``time.monotonic()`` seconds) of one request's life."""
 
@@ -62,7 +62,7 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request as reported to the user: final when ``finished``, or a
     snapshot while streaming. ``num_cached_tokens``: prompt tokens that were served from

@@ -204,11 +204,18 @@ class Scheduler:
         preempted: set[str] = set()
         num_spec: dict[str, int] = {}
 
+        # Each scheduled request's computed count advances as soon as its tokens are scheduled
+        # (async: the next schedule() may come before the results), and every token the step will
+        # sample counts as a placeholder (_advance).
+        sampling_req_ids: set[str] = set()
+
         # 1. Running requests, oldest admission first. Preemption victims come off the
         #    end of `running`, so they are never requests already scheduled this step.
-        #    (This loop and step 3 run once per running request every step: they keep to
-        #    plain attribute reads and skip what is off, e.g. drafts without speculation.)
+        #    (This loop runs once per running request every step: it keeps to plain
+        #    attribute reads, and skips what is off, e.g. drafts without speculation.)
         running, speculate = self.running, self.config.num_speculative_tokens > 0
+        allocate = self.kv_cache_manager.allocate_slots
+        lookahead = self.config.num_lookahead_tokens
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
@@ -218,9 +225,12 @@ class Scheduler:
                 continue
             num_draft = self._num_drafts(request, num_new, budget) if speculate else 0
             num_new += num_draft
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            # The common case first: no lookahead, and the pool has room without preempting.
+            new_blocks = None if lookahead else allocate(request, num_new)
             if new_blocks is None:
-                break  # the request itself was preempted, and with it everything after it
+                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+                if new_blocks is None:
+                    break  # the request itself was preempted, and with it everything after it
             req_id = request.request_id
             if num_draft:
                 num_spec[req_id] = num_draft
@@ -228,21 +238,15 @@ class Scheduler:
             num_scheduled[req_id] = num_new
             scheduled[req_id] = request
             budget -= num_new
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders + num_draft:
+                request.num_output_placeholders += 1 + num_draft
+                sampling_req_ids.add(req_id)
 
         # 2. Waiting requests in FCFS order. Not after a preemption: the pool is full, and
         #    admitting would only preempt again next step.
         if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, scheduled, new_reqs)
-
-        # 3. Advance the computed counts now (async: the next schedule() may come before the
-        #    results) and count every token this step will sample as a placeholder.
-        sampling_req_ids = set()
-        for (req_id, request), num_new in zip(scheduled.items(), num_scheduled.values()):  # same order
-            num_draft = num_spec.get(req_id, 0) if num_spec else 0
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens_with_placeholders + num_draft:
-                request.num_output_placeholders += 1 + num_draft
-                sampling_req_ids.add(req_id)
+            budget = self._admit_waiting(budget, num_scheduled, scheduled, new_reqs, sampling_req_ids)
 
         finished_req_ids = self._finished_since_last_schedule
         self._finished_since_last_schedule = set()
@@ -400,9 +404,11 @@ class Scheduler:
         num_scheduled: dict[str, int],
         scheduled: dict[str, Request],
         new_reqs: list[NewRequestData],
+        sampling_req_ids: set[str],
     ) -> int:
-        """Admits waiting requests in FCFS order while budget, seats and blocks last.
-        Returns the budget left."""
+        """Admits waiting requests in FCFS order while budget, seats and blocks last, each with
+        its computed count advanced past this step's tokens (and in ``sampling_req_ids`` when its
+        prefill ends here). Returns the budget left."""
         kv = self.kv_cache_manager
         not_ready: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -449,6 +455,10 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             scheduled[request.request_id] = request
             budget -= num_new
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:  # the prefill ends here
+                request.num_output_placeholders += 1
+                sampling_req_ids.add(request.request_id)
         self.waiting.extendleft(reversed(not_ready))
         return budget
 
@@ -499,15 +509,15 @@ class Scheduler:
                     request.num_computed_tokens -= num_draft - (len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
-            accepted, finish_status, grammar = [], None, request.grammar
-            for token_id in token_ids:  # tokens after a stop are dropped
+            finish_status, grammar = None, request.grammar
+            for num_accepted, token_id in enumerate(token_ids, 1):  # tokens after a stop are dropped
                 request.append_output_token(token_id)
-                accepted.append(token_id)
                 finish_status = self._check_stop(request, token_id)
                 if grammar is not None:
                     finish_status = self._check_grammar(request, token_id, finish_status)
                 if finish_status is not None:
                     break
+            accepted = token_ids if num_accepted == len(token_ids) else token_ids[:num_accepted]
             if finish_status is not None:
                 self._finish(request, finish_status)
                 finish_reason = finish_status.finish_reason

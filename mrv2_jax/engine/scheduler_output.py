@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one step changed for one request, as reported by ``update_from_output``.
 

@@ -34,7 +34,7 @@ class NewRequestData:
     automaton: Any = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already holds: the blocks appended to its table this step and
     its ``num_computed_tokens`` before this step (equal to the runner's own count unless a

@@ -90,6 +90,8 @@ class PendingStep:
         if tokens.size and tokens.min() <= prepare.DIVERGED:
             self._raise_diverged(tokens)
         if self._num_sampled is None and tokens.ndim == 1:  # one step: one token per row
+            if len(sampling) == len(self._req_ids):  # every row samples (decode steps)
+                return {r: [t] for r, t in zip(self._req_ids, tokens.tolist())}
             return {r: [t] for r, t in zip(self._req_ids, tokens.tolist()) if r in sampling}
         tokens, counts = self._tokens()
         return {r: column[:n] for r, column, n in zip(self._req_ids, tokens.T.tolist(), counts.tolist())

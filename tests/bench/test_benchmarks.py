@@ -30,6 +30,18 @@ def test_host_step_bench_runs_a_few_steps():
         assert all(r[k] >= 0 for k in PARTS) and r["engine_total"] > 0
 
 
+def test_host_step_bench_writes_its_cases(tmp_path):
+    from benchmarks import host_step
+
+    out = tmp_path / "host_step.json"
+    host_step.main(["--rows", "4", "--steps", "6", "--prompt-len", "8", "--tokenizer", "none",
+                    "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert ENVIRONMENT_KEYS <= report.keys()
+    assert [(c["rows"], c["final_only"]) for c in report["cases"]] == [(4, True), (4, False)]
+    assert all(c["median_us"]["engine_total"] > 0 for c in report["cases"])
+
+
 def test_conditionals_bench_chains_agree_and_report(tmp_path):
     """The lax.cond chain and its jnp.where twin compute the same values; the report has both."""
     import jax.numpy as jnp
