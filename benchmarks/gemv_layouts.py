@@ -13,12 +13,9 @@ change, at Qwen3-0.6B's projection shapes and 1 or 8 rows, before any engine cod
              [block_n, block_k] @ x^T tile [block_k, 16] (rows padded to 16)
   tfma_nk    one row only: the same walk, multiplied on the CUDA cores ([block_n, block_k] f32
              accumulator summed over K at the end)
-  mfma_nk    one row only, on Pallas's Mosaic GPU backend: CTA j owns `block_n` rows of w^T and
-             streams them through shared memory with TMA ([block_n, block_k] tiles, `num_stages`
-             deep); each of the warpgroup's 128 threads multiplies 2 columns of every row by x on
-             the CUDA cores, and the rows are summed across the warpgroup at the end. No wgmma,
-             so block_n need not be 64: N = 1024 still makes 128 CTAs without splitting K, which
-             would let an epilogue (residual add, SwiGLU) see whole outputs
+  mfma_nk    one row only, on Pallas's Mosaic GPU backend (pallas_kernels/gemv_mgpu.py): CTA j
+             owns `block_n` rows of w^T and all of K, streamed through shared memory with TMA,
+             multiplied on the CUDA cores; N = 1024 makes 64-128 CTAs without splitting K
 
 Each call runs the product for each of 28 stacked layers (weights stream from HBM); reported per
 way: the kernels' device time per projection (profiler; wall time without a GPU), GB/s of weight and
@@ -39,11 +36,10 @@ from benchmarks.skinny_gemm import SHAPES as _PROJECTIONS
 LAYERS = 28
 # Qwen3-0.6B's layer projections: name -> (K, N).
 SHAPES = {name: (k, n) for name, (k, n, _) in _PROJECTIONS.items() if name != "lm_head"}
-# (block_n, block_k, num_warps, num_stages) per kernel way (mfma_nk: one warpgroup, num_warps 4).
+# (block_n, block_k, num_warps, num_stages) per kernel way (mfma_nk: block_k and warps are fixed).
 CONFIGS = {"tdot_nk": [(16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 512, 4, 3)],
            "tfma_nk": [(8, 512, 4, 3), (16, 256, 4, 4), (8, 1024, 8, 2), (32, 256, 8, 3)],
            "mfma_nk": [(8, 256, 4, 4), (8, 256, 4, 8), (16, 256, 4, 4), (16, 256, 4, 8)]}
-MFMA_BLOCK_K = 256  # a warpgroup's 128 threads x 2 columns: one row of a tile per register pair
 
 
 def _nk_kernel(layer_ref, x_ref, w_ref, out_ref, *, rows, n, k_dim, block_n, block_k, fma):
@@ -94,55 +90,11 @@ def gemv_nk(x, wt, layer, *, block_n, block_k, num_warps, num_stages, fma, inter
                           )(jnp.asarray(layer, jnp.int32).reshape(1), x, wt.reshape(num_layers * n, k_dim))
 
 
-def _mfma_kernel(layer_gmem, x_gmem, w_gmem, out_gmem, *, block_n, steps, stages):
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    j = lax.axis_index("n")
-    w_gmem = w_gmem.at[layer_gmem[0]]  # this layer's [N, K] of the stack, read in place
-
-    def step(_, w_smem, x_smem, sums):
-        x = x_smem[0, :].astype(jnp.float32)
-        return tuple(s + w_smem[r, :].astype(jnp.float32) * x for r, s in enumerate(sums))
-
-    zero = plgpu.layout_cast(jnp.zeros((MFMA_BLOCK_K,), jnp.float32),
-                             plgpu.Layout.WG_STRIDED((MFMA_BLOCK_K,), vec_size=2))
-    sums = plgpu.emit_pipeline(
-        step, grid=(steps,),
-        in_specs=[plgpu.BlockSpec((block_n, MFMA_BLOCK_K), lambda i: (j, i)),
-                  plgpu.BlockSpec((1, MFMA_BLOCK_K), lambda i: (0, i))],
-        max_concurrent_steps=stages, init_carry=(zero,) * block_n,
-    )(w_gmem, x_gmem)
-    totals = [jnp.sum(s) for s in sums]  # each row's column sums, across the warpgroup
-
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((1, block_n), out_gmem.dtype))
-    def _store(o_smem):
-        for r, total in enumerate(totals):
-            o_smem[0, r] = total.astype(out_gmem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[:, pl.ds(j * block_n, block_n)])
-        plgpu.wait_smem_to_gmem(0)
-
-
 def gemv_nk_mgpu(x, wt, layer, *, block_n, num_stages, interpret, **_):
-    """x [1, K] @ wt[layer].T for wt [L, N, K] on Mosaic GPU (K a multiple of MFMA_BLOCK_K)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    """x [1, K] @ wt[layer].T on Mosaic GPU: pallas_kernels.gemv_mgpu with nothing before or after."""
+    from pallas_kernels.gemv_mgpu import GemvConfig, gemv
 
-    rows, k_dim = x.shape
-    _, n, _ = wt.shape
-    if rows != 1 or k_dim % MFMA_BLOCK_K or n % block_n or block_n % 8:
-        raise ValueError(f"gemv_nk_mgpu: rows={rows} (1 only), K={k_dim} % {MFMA_BLOCK_K}, N={n} % block_n={block_n}"
-                         " (block_n >= 8: the output row is stored with TMA, 16 bytes at least)")
-    steps = k_dim // MFMA_BLOCK_K
-    kernel = plgpu.kernel(
-        functools.partial(_mfma_kernel, block_n=block_n, steps=steps, stages=min(num_stages, steps)),
-        out_type=jax.ShapeDtypeStruct((1, n), x.dtype), grid=(n // block_n,), grid_names=("n",),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return kernel(jnp.asarray(layer, jnp.int32).reshape(1), x, wt)
+    return gemv(x, wt, layer=layer, config=GemvConfig(block_n=block_n, num_stages=num_stages), interpret=interpret)
 
 
 def _over_layers(fn):

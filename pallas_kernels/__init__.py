@@ -14,6 +14,9 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   M <= 32, split over K to stream the weight on every SM, a stacked weight read in place at a layer;
   Mosaic GPU, issue 26; the dense families' projections in fused decode of up to 8 rows with
   ``--kernels decode_projections=mgpu``, opt-in).
+- ``gemv_mgpu``: ``gemv`` / ``gemv_reference`` (decode's one-row projection from an ``[N, K]`` weight with
+  the RMSNorm before it and a residual add or SwiGLU after it in the same kernel, no split of K; Mosaic
+  GPU, issue 26; measured by benchmarks/decode_layer_gemv.py, not yet used by the engine).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``ragged_paged_attention_mgpu``: ``ragged_paged_attention_mgpu``, the same attention on Mosaic GPU

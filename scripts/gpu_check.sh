@@ -32,7 +32,8 @@
 # against this one; fused-one-row: batch 1 in a one-row bucket and in an 8-row one; projection-flags:
 # fused decode at batch 1 / 8 under XLA flags that change how its GEMMs are picked; gemv-layouts:
 # the projections as Triton and Mosaic GPU GEMVs over an [N, K] weight layout against XLA's dot in
-# both layouts).
+# both layouts; decode-layer-gemv: a layer's four projections at batch 1 as fused Mosaic GPU GEMVs
+# against XLA).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -477,6 +478,12 @@ for s in $sections; do case $s in
           python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --batches 1 8 --fused-steps 16 \
           --compile-mode lazy --output-json "$OUT/fused_decode_projection_flags_$arm.json"
     done ;;
+  # Issue 26: a layer's projections at batch 1 as four fused Mosaic GPU GEMVs (gemv_mgpu) against XLA at
+  # one row and at eight, after the kernel's GPU tests.
+  decode-layer-gemv)
+    run_section gemv-mgpu-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_mgpu.py
+    run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
+        --output-json "$OUT/decode_layer_gemv.json" ;;
   gemv-layouts) run_section gemv-layouts timeout 360 python3 -m benchmarks.gemv_layouts --rows 1 8 --runs 10 \
       --output-json "$OUT/gemv_layouts.json" ;;
   fused-layer-unroll)

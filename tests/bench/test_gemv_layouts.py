@@ -5,7 +5,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from benchmarks import gemv_layouts
 from tests.triton_lowering import verify_triton_lowering
@@ -29,21 +28,3 @@ def test_kernels_lower_for_cuda(monkeypatch):
             lowering_platforms=("cuda",))
     assert verified == [True, True]
 
-
-def test_mosaic_gpu_kernel_lowers_for_cuda_at_every_projection():
-    """Mosaic GPU's layout inference and lowering (TMA boxes, the strided register layout, the
-    warpgroup sums) take every config at every Qwen3-0.6B projection, from the stacked layers."""
-    S = jax.ShapeDtypeStruct
-    for k, n in gemv_layouts.SHAPES.values():
-        for bn, bk, warps, stages in gemv_layouts.CONFIGS["mfma_nk"]:
-            fn = functools.partial(gemv_layouts.gemv_nk_mgpu, block_n=bn, num_stages=stages, interpret=False)
-            jax.jit(fn).trace(S((1, k), jnp.bfloat16), S((28, n, k), jnp.bfloat16), S((), jnp.int32)).lower(
-                lowering_platforms=("cuda",))
-
-
-def test_mosaic_gpu_kernel_refuses_what_it_cannot_tile():
-    x, w = jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((1, 64, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="rows=2"):
-        gemv_layouts.gemv_nk_mgpu(x, w, 0, block_n=8, num_stages=2, interpret=True)
-    with pytest.raises(ValueError, match="K=128"):
-        gemv_layouts.gemv_nk_mgpu(x[:1, :128], w[:, :, :128], 0, block_n=8, num_stages=2, interpret=True)

@@ -1,0 +1,162 @@
+"""A decoder layer's projections at batch 1 as four fused Mosaic GPU GEMVs, against XLA (issue 26).
+
+Qwen3-0.6B's dense layer without its attention, 28 layers chained in one jitted call (unrolled, as
+the engine's small buckets are), the residual stream h [1, 1024] carried through:
+
+    x = rmsnorm(h) * g1;  qkv = x @ Wqkv;  a = qkv[:, :2048]     (a stands in for the attention's output)
+    h = h + a @ Wo;  x = rmsnorm(h) * g2;  m = silu(x @ Wgate) * (x @ Wup);  h = h + m @ Wdown
+
+Ways:
+  xla_1row   XLA over [K, N] weights, one row (what a one-token product compiles to)
+  xla_8row   the same with h padded to 8 rows (the engine's one-row buckets since fused.ONE_ROW_TOKENS:
+             cuBLAS GEMMs instead of XLA's reductions)
+  mgpu       pallas_kernels/gemv_mgpu over [N, K] weights, four kernels a layer: norm + qkv, o +
+             residual, norm + gate/up + SwiGLU (gate and up interleaved), down + residual; the `a`
+             slice is the only other op
+
+Reported per way: the kernels' device time per layer (profiler), their launches per layer, the wall
+time per call when calls run back to back (device-bound: the host queues ahead) per layer, and
+the weights' GB/s at that wall time; the max error of h against xla_1row. On a CPU the Mosaic GPU
+kernels run in their interpreter (--tiny: small shapes, 2 layers) and the wall time is one call's.
+
+    python -m benchmarks.decode_layer_gemv --output-json decode_layer_gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import mrv2_jax  # noqa: F401  (the engine's XLA flags)
+
+# Qwen3-0.6B: hidden, q + k + v width, attention output width, intermediate.
+QWEN3_06B = {"hidden": 1024, "qkv": 4096, "attn": 2048, "inter": 3072, "layers": 28}
+TINY = {"hidden": 256, "qkv": 512, "attn": 256, "inter": 256, "layers": 2}
+EPS = 1e-6
+
+
+def make_weights(dims, seed=0):
+    """Per layer, [K, N] weights (XLA's ways) and the same as [N, K] stacks (the kernels')."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.gemv_mgpu import interleave_gate_up
+
+    d, q, a, i, layers = dims["hidden"], dims["qkv"], dims["attn"], dims["inter"], dims["layers"]
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+
+    def normal(shape, scale):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(jnp.bfloat16)
+
+    nk = {"qkv": normal((layers, q, d), d**-0.5), "o": normal((layers, d, a), a**-0.5),
+          "gate": normal((layers, i, d), d**-0.5), "up": normal((layers, i, d), d**-0.5),
+          "down": normal((layers, d, i), i**-0.5),
+          "g1": (1 + 0.1 * jax.random.normal(next(keys), (layers, d))).astype(jnp.bfloat16),
+          "g2": (1 + 0.1 * jax.random.normal(next(keys), (layers, d))).astype(jnp.bfloat16)}
+    kn = {name: [w[layer].T.copy() for layer in range(layers)] for name, w in nk.items() if name not in ("g1", "g2")}
+    kn |= {"g1": list(nk["g1"]), "g2": list(nk["g2"])}
+    nk["gate_up"] = interleave_gate_up(nk.pop("gate"), nk.pop("up"), block_n=16)
+    return kn, nk
+
+
+def xla_layers(h, kn, *, rows):
+    """The layers in jnp over per-layer [K, N] weights, h padded to `rows` rows."""
+    import jax
+    import jax.numpy as jnp
+
+    def rmsnorm(v, g):
+        v32 = v.astype(jnp.float32)
+        return (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + EPS) * g).astype(jnp.bfloat16)
+
+    h = jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
+    attn = kn["o"][0].shape[0]
+    for layer in range(len(kn["qkv"])):
+        qkv = rmsnorm(h, kn["g1"][layer]) @ kn["qkv"][layer]
+        h = h + qkv[:, :attn] @ kn["o"][layer]
+        x = rmsnorm(h, kn["g2"][layer])
+        m = (jax.nn.silu((x @ kn["gate"][layer]).astype(jnp.float32)) * (x @ kn["up"][layer])).astype(jnp.bfloat16)
+        h = h + m @ kn["down"][layer]
+    return h[:1]
+
+
+def mgpu_layers(h, nk, *, interpret):
+    """The layers as four gemv_mgpu kernels each, over the [N, K] stacks read in place."""
+    from pallas_kernels.gemv_mgpu import GemvConfig, gemv
+
+    gemv = functools.partial(gemv, eps=EPS, interpret=interpret)
+    attn = nk["o"].shape[2]
+    for layer in range(nk["qkv"].shape[0]):
+        qkv = gemv(h, nk["qkv"], layer=layer, norm_weight=nk["g1"], config=GemvConfig(block_n=16))
+        h = gemv(qkv[:, :attn], nk["o"], layer=layer, epilogue="residual", residual=h)
+        m = gemv(h, nk["gate_up"], layer=layer, norm_weight=nk["g2"], epilogue="swiglu",
+                 config=GemvConfig(block_n=16))
+        h = gemv(m, nk["down"], layer=layer, epilogue="residual", residual=h)
+    return h
+
+
+def back_to_back_seconds(fn, args, calls: int) -> float:
+    """Wall seconds per call of `calls` calls queued back to back (the device stays busy)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="small shapes, 2 layers (CPU tests)")
+    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from mrv2_jax.bench.trace import profile_kernels
+
+    dims = TINY if args.tiny else QWEN3_06B
+    on_gpu = jax.default_backend() == "gpu"
+    kn, nk = make_weights(dims)
+    h = jax.random.normal(jax.random.key(1), (1, dims["hidden"]), jnp.bfloat16)
+    weight_bytes = 2 * sum(w[0].size for name, w in kn.items() if name not in ("g1", "g2"))  # a layer's
+    ways = {"xla_1row": (functools.partial(xla_layers, rows=1), kn),
+            "xla_8row": (functools.partial(xla_layers, rows=8), kn),
+            "mgpu": (functools.partial(mgpu_layers, interpret=not on_gpu), nk)}
+    layers = dims["layers"]
+    reference, results = None, []
+    for way, (fn, weights) in ways.items():
+        call = jax.jit(fn)
+        t0 = time.perf_counter()
+        out = np.asarray(call(h, weights), np.float32)
+        reference = out if reference is None else reference
+        # Without a GPU (the kernels interpreted) one call, its compile included, is figure enough.
+        wall = (back_to_back_seconds(call, (h, weights), args.calls) if on_gpu else time.perf_counter() - t0) / layers
+        kernels = profile_kernels(call, (h, weights), calls=5) if on_gpu else []
+        entry = {"way": way, "wall_us_per_layer": wall * 1e6, "gb_per_s": weight_bytes / wall / 1e9,
+                 "max_abs_error": float(np.abs(out - reference).max()),
+                 "kernel_us_per_layer": sum(k["ms_per_step"] for k in kernels) * 1e3 / layers if kernels else None,
+                 "launches_per_layer": sum(k["launches_per_step"] for k in kernels) / layers if kernels else None,
+                 "kernels": [(k["kernel"], round(k["ms_per_step"] * 1e3 / layers, 2)) for k in kernels[:8]]}
+        results.append(entry)
+    print(f"{'way':>9} {'wall us/layer':>14} {'GB/s':>6} {'kernel us/layer':>16} {'launches/layer':>15} {'max err':>8}")
+    for r in results:
+        kernel = "-" if r["kernel_us_per_layer"] is None else f"{r['kernel_us_per_layer']:.1f}"
+        launches = "-" if r["launches_per_layer"] is None else f"{r['launches_per_layer']:.1f}"
+        print(f"{r['way']:>9} {r['wall_us_per_layer']:14.1f} {r['gb_per_s']:6.0f} {kernel:>16} {launches:>15} "
+              f"{r['max_abs_error']:8.3g}")
+    if args.output_json:
+        from mrv2_jax.bench.environment import describe_environment, write_report
+
+        write_report({**describe_environment(), "settings": vars(args), "dims": dims,
+                      "weight_bytes_per_layer": weight_bytes, "results": results}, args.output_json)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""benchmarks.decode_layer_gemv: the four fused Mosaic GPU GEMVs a layer (interpreted) compute the layers that
+XLA computes from the same weights, one row or padded to eight, and the report says so."""
+
+import json
+
+from benchmarks import decode_layer_gemv
+from tests.bench.test_benchmarks import ENVIRONMENT_KEYS
+
+
+def test_the_fused_layers_match_xla_s(tmp_path):
+    out = tmp_path / "layers.json"
+    results = decode_layer_gemv.main(["--tiny", "--output-json", str(out)])
+    assert [r["way"] for r in results] == ["xla_1row", "xla_8row", "mgpu"]
+    # h after two layers (values of a few units): within a few bf16 roundings of XLA's one-row result.
+    assert all(r["max_abs_error"] <= 0.1 for r in results), results
+    report = json.loads(out.read_text())
+    assert ENVIRONMENT_KEYS <= report.keys() and report["dims"] == decode_layer_gemv.TINY
