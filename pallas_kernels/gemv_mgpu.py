@@ -31,8 +31,8 @@ streams the CTA's ``[block_n, BLOCK_K]`` weight tiles (each row contiguous in K)
 layout): it multiplies them by x (times the norm weight) for every row and adds into one f32
 register pair per row; with a norm it also adds x^2. After the last tile each row's pairs are
 summed across the warpgroup; the norm is linear in x, so its ``rsqrt(mean(x^2) + eps)`` scales
-the sums then. The epilogue reads the CTA's slice of the residual (or pairs its gate and up rows)
-and the CTA stores its outputs with one TMA copy.
+the sums then. The epilogue adds the CTA's slice of the residual (fetched with TMA when the CTA
+starts) or pairs its gate and up rows, and the CTA stores its outputs with one TMA copy.
 
 On the CPU (tests) the kernel runs in Mosaic GPU's interpreter (``interpret=True``); lowering for
 CUDA on any backend runs Mosaic GPU's layout inference and lowering (TMA boxes, register layouts).
@@ -147,22 +147,23 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
     if norm:
         in_specs.append(plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i)))
         operands.append(g_gmem.at[layer_gmem[0]])
-    sums, squares = plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
-                                        init_carry=((zero,) * block_n, zero))(*operands)
-    totals = [jnp.sum(s) for s in sums]  # each row's column sums, across the warpgroup
-    if norm:
-        scale = lax.rsqrt(jnp.sum(squares) / k + eps)
-        # As the model: the normalised x is rounded to bf16 before the product; here the scale
-        # comes after it, so the sums are rounded once instead (the tests' tolerance covers both).
-        totals = [t * scale for t in totals]
     num_out = block_n // 2 if epilogue == "swiglu" else block_n
 
     @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((1, num_out), out_gmem.dtype),
                        r_smem=plgpu.SMEM((1, num_out), out_gmem.dtype), barrier=plgpu.Barrier())
-    def _store(o_smem, r_smem, barrier):
+    def _body(o_smem, r_smem, barrier):
+        if epilogue == "residual":  # fetched while the weights stream, so it is there for the epilogue
+            plgpu.copy_gmem_to_smem(r_gmem.at[:, pl.ds(j * num_out, num_out)], r_smem, barrier)
+        sums, squares = plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
+                                            init_carry=((zero,) * block_n, zero))(*operands)
+        totals = [jnp.sum(s) for s in sums]  # each row's column sums, across the warpgroup
+        if norm:
+            # The norm is linear in x: its scale applies to the sums. (The model rounds the normalised
+            # x to bf16 before the product; here the sums are rounded once instead.)
+            scale = lax.rsqrt(jnp.sum(squares) / k + eps)
+            totals = [t * scale for t in totals]
         outs = [t.astype(jnp.bfloat16).astype(jnp.float32) for t in totals]  # the product's bf16 result
         if epilogue == "residual":
-            plgpu.copy_gmem_to_smem(r_gmem.at[:, pl.ds(j * num_out, num_out)], r_smem, barrier)
             plgpu.barrier_wait(barrier)
             outs = [o + r_smem[0, r].astype(jnp.float32) for r, o in enumerate(outs)]
         elif epilogue == "swiglu":

@@ -206,7 +206,7 @@ class Scheduler:
 
         # Each scheduled request's computed count advances as soon as its tokens are scheduled
         # (async: the next schedule() may come before the results), and every token the step will
-        # sample counts as a placeholder (_advance).
+        # sample counts as a placeholder: in step 1 for running requests, in step 2 for admissions.
         sampling_req_ids: set[str] = set()
 
         # 1. Running requests, oldest admission first. Preemption victims come off the
