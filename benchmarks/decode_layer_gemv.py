@@ -13,6 +13,9 @@ Ways:
   mgpu       pallas_kernels/gemv_mgpu over [N, K] weights, four kernels a layer: norm + qkv, o +
              residual, norm + gate/up + SwiGLU (gate and up interleaved), down + residual; the `a`
              slice is the only other op
+  mgpu_pdl   the same, each kernel launched as a programmatic dependent of the one before (CUDA's
+             PDL: placed while the previous kernel drains, waiting for its results): whether that
+             hides the launch gaps inside XLA's command buffers (GPU only)
 
 Reported per way: the kernels' device time per layer (profiler), their launches per layer, the wall
 time per call when calls run back to back (device-bound: the host queues ahead) per layer, and
@@ -80,18 +83,19 @@ def xla_layers(h, kn, *, rows):
     return h[:1]
 
 
-def mgpu_layers(h, nk, *, interpret):
-    """The layers as four gemv_mgpu kernels each, over the [N, K] stacks read in place."""
+def mgpu_layers(h, nk, *, interpret, pdl=False):
+    """The layers as four gemv_mgpu kernels each, over the [N, K] stacks read in place (`pdl`: each
+    launched as a programmatic dependent of the one before)."""
     from pallas_kernels.gemv_mgpu import GemvConfig, gemv
 
     gemv = functools.partial(gemv, eps=EPS, interpret=interpret)
+    wide, narrow = GemvConfig(block_n=16, pdl=pdl), GemvConfig(block_n=8, pdl=pdl)
     attn = nk["o"].shape[2]
     for layer in range(nk["qkv"].shape[0]):
-        qkv = gemv(h, nk["qkv"], layer=layer, norm_weight=nk["g1"], config=GemvConfig(block_n=16))
-        h = gemv(qkv[:, :attn], nk["o"], layer=layer, epilogue="residual", residual=h)
-        m = gemv(h, nk["gate_up"], layer=layer, norm_weight=nk["g2"], epilogue="swiglu",
-                 config=GemvConfig(block_n=16))
-        h = gemv(m, nk["down"], layer=layer, epilogue="residual", residual=h)
+        qkv = gemv(h, nk["qkv"], layer=layer, norm_weight=nk["g1"], config=wide)
+        h = gemv(qkv[:, :attn], nk["o"], layer=layer, epilogue="residual", residual=h, config=narrow)
+        m = gemv(h, nk["gate_up"], layer=layer, norm_weight=nk["g2"], epilogue="swiglu", config=wide)
+        h = gemv(m, nk["down"], layer=layer, epilogue="residual", residual=h, config=narrow)
     return h
 
 
@@ -127,13 +131,20 @@ def main(argv=None) -> list[dict]:
     weight_bytes = 2 * sum(w[0].size for name, w in kn.items() if name not in ("g1", "g2"))  # a layer's
     ways = {"xla_1row": (functools.partial(xla_layers, rows=1), kn),
             "xla_8row": (functools.partial(xla_layers, rows=8), kn),
-            "mgpu": (functools.partial(mgpu_layers, interpret=not on_gpu), nk)}
+            "mgpu": (functools.partial(mgpu_layers, interpret=not on_gpu), nk),
+            "mgpu_pdl": (functools.partial(mgpu_layers, interpret=not on_gpu, pdl=True), nk)}
+    if not on_gpu:
+        del ways["mgpu_pdl"]  # the interpreter runs kernels one after another: nothing to launch early
     layers = dims["layers"]
     reference, results = None, []
     for way, (fn, weights) in ways.items():
         call = jax.jit(fn)
         t0 = time.perf_counter()
-        out = np.asarray(call(h, weights), np.float32)
+        try:
+            out = np.asarray(call(h, weights), np.float32)
+        except Exception as exc:  # noqa: BLE001 - a way the GPU refuses is a result, reported
+            results.append({"way": way, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
         reference = out if reference is None else reference
         # Without a GPU (the kernels interpreted) one call, its compile included, is figure enough.
         wall = (back_to_back_seconds(call, (h, weights), args.calls) if on_gpu else time.perf_counter() - t0) / layers
@@ -146,6 +157,9 @@ def main(argv=None) -> list[dict]:
         results.append(entry)
     print(f"{'way':>9} {'wall us/layer':>14} {'GB/s':>6} {'kernel us/layer':>16} {'launches/layer':>15} {'max err':>8}")
     for r in results:
+        if "error" in r:
+            print(f"{r['way']:>9}  {r['error']}")
+            continue
         kernel = "-" if r["kernel_us_per_layer"] is None else f"{r['kernel_us_per_layer']:.1f}"
         launches = "-" if r["launches_per_layer"] is None else f"{r['launches_per_layer']:.1f}"
         print(f"{r['way']:>9} {r['wall_us_per_layer']:14.1f} {r['gb_per_s']:6.0f} {kernel:>16} {launches:>15} "
