@@ -29,7 +29,8 @@ streams the CTA's ``[block_n, BLOCK_K]`` weight tiles (each row contiguous in K)
 ``[1, BLOCK_K]`` tiles of x (and of the norm weight) through shared memory with TMA,
 ``num_stages`` deep. Each thread owns 2 columns of a tile (the warpgroup's strided register
 layout): it multiplies them by x (times the norm weight) for every row and adds into one f32
-register pair per row; with a norm it also adds x^2. After the last tile each row's pairs are
+register pair per row; with a norm it also adds x^2. A warpgroup barrier ends each step, so no
+thread still reads a stage when the pipeline refills it. After the last tile each row's pairs are
 summed across the warpgroup; the norm is linear in x, so its ``rsqrt(mean(x^2) + eps)`` scales
 the sums then. The epilogue adds the CTA's slice of the residual (fetched with TMA when the CTA
 starts) or pairs its gate and up rows, and the CTA stores its outputs with one TMA copy.
@@ -151,7 +152,11 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
         if norm:
             squares = squares + x * x
             x = x * g_smem[0][0, :].astype(jnp.float32)
-        return tuple(s + w_smem[r, :].astype(jnp.float32) * x for r, s in enumerate(sums)), squares
+        sums = tuple(s + w_smem[r, :].astype(jnp.float32) * x for r, s in enumerate(sums))
+        # Every thread's reads of this stage are done before the pipeline refills it with TMA (the
+        # pipeline syncs nothing after the body: without this a lagging warp could read the refill).
+        plgpu.commit_smem()
+        return sums, squares
 
     in_specs = [plgpu.BlockSpec((block_n, BLOCK_K), lambda i: (j, i)), plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i))]
     operands = [w_gmem, x_gmem]

@@ -66,6 +66,24 @@ def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, 
     np.testing.assert_allclose(y, exact, rtol=2**-6, atol=3e-2)
 
 
+@pytest.mark.parametrize("norm,epilogue", [(True, "residual"), (True, "swiglu")])
+def test_no_races_in_the_interpreter(norm, epilogue):
+    """Mosaic GPU's interpreter with its race detector: the TMA ring (6 K tiles through 2 stages), the
+    residual fetched while the tiles stream, the outputs written to shared memory before their TMA store."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the detector's state is private
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x, w, g, r = make(2, 6 * BLOCK_K, 32, seed=3)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    y = gemv(x, w, layer=1, norm_weight=g, epilogue=epilogue, residual=r if epilogue == "residual" else None,
+             config=GemvConfig(block_n=16, num_stages=2), interpret=params)
+    jax.block_until_ready(y)
+    assert not gpu_callbacks.get_races().races_found
+    ref = gemv_reference(x, w, layer=1, norm_weight=g, epilogue=epilogue,
+                         residual=r if epilogue == "residual" else None, block_n=16)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32), rtol=2**-7, atol=3e-2)
+
+
 def test_a_single_weight_and_a_long_pipeline():
     """An unstacked [N, K] weight, more K tiles than stages (the ring refills)."""
     x, w, g, r = make(1, 6 * BLOCK_K, 32, seed=1)
