@@ -89,7 +89,9 @@ def mgpu_layers(h, nk, *, interpret, pdl=False):
     from pallas_kernels.gemv_mgpu import GemvConfig, gemv
 
     gemv = functools.partial(gemv, eps=EPS, interpret=interpret)
-    wide, narrow = GemvConfig(block_n=16, pdl=pdl), GemvConfig(block_n=8, pdl=pdl)
+    # o and down (N = 1024) at 8 rows a CTA make 128 CTAs, about one an SM: a deeper ring keeps as many
+    # bytes in flight there as the 16-row CTAs of qkv and gate/up (2-3 an SM) hold with 4 stages.
+    wide, narrow = GemvConfig(block_n=16, num_stages=4, pdl=pdl), GemvConfig(block_n=8, num_stages=8, pdl=pdl)
     attn = nk["o"].shape[2]
     for layer in range(nk["qkv"].shape[0]):
         qkv = gemv(h, nk["qkv"], layer=layer, norm_weight=nk["g1"], config=wide)
