@@ -57,29 +57,26 @@ def make_weights(dims, seed=0):
           "down": normal((layers, d, i), i**-0.5),
           "g1": (1 + 0.1 * jax.random.normal(next(keys), (layers, d))).astype(jnp.bfloat16),
           "g2": (1 + 0.1 * jax.random.normal(next(keys), (layers, d))).astype(jnp.bfloat16)}
-    kn = {name: [w[layer].T.copy() for layer in range(layers)] for name, w in nk.items() if name not in ("g1", "g2")}
+    kn = {name: [w[layer].T.copy() for layer in range(layers)] for name in ("qkv", "o", "down") for w in [nk[name]]}
+    kn["gate_up"] = [jnp.concatenate([nk["gate"][layer].T, nk["up"][layer].T], axis=1) for layer in range(layers)]
     kn |= {"g1": list(nk["g1"]), "g2": list(nk["g2"])}
     nk["gate_up"] = interleave_gate_up(nk.pop("gate"), nk.pop("up"), block_n=16)
     return kn, nk
 
 
 def xla_layers(h, kn, *, rows):
-    """The layers in jnp over per-layer [K, N] weights, h padded to `rows` rows."""
-    import jax
+    """The layers with the models' own RMSNorm and SwiGLU MLP (mrv2_jax/models/layers.py) over per-layer
+    [K, N] weights, h padded to `rows` rows."""
     import jax.numpy as jnp
 
-    def rmsnorm(v, g):
-        v32 = v.astype(jnp.float32)
-        return (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + EPS) * g).astype(jnp.bfloat16)
+    from mrv2_jax.models.layers import gated_mlp, rms_norm
 
     h = jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
     attn = kn["o"][0].shape[0]
     for layer in range(len(kn["qkv"])):
-        qkv = rmsnorm(h, kn["g1"][layer]) @ kn["qkv"][layer]
+        qkv = rms_norm(h, kn["g1"][layer], EPS) @ kn["qkv"][layer]
         h = h + qkv[:, :attn] @ kn["o"][layer]
-        x = rmsnorm(h, kn["g2"][layer])
-        m = (jax.nn.silu((x @ kn["gate"][layer]).astype(jnp.float32)) * (x @ kn["up"][layer])).astype(jnp.bfloat16)
-        h = h + m @ kn["down"][layer]
+        h = h + gated_mlp(rms_norm(h, kn["g2"][layer], EPS), kn["gate_up"][layer], kn["down"][layer])
     return h[:1]
 
 

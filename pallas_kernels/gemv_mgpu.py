@@ -165,9 +165,12 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
         operands.append(g_gmem.at[layer_gmem[0]])
     num_out = block_n // 2 if epilogue == "swiglu" else block_n
 
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((1, num_out), out_gmem.dtype),
-                       r_smem=plgpu.SMEM((1, num_out), out_gmem.dtype), barrier=plgpu.Barrier())
-    def _body(o_smem, r_smem, barrier):
+    # The residual's slice and its barrier exist only with that epilogue.
+    residual_scratch = (dict(r_smem=plgpu.SMEM((1, num_out), out_gmem.dtype), barrier=plgpu.Barrier())
+                        if epilogue == "residual" else {})
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((1, num_out), out_gmem.dtype), **residual_scratch)
+    def _body(o_smem, r_smem=None, barrier=None):
         if epilogue == "residual":  # fetched while the weights stream, so it is there for the epilogue
             plgpu.copy_gmem_to_smem(r_gmem.at[:, pl.ds(j * num_out, num_out)], r_smem, barrier)
         sums, squares = plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
