@@ -10,6 +10,9 @@ Ways:
   xla_1row   XLA over [K, N] weights, one row (what a one-token product compiles to)
   xla_8row   the same with h padded to 8 rows (the engine's one-row buckets since fused.ONE_ROW_TOKENS:
              cuBLAS GEMMs instead of XLA's reductions)
+  nk_1row    XLA over [N, K] weights (the checkpoint's own layout), one row: the products become
+             reductions along contiguous rows of K
+  nk_8row    the same at 8 rows (cuBLAS with the transposed operand)
   mgpu       pallas_kernels/gemv_mgpu over [N, K] weights, four kernels a layer: norm + qkv, o +
              residual, norm + gate/up + SwiGLU (gate and up interleaved), down + residual; the `a`
              slice is the only other op
@@ -80,6 +83,26 @@ def xla_layers(h, kn, *, rows):
     return h[:1]
 
 
+def nk_layers(h, nk, *, rows):
+    """The layers over per-layer [N, K] weights (gate and up stacked as [2I, K]), h padded to `rows` rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from mrv2_jax.models.layers import rms_norm
+
+    def linear(x, w):
+        return x @ w.T
+
+    h = jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
+    attn = nk["o"][0].shape[1]
+    for layer in range(len(nk["qkv"])):
+        qkv = linear(rms_norm(h, nk["g1"][layer], EPS), nk["qkv"][layer])
+        h = h + linear(qkv[:, :attn], nk["o"][layer])
+        gate, up = jnp.split(linear(rms_norm(h, nk["g2"][layer], EPS), nk["gate_up"][layer]), 2, axis=-1)
+        h = h + linear(jax.nn.silu(gate) * up, nk["down"][layer])
+    return h[:1]
+
+
 def mgpu_layers(h, nk, *, interpret, pdl=False):
     """The layers as four gemv_mgpu kernels each, over the [N, K] stacks read in place (`pdl`: each
     launched as a programmatic dependent of the one before)."""
@@ -127,9 +150,12 @@ def main(argv=None) -> list[dict]:
     on_gpu = jax.default_backend() == "gpu"
     kn, nk = make_weights(dims)
     h = jax.random.normal(jax.random.key(1), (1, dims["hidden"]), jnp.bfloat16)
+    kn_t = {name: [w.T.copy() if w.ndim == 2 else w for w in ws] for name, ws in kn.items()}
     weight_bytes = 2 * sum(w[0].size for name, w in kn.items() if name not in ("g1", "g2"))  # a layer's
     ways = {"xla_1row": (functools.partial(xla_layers, rows=1), kn),
             "xla_8row": (functools.partial(xla_layers, rows=8), kn),
+            "nk_1row": (functools.partial(nk_layers, rows=1), kn_t),
+            "nk_8row": (functools.partial(nk_layers, rows=8), kn_t),
             "mgpu": (functools.partial(mgpu_layers, interpret=not on_gpu), nk),
             "mgpu_pdl": (functools.partial(mgpu_layers, interpret=not on_gpu, pdl=True), nk)}
     if not on_gpu:
@@ -154,14 +180,15 @@ def main(argv=None) -> list[dict]:
                  "launches_per_layer": sum(k["launches_per_step"] for k in kernels) / layers if kernels else None,
                  "kernels": [(k["kernel"], round(k["ms_per_step"] * 1e3 / layers, 2)) for k in kernels[:8]]}
         results.append(entry)
-    print(f"{'way':>9} {'wall us/layer':>14} {'GB/s':>6} {'kernel us/layer':>16} {'launches/layer':>15} {'max err':>8}")
+    print(f"{'way':>14} {'wall us/layer':>14} {'GB/s':>6} {'kernel us/layer':>16} {'launches/layer':>15} "
+          f"{'max err':>8}")
     for r in results:
         if "error" in r:
-            print(f"{r['way']:>9}  {r['error']}")
+            print(f"{r['way']:>14}  {r['error']}")
             continue
         kernel = "-" if r["kernel_us_per_layer"] is None else f"{r['kernel_us_per_layer']:.1f}"
         launches = "-" if r["launches_per_layer"] is None else f"{r['launches_per_layer']:.1f}"
-        print(f"{r['way']:>9} {r['wall_us_per_layer']:14.1f} {r['gb_per_s']:6.0f} {kernel:>16} {launches:>15} "
+        print(f"{r['way']:>14} {r['wall_us_per_layer']:14.1f} {r['gb_per_s']:6.0f} {kernel:>16} {launches:>15} "
               f"{r['max_abs_error']:8.3g}")
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment, write_report

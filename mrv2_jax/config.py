@@ -179,12 +179,6 @@ class KernelConfig:
     above for the rows they do not settle) or "sort" (one sort of every row). "auto": threshold on GPUs
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
-    ``decode_projections``: the projections (the family's ``projection_weights``) of fused decode's
-    programs of at most models/projections.py's KERNEL_MAX_TOKENS rows: "xla" (XLA's dot,
-    cuBLAS on GPUs) or "mgpu" (the skinny GEMM on Mosaic GPU, pallas_kernels/skinny_gemm_mgpu.py,
-    reading the stacked weights in place; Hopper-class GPUs; one device). "auto": "xla" (with the
-    layers unrolled, as fused decode's small buckets are by default on one GPU, the kernel measured
-    no faster: docs/benchmarks.md, session 41).
     """
 
     attention: str = "auto"
@@ -195,7 +189,6 @@ class KernelConfig:
     decode_attention: str = "auto"
     ragged_attention: str = "auto"
     sampler_truncation: str = "auto"
-    decode_projections: str = "auto"
 
     # Field -> (environment variable of its default or None, allowed values).
     CHOICES = {
@@ -207,7 +200,6 @@ class KernelConfig:
         "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
         "sampler_truncation": (None, ("auto", "threshold", "sort")),
-        "decode_projections": (None, ("auto", "xla", "mgpu")),
     }
 
     def __post_init__(self) -> None:
@@ -264,5 +256,4 @@ class KernelConfig:
                             decode_attention=auto(self.decode_attention, "pallas", "pallas"),
                             ragged_attention=auto(self.ragged_attention, "pallas", "pallas"),
                             sampler_truncation=(("threshold" if threshold else "sort")
-                                                if self.sampler_truncation == "auto" else self.sampler_truncation),
-                            decode_projections=auto(self.decode_projections, "xla", "xla"))
+                                                if self.sampler_truncation == "auto" else self.sampler_truncation))

@@ -10,10 +10,6 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   ``attend_qkv`` on one device).
 - ``kv_write_mgpu``: ``write_kv_mgpu``, the same update on the Mosaic GPU backend (issue 27; not yet
   used by the engine).
-- ``skinny_gemm_mgpu``: ``skinny_matmul`` / ``skinny_matmul_reference`` (decode's projections at
-  M <= 32, split over K to stream the weight on every SM, a stacked weight read in place at a layer;
-  Mosaic GPU, issue 26; the dense families' projections in fused decode of up to 8 rows with
-  ``--kernels decode_projections=mgpu``, opt-in).
 - ``gemv_mgpu``: ``gemv`` / ``gemv_reference`` (decode's one-row projection from an ``[N, K]`` weight with
   the RMSNorm before it and a residual add or SwiGLU after it in the same kernel, no split of K; Mosaic
   GPU, issue 26; measured by benchmarks/decode_layer_gemv.py, not yet used by the engine).

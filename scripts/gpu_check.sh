@@ -24,16 +24,10 @@
 # fused-attn: fused decode at batch 1 / 8 / 32 on each), mixed-step attention on Mosaic GPU against
 # Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
 # cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
-# KV cache filling the GPU (large-kv), decode's projections through the skinny GEMM against XLA's dot
-# (skinny-splitk: the kernel alone; skinny-splitk-stacked: the same in the engine's layout;
-# skinny-reduce: the projections as XLA reductions;
-# projections: fused decode at batch 1 / 8 / 32 and the GPU test; fused-layer-unroll: fused decode
-# with the layer loop and with every layer unrolled; fused-before-after: fused decode, the old tree
-# against this one; fused-one-row: batch 1 in a one-row bucket and in an 8-row one; projection-flags:
-# fused decode at batch 1 / 8 under XLA flags that change how its GEMMs are picked; gemv-layouts:
-# the projections as Triton and Mosaic GPU GEMVs over an [N, K] weight layout against XLA's dot in
-# both layouts; decode-layer-gemv: a layer's four projections at batch 1 as fused Mosaic GPU GEMVs
-# against XLA).
+# KV cache filling the GPU (large-kv), fused decode with the layer loop and with every layer unrolled
+# (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
+# one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
+# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -367,22 +361,6 @@ for s in $sections; do case $s in
   unrolled-copies) run_section unrolled-copies python3 -m benchmarks.unrolled_copies --model qwen3-0.6b \
       --load-format dummy --rows 256 --max-model-len 1024 --max-num-batched-tokens 8192 \
       --output-json "$OUT/unrolled_copies.json" ;;
-  # Issue 26: decode projections' weight streaming at M <= 32, XLA's dot vs jax's Mosaic GPU Hopper matmul.
-  skinny-gemm) run_section skinny-gemm python3 -m benchmarks.skinny_gemm --rows 1 8 32 \
-      --output-json "$OUT/skinny_gemm.json" ;;
-  # Issue 26: the split-K skinny GEMM on Mosaic GPU: its GPU tests, then its configs against XLA's dot,
-  # with the kernels' own time from a trace.
-  skinny-splitk)
-    run_section skinny-splitk-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_skinny_gemm_mgpu.py
-    run_section skinny-splitk python3 -m benchmarks.skinny_gemm --ways splitk --rows 1 8 32 \
-        --splitk-configs ${SPLITK_CONFIGS:-auto,ctas1,tn128} --output-json "$OUT/skinny_gemm_splitk.json" ;;
-  # The engine's layout: one [28, K, N] stack per projection, each layer read in place. Its own call:
-  # skinny-splitk's programs take ~7 min to compile and time.
-  # Issue 26: the layer projections as XLA's own reduction (no cuBLAS) beside XLA's dot, in the engine's layout.
-  skinny-reduce) run_section skinny-reduce timeout 200 python3 -m benchmarks.skinny_gemm --ways reduce --stacked \
-      --rows 1 8 32 --output-json "$OUT/skinny_gemm_reduce.json" ;;
-  skinny-splitk-stacked) run_section skinny-splitk-stacked python3 -m benchmarks.skinny_gemm --ways splitk --stacked \
-      --rows 1 8 32 --splitk-configs ${SPLITK_CONFIGS:-auto} --output-json "$OUT/skinny_gemm_splitk_stacked.json" ;;
   # Issue 24: can the fused loop hand each step's tokens to the host (a callback per step) at the
   # loop's pace? A toy decode loop with and without it, and one step per call.
   loop-callback) run_section loop-callback python3 -m benchmarks.loop_callback --steps 16 --layers 28 \
@@ -445,16 +423,6 @@ for s in $sections; do case $s in
       run_section fused-attn-$k python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 16 \
           --kernels decode_attention=$k --output-json "$OUT/fused_decode_attention_$k.json"
     done ;;
-  # Issue 26: decode's projections through the skinny GEMM on Mosaic GPU (--kernels decode_projections=mgpu)
-  # against XLA's dot: fused decode at batch 1 / 8 / 32 with each, then the engine's greedy tokens with each.
-  projections)
-    for p in ${PROJECTION_ARMS:-xla mgpu}; do
-      run_section fused-projections-$p timeout 200 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --fused-steps ${PROJECTION_FUSED_STEPS:-16} --kernels decode_projections=$p \
-          --output-json "$OUT/fused_decode_projections_$p.json"
-    done
-    run_section projections-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/engine/test_decode_projections.py ;;
   # Issue 26: fused decode with the layer loop (no bucket unrolled) and with every layer unrolled in the
   # buckets of up to 128 tokens (the default on one GPU: static weight slices, no loop control per
   # layer). LAYER_UNROLL_ARMS (tokens: 0 and/or 128), LAYER_UNROLL_BATCHES override the arms and batches.
@@ -466,26 +434,12 @@ for s in $sections; do case $s in
           --batches 1 --max-num-seqs $n --fused-steps 16 --compile-mode lazy \
           --output-json "$OUT/fused_decode_one_row_seqs${n}_r$r.json"
     done; done ;;
-  # Issue 26: the projections' GEMMs under other XLA flags (PROJECTION_FLAG_ARMS: names below), fused
-  # decode at batch 1 and 8 (8-row buckets): cuBLASLt instead of cuBLAS picks its own small-M kernels;
-  # triton: XLA's autotuned Triton GEMMs (split-K among their configs; the layers' static weight slices).
-  projection-flags)
-    for arm in ${PROJECTION_FLAG_ARMS:-default cublaslt triton}; do
-      case $arm in default) flags="" ;; cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
-        triton) flags="--xla_gpu_enable_triton_gemm=true" ;;
-        *) echo "projection-flags: unknown arm $arm" >&2; continue ;; esac
-      run_section projection-flags-$arm env XLA_FLAGS="${XLA_FLAGS:-} $flags" timeout 150 \
-          python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --batches 1 8 --fused-steps 16 \
-          --compile-mode lazy --output-json "$OUT/fused_decode_projection_flags_$arm.json"
-    done ;;
   # Issue 26: a layer's projections at batch 1 as four fused Mosaic GPU GEMVs (gemv_mgpu) against XLA at
   # one row and at eight, after the kernel's GPU tests.
   decode-layer-gemv)
     run_section gemv-mgpu-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_mgpu.py
     run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
         --output-json "$OUT/decode_layer_gemv.json" ;;
-  gemv-layouts) run_section gemv-layouts timeout 360 python3 -m benchmarks.gemv_layouts --rows 1 8 --runs 10 \
-      --output-json "$OUT/gemv_layouts.json" ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \

@@ -62,10 +62,10 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     config = KernelConfig.parse("attention=reference")
     assert config == KernelConfig(attention="reference", sampler_noise_pass="interpret", moe_backend="dense")
     assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense", "pallas",
-                                                  "pallas", "threshold", "xla")
+                                                  "pallas", "threshold")
     # The noise pass in the interpreter: a Pallas program, so the truncation stays the threshold method.
     assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense", "pallas",
-                                                  "pallas", "threshold", "xla")
+                                                  "pallas", "threshold")
     # "kernel" for a sampler pass: the kernel where it runs, the jnp reference elsewhere.
     assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
     assert KernelConfig().resolved("gpu").attention == "pallas"
@@ -78,8 +78,6 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     assert KernelConfig(sampler_truncation="sort").resolved("gpu").sampler_truncation == "sort"
     assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
     assert KernelConfig().resolved("gpu").moe_backend == "pallas"  # this CPU has no wgmma
-    assert KernelConfig().resolved("gpu").decode_projections == "xla"  # no wgmma either
-    assert KernelConfig(decode_projections="mgpu").resolved("cpu").decode_projections == "mgpu"
     assert KernelConfig().resolved("gpu").decode_attention == "pallas"
     assert KernelConfig.parse("decode_attention=mgpu").resolved("gpu").decode_attention == "mgpu"
     with pytest.raises(ValueError, match="decode_attention must be one of auto, pallas, mgpu"):
@@ -103,7 +101,6 @@ def test_moe_backend_defaults_to_mosaic_gpu_on_hopper_class_gpus(monkeypatch):
         assert mgpu_common.has_wgmma() is has
         assert KernelConfig().resolved("gpu").moe_backend == ("mgpu" if has else "pallas")
         assert KernelConfig(moe_backend="pallas").resolved("gpu").moe_backend == "pallas"
-        assert KernelConfig().resolved("gpu").decode_projections == "xla"  # the kernel only when asked for
     assert KernelConfig().resolved("cpu").moe_backend == "ragged_dot"
     assert KernelConfig.parse({"moe_backend": "pallas"}).moe_backend == "pallas"
     with pytest.raises(ValueError, match="KernelConfig.sampler_slow_path must be one of auto, kernel"):

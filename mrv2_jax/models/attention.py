@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mrv2_jax.models.layer_weight import LayerWeight, weight_array
 from mrv2_jax.models.layers import apply_rope_halves_partial, dense_causal_attention, rms_norm, split_qkv
-from mrv2_jax.models.projections import LayerWeight, weight_array
 from mrv2_jax.models.tensor_parallel import AXIS
 
 _META_FIELDS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "num_seqs")

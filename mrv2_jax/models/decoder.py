@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mrv2_jax.models.attention import DenseAttention
+from mrv2_jax.models.layer_weight import LayerWeight
 from mrv2_jax.models.layers import rms_norm
 from mrv2_jax.models.pipeline_parallel import pipeline_layers
-from mrv2_jax.models.projections import LayerWeight
 
 
 class StackedLayers(nnx.Module):
@@ -98,11 +98,6 @@ class CausalLM(nnx.Module):
     def __init__(self, spec, dtype, rngs: nnx.Rngs, layer_unroll: int | bool = 1):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
-        # How the layers multiply by `spec.projection_weights` (models/projections.py): None, XLA's
-        # dot of each layer's slice; else a projection that reads the stacked weights in place.
-        # Set per program, like layer_unroll, on the module a program traces; not applied to layers
-        # split into pipeline stages.
-        self.projection = None
         # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
         # split over, set when the weights are placed there; None: all layers on every device.
         self.pipeline_mesh = None
@@ -143,14 +138,13 @@ class CausalLM(nnx.Module):
     def _run(self, forward, indices, stack, layer_ids, x, rope, attention, kv_cache):
         """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
         layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
-        projected = set(self.spec.projection_weights) & set(stack) if self.projection is not None else set()
         # Weights handed on with their stack and layer (LayerWeight); the others sliced per layer,
         # by the scan itself where it walks the whole stack (the weights' GEMMs read those slices in
         # place through XLA's dynamic-slice fusion).
-        wrapped = (projected | set(self.spec.in_place_weights)) & set(stack) if self.pipeline_mesh is None else set()
+        wrapped = set(self.spec.in_place_weights) & set(stack) if self.pipeline_mesh is None else set()
 
         def wrap(j):
-            return {k: LayerWeight(stack[k], j, self.projection if k in projected else None) for k in wrapped}
+            return {k: LayerWeight(stack[k], j) for k in wrapped}
 
         if indices is None and not wrapped:
             xs, take = (stack, layer_ids), lambda params: params

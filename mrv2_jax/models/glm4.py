@@ -10,7 +10,6 @@ _LAYER = "model.layers.{i}."
 @register_model_state
 class Glm4ModelState(ModelState):
     architecture = "Glm4ForCausalLM"
-    projection_weights = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)

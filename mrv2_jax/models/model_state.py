@@ -69,11 +69,8 @@ class ModelState(ABC):
     # `set_tensor_parallel`. None: the experts are not split.
     expert_mesh = None
     num_experts: int = 0  # routed experts per MoE layer (0: a dense family)
-    # Layer weights the layer math only ever multiplies as `x @ p[name]`, with no other use: a
-    # small-batch program may hand them to the layer as models/projections.py's LayerWeight.
-    projection_weights: ClassVar[tuple[str, ...]] = ()
     # Layer weights the layer hands on as they come (a LayerWeight: the stack and the layer) to code
-    # that reads them through models/projections.py's weight_array or passes the stack to a kernel
+    # that reads them through models/layer_weight.py's weight_array or passes the stack to a kernel
     # (the q/k norms of QKNormRope): a kernel reads the stack in place instead of a copied slice.
     in_place_weights: ClassVar[tuple[str, ...]] = ()
 

@@ -11,7 +11,6 @@ _ATTN = "model.layers.{i}.self_attn."
 @register_model_state
 class Qwen3ModelState(ModelState):
     architecture = "Qwen3ForCausalLM"
-    projection_weights = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     in_place_weights = ("q_norm", "k_norm")
 
     def __init__(self, hf_config):

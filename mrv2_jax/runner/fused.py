@@ -95,14 +95,13 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
 def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams,
                       block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0,
                       mesh=None, on_step=None, decode_kernel: str = "pallas", ragged_kernel: str = "pallas",
-                      projection=None, unroll_layers: bool = False):
+                      unroll_layers: bool = False):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields).
     `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None.
     `on_step`: a host function that gets each step's tokens during the call (see above), or None.
     `decode_kernel`: the attention kernel of its steps, "pallas" or "mgpu" (models/attention.py);
     `ragged_kernel`: the one used where `decode_kernel` is "pallas".
-    `projection`: how the model multiplies its projection weights (CausalLM.projection; None: XLA's dot).
     `unroll_layers`: every decoder layer unrolled in the step's body (else the model's `layer_unroll`)."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
@@ -132,7 +131,6 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
                                        one_token_rows=num_tokens == num_rows, decode_kernel=decode_kernel,
                                        ragged_kernel=ragged_kernel)
             lm = params.merge(param_leaves)
-            lm.projection = projection
             if unroll_layers:
                 lm.layer_unroll = True
             kv_cache, out = forward_and_sample(

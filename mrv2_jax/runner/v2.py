@@ -25,7 +25,6 @@ import numpy as np
 
 from mrv2_jax import envs
 from mrv2_jax.models.attention import PagedAttention
-from mrv2_jax.models.projections import KERNEL_MAX_TOKENS, SkinnyProjection
 from mrv2_jax.runner import prepare
 from mrv2_jax.runner.automaton_pool import AutomatonPool
 from mrv2_jax.runner.base import RunnerBase
@@ -140,8 +139,7 @@ class ModelRunnerV2(RunnerBase):
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
                  stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
                  unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas",
-                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas",
-                 decode_projections: str = "xla"):
+                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas"):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -158,9 +156,7 @@ class ModelRunnerV2(RunnerBase):
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
-        rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "mgpu" multiplies the
-        family's projection weights through the skinny GEMM kernel (models/projections.py) in fused
-        decode's programs of at most KERNEL_MAX_TOKENS rows, "xla" never; one device only."""
+        rows take `decode_attention`'s where it is "mgpu"."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -201,7 +197,6 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
-        self.decode_projections = decode_projections if tensor_parallel is None else "xla"
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -295,7 +290,7 @@ class ModelRunnerV2(RunnerBase):
                                   mesh=None if self.tp is None else self.tp.attention_mesh,
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
-                                  projection=self.projection_for(bucket), unroll_layers=self.unrolls_layers(bucket))
+                                  unroll_layers=self.unrolls_layers(bucket))
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
@@ -319,16 +314,6 @@ class ModelRunnerV2(RunnerBase):
         entries = jax.ShapeDtypeStruct((OVERFLOW_CHUNK,), jnp.int32)
         self._block_writes = jax.jit(prepare.apply_block_writes, donate_argnums=(0,)).lower(
             self.state, entries, entries, entries).compile()
-
-    def projection_for(self, bucket: Bucket):
-        """The projection fused decode's program of `bucket` multiplies the projection weights with
-        (None: XLA's dot): the skinny GEMM kernel where `decode_projections` is "mgpu" and the bucket
-        holds at most KERNEL_MAX_TOKENS rows (its program's tokens). Ordinary step programs keep XLA's
-        dot: the kernel was measured in fused decode only (one step per call, the host's cost of the
-        call may differ)."""
-        if self.decode_projections != "mgpu" or bucket.num_reqs > KERNEL_MAX_TOKENS:
-            return None
-        return SkinnyProjection(interpret=jax.default_backend() != "gpu")
 
     def unrolls_layers(self, bucket: Bucket) -> bool:
         """Whether the programs of `bucket` (its step's, and fused decode's) unroll the decoder layers."""

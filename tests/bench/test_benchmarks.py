@@ -111,26 +111,3 @@ def test_loop_callback_probe_delivers_every_step_to_the_host():
     assert set(results) == {"loop", "loop + callback", "one step per call"}
     assert results["loop + callback"]["arrivals_per_call"] == results["one step per call"]["arrivals_per_call"] == 4
     assert all(r["ms_per_step"] > 0 for r in results.values()) and "gap_ms_median" not in results["loop"]
-
-
-def test_skinny_gemm_runs_the_mosaic_gpu_matmuls_interpreted_and_checks_them(tmp_path):
-    """The Mosaic GPU ways (their interpreter on the CPU: jax's Hopper matmul and our split-K kernel,
-    two of its configs, the default one splitting K) give the XLA dot's rows, and each way reports a
-    time and a bandwidth."""
-    from benchmarks import skinny_gemm
-
-    out = tmp_path / "skinny.json"
-    results = skinny_gemm.main(["--tiny", "--shapes", "o_proj", "--rows", "3", "--configs", "tm64_tk64_s4",
-                                "--splitk-configs", "auto,tk128", "--runs", "1", "--warmup", "0",
-                                "--output-json", str(out)])
-    assert [r["way"] for r in results] == ["xla", "splitk auto", "splitk tk128", "mgpu tm64_tk64_s4"]
-    assert all("error" not in r and r["us"] > 0 and r["gb_per_s"] > 0 for r in results)
-    assert all(r["max_abs_error"] < 1e-2 for r in results[1:])  # bf16 outputs of magnitude ~0.2
-    assert results[1]["config"]["splits"] > 1 and results[2]["config"]["tile_k"] == 128
-    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()
-    # The engine's layout: one stack, each layer read in place; the mgpu way is skipped.
-    stacked = skinny_gemm.main(["--tiny", "--stacked", "--shapes", "o_proj", "--rows", "3", "--configs",
-                                "tm64_tk64_s4", "--ways", "splitk,reduce", "--splitk-configs", "auto", "--runs", "1",
-                                "--warmup", "0"])
-    assert [r["way"] for r in stacked] == ["xla", "reduce", "splitk auto"]
-    assert all("error" not in r and r["max_abs_error"] < 1e-2 for r in stacked[1:])

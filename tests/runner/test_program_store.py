@@ -144,16 +144,16 @@ import jax, jax.numpy as jnp, numpy as np
 from mrv2_jax.runner.program_store import ProgramStore
 root, mode = sys.argv[1], sys.argv[2]
 rng = np.random.default_rng(0)
-x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
-w = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.bfloat16)
+x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
+w = jnp.asarray(rng.standard_normal((128, 256)) / 16, jnp.bfloat16)
 store = ProgramStore(root, "f" * 64)
 if mode == "save":
-    from pallas_kernels import skinny_gemm_mgpu
-    store.compile("mm", jax.jit(skinny_gemm_mgpu.skinny_matmul).lower(x, w))
+    from pallas_kernels.gemv_mgpu import gemv
+    store.compile("mm", jax.jit(gemv).lower(x, w))
 else:
     program = store.load("mm")
     assert program is not None, "the stored program did not load"
-    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
     print(float(np.max(np.abs(np.asarray(program(x, w), np.float32) - want))))
 """
 
