@@ -10,11 +10,11 @@ Ways:
   xla_1row   XLA over [K, N] weights, one row (what a one-token product compiles to)
   xla_8row   the same with h padded to 8 rows (the engine's one-row buckets since fused.ONE_ROW_TOKENS:
              cuBLAS GEMMs instead of XLA's reductions)
-  nk_1row    XLA over [N, K] weights (the checkpoint's own layout), one row: the products become
+  nk_1row    XLA over [N, K] weights (the engine's layout since session 45), one row: the products become
              reductions along contiguous rows of K
   nk_8row    the same at 8 rows (cuBLAS with the transposed operand)
   mgpu       pallas_kernels/gemv_mgpu over [N, K] weights, four kernels a layer: norm + qkv, o +
-             residual, norm + gate/up + SwiGLU (gate and up interleaved), down + residual; the `a`
+             residual, norm + gate/up + SwiGLU, down + residual; the `a`
              slice is the only other op
   mgpu_pdl   the same, each kernel launched as a programmatic dependent of the one before (CUDA's
              PDL: placed while the previous kernel drains, waiting for its results): whether that
@@ -47,8 +47,6 @@ def make_weights(dims, seed=0):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gemv_mgpu import interleave_gate_up
-
     d, q, a, i, layers = dims["hidden"], dims["qkv"], dims["attn"], dims["inter"], dims["layers"]
     keys = iter(jax.random.split(jax.random.key(seed), 8))
 
@@ -63,43 +61,41 @@ def make_weights(dims, seed=0):
     kn = {name: [w[layer].T.copy() for layer in range(layers)] for name in ("qkv", "o", "down") for w in [nk[name]]}
     kn["gate_up"] = [jnp.concatenate([nk["gate"][layer].T, nk["up"][layer].T], axis=1) for layer in range(layers)]
     kn |= {"g1": list(nk["g1"]), "g2": list(nk["g2"])}
-    nk["gate_up"] = interleave_gate_up(nk.pop("gate"), nk.pop("up"), block_n=16)
+    nk["gate_up"] = jnp.concatenate([nk.pop("gate"), nk.pop("up")], axis=1)
     return kn, nk
 
 
 def xla_layers(h, kn, *, rows):
-    """The layers with the models' own RMSNorm and SwiGLU MLP (mrv2_jax/models/layers.py) over per-layer
-    [K, N] weights, h padded to `rows` rows."""
+    """The layers over per-layer [K, N] weights (the engine's layout before session 45), h padded to
+    `rows` rows, with the models' RMSNorm."""
+    import jax
     import jax.numpy as jnp
 
-    from mrv2_jax.models.layers import gated_mlp, rms_norm
+    from mrv2_jax.models.layers import rms_norm
 
     h = jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
     attn = kn["o"][0].shape[0]
     for layer in range(len(kn["qkv"])):
         qkv = rms_norm(h, kn["g1"][layer], EPS) @ kn["qkv"][layer]
         h = h + qkv[:, :attn] @ kn["o"][layer]
-        h = h + gated_mlp(rms_norm(h, kn["g2"][layer], EPS), kn["gate_up"][layer], kn["down"][layer])
+        gate, up = jnp.split(rms_norm(h, kn["g2"][layer], EPS) @ kn["gate_up"][layer], 2, axis=-1)
+        h = h + (jax.nn.silu(gate) * up) @ kn["down"][layer]
     return h[:1]
 
 
 def nk_layers(h, nk, *, rows):
-    """The layers over per-layer [N, K] weights (gate and up stacked as [2I, K]), h padded to `rows` rows."""
-    import jax
+    """The layers with the models' own math (mrv2_jax/models/layers.py) over per-layer [N, K] weights
+    (gate and up stacked as [2I, K]), h padded to `rows` rows."""
     import jax.numpy as jnp
 
-    from mrv2_jax.models.layers import rms_norm
-
-    def linear(x, w):
-        return x @ w.T
+    from mrv2_jax.models.layers import gated_mlp, linear, rms_norm
 
     h = jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
     attn = nk["o"][0].shape[1]
     for layer in range(len(nk["qkv"])):
         qkv = linear(rms_norm(h, nk["g1"][layer], EPS), nk["qkv"][layer])
         h = h + linear(qkv[:, :attn], nk["o"][layer])
-        gate, up = jnp.split(linear(rms_norm(h, nk["g2"][layer], EPS), nk["gate_up"][layer]), 2, axis=-1)
-        h = h + linear(jax.nn.silu(gate) * up, nk["down"][layer])
+        h = h + gated_mlp(rms_norm(h, nk["g2"][layer], EPS), nk["gate_up"][layer], nk["down"][layer])
     return h[:1]
 
 

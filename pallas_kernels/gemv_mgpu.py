@@ -8,8 +8,8 @@ stack is read in place). It accumulates in f32 and returns bf16:
 * ``norm_weight`` (``[K]``, or ``[L, K]`` with a stacked ``w``): ``x`` is first RMS-normalised over
   K in f32 and scaled by the weight, ``x * rsqrt(mean(x^2) + eps) * norm_weight``;
 * ``epilogue=None``: ``y [1, N]``; ``"residual"``: ``y + residual`` for ``residual [1, N]``;
-  ``"swiglu"``: ``w`` holds a gate/up pair's rows interleaved in blocks (``interleave_gate_up``) and
-  the result is ``silu(gate) * up``, ``[1, N / 2]``.
+  ``"swiglu"``: ``w`` holds the gate's ``N / 2`` rows and then up's (a checkpoint's fused gate_up)
+  and the result is ``silu(gate) * up``, ``[1, N / 2]``.
 
 ``gemv_reference`` is the jnp reference of the same signature. Shapes the kernel cannot tile raise
 ``ValueError``: ``K`` must be a multiple of ``BLOCK_K`` (256) and ``N`` of ``block_n`` (a multiple
@@ -22,7 +22,8 @@ for another kernel to add; then nothing can follow the product in the same kerne
 products run on the CUDA cores (one multiply-add per weight element, far below their rate), so a
 CTA can own just ``block_n`` = 8-16 output rows and the whole of K: a 1024-wide projection is
 64-128 CTAs, each output is complete in one CTA, and the norm before and the residual add or
-SwiGLU after join the kernel (fewer launches a layer, none of the small kernels between them).
+SwiGLU after join the kernel (fewer launches a layer, none of the small kernels between them): with
+SwiGLU a CTA streams ``block_n / 2`` gate rows and the matching up rows, two tiles a step.
 
 Algorithm. Grid ``(N / block_n,)``, one warpgroup (128 threads) per CTA. ``plgpu.emit_pipeline``
 streams the CTA's ``[block_n, BLOCK_K]`` weight tiles (each row contiguous in K) with the matching
@@ -50,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["BLOCK_K", "GemvConfig", "gemv", "gemv_reference", "interleave_gate_up"]
+__all__ = ["BLOCK_K", "GemvConfig", "gemv", "gemv_reference"]
 
 BLOCK_K = 256  # a warpgroup's 128 threads x 2 columns
 EPILOGUES = (None, "residual", "swiglu")
@@ -73,20 +74,8 @@ class GemvConfig:
     pdl: bool = False
 
 
-def interleave_gate_up(gate, up, block_n: int):
-    """``gate, up [..., I, K]`` -> ``[..., 2I, K]``: blocks of ``block_n / 2`` gate rows followed by the
-    same ``block_n / 2`` up rows, so a CTA of ``gemv(..., epilogue="swiglu")`` holds both halves of its
-    outputs."""
-    half = block_n // 2
-    *lead, inter, k = gate.shape
-    pairs = jnp.stack([gate.reshape(*lead, inter // half, half, k), up.reshape(*lead, inter // half, half, k)],
-                      axis=-3)
-    return pairs.reshape(*lead, 2 * inter, k)
-
-
-def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None,
-                   block_n: int = 8):
-    """What ``gemv`` computes, in jnp (``block_n``: the SwiGLU interleave's block)."""
+def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None):
+    """What ``gemv`` computes, in jnp."""
     if layer is not None:
         w = w[layer]
         norm_weight = None if norm_weight is None else norm_weight[layer]
@@ -98,10 +87,8 @@ def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epi
     if epilogue == "residual":
         y = y.astype(jnp.bfloat16).astype(jnp.float32) + residual.astype(jnp.float32)
     elif epilogue == "swiglu":
-        half = block_n // 2
-        pairs = y.astype(jnp.bfloat16).astype(jnp.float32).reshape(1, -1, 2, half)
-        gate, up = pairs[:, :, 0], pairs[:, :, 1]
-        y = (jax.nn.silu(gate) * up).reshape(1, -1)
+        gate, up = jnp.split(y.astype(jnp.bfloat16).astype(jnp.float32), 2, axis=-1)
+        y = jax.nn.silu(gate) * up
     return y.astype(jnp.bfloat16)
 
 
@@ -145,21 +132,27 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
     layout = plgpu.Layout.WG_STRIDED((BLOCK_K,), vec_size=2)
     zero = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.float32), layout)
 
-    def step(_, w_smem, x_smem, *refs_and_carry):
-        *g_smem, carry = refs_and_carry
+    num_w = 2 if epilogue == "swiglu" else 1  # SwiGLU: a gate tile and an up tile a step
+
+    def step(_, *refs_and_carry):
+        *refs, carry = refs_and_carry
+        w_smems, (x_smem, *g_smem) = refs[:num_w], refs[num_w:]
         sums, squares = carry
         x = x_smem[0, :].astype(jnp.float32)
         if norm:
             squares = squares + x * x
             x = x * g_smem[0][0, :].astype(jnp.float32)
-        sums = tuple(s + w_smem[r, :].astype(jnp.float32) * x for r, s in enumerate(sums))
+        rows = [(w_smem, r) for w_smem in w_smems for r in range(block_n // num_w)]  # gate's rows, then up's
+        sums = tuple(s + w_smem[r, :].astype(jnp.float32) * x for s, (w_smem, r) in zip(sums, rows))
         # Every thread's reads of this stage are done before the pipeline refills it with TMA (the
         # pipeline syncs nothing after the body: without this a lagging warp could read the refill).
         plgpu.commit_smem()
         return sums, squares
 
-    in_specs = [plgpu.BlockSpec((block_n, BLOCK_K), lambda i: (j, i)), plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i))]
-    operands = [w_gmem, x_gmem]
+    rows, blocks = block_n // num_w, w_gmem.shape[-2] // block_n  # the up rows start `blocks` tiles after the gate's
+    w_specs = [plgpu.BlockSpec((rows, BLOCK_K), lambda i, t=t: (j + t * blocks, i)) for t in range(num_w)]
+    in_specs = [*w_specs, plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i))]
+    operands = [w_gmem] * num_w + [x_gmem]
     if norm:
         in_specs.append(plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i)))
         operands.append(g_gmem.at[layer_gmem[0]])

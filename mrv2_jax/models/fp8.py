@@ -3,9 +3,9 @@ DeepSeek-V3 / Qwen3-FP8 / GLM-4.5-FP8 checkpoints).
 
 A quantised linear weight `W` ([out, in] in the checkpoint) is stored as float8_e4m3fn with a
 float32 `weight_scale_inv` of shape [cdiv(out, 128), cdiv(in, 128)]: the real weight is
-`W_fp8 * scale` per 128x128 block. We keep both as they are (transposed to our [in, out]
-layout: `<name>` float8 [..., in, out] and `<name>_scale` float32 [..., in/128, out/128]), so
-the model holds one byte per weight and no bf16 copy.
+`W_fp8 * scale` per 128x128 block. We keep both as they are (in our layout: `<name>` float8
+[..., out, in] and `<name>_scale` float32 [..., out/128, in/128], the routed experts' transposed to
+[..., in, out] and [..., in/128, out/128]), so the model holds one byte per weight and no bf16 copy.
 
 Matmuls: routed experts dequantise inside the grouped GEMM kernel (tile by tile, in
 registers); other linears go through `linear()`, which multiplies by the dequantised weight
@@ -17,6 +17,8 @@ checkpoints' dynamic FP8 activations).
 from dataclasses import replace
 
 import jax.numpy as jnp
+
+from mrv2_jax.models import layers
 
 FP8_DTYPE = jnp.float8_e4m3fn
 SCALE_SUFFIX = "_scale"
@@ -44,7 +46,7 @@ def quantize_layout(shapes: dict, sources: dict, dtypes: dict, block: int, exemp
     for name, source in list(sources.items()):
         if not source.linear or name in exempt:
             continue
-        *lead, n_in, n_out = shapes[name]
+        *lead, rows, cols = shapes[name]
         if source.widths and any(w % block for w in source.widths):
             # Fused pieces whose widths are not whole blocks (GLM-4.5-Air's dense MLP, 10944
             # wide) would put scale blocks across the seam: keep this one in the model dtype
@@ -52,7 +54,7 @@ def quantize_layout(shapes: dict, sources: dict, dtypes: dict, block: int, exemp
             continue
         dtypes[name] = FP8_DTYPE
         scale = name + SCALE_SUFFIX
-        shapes[scale] = (*lead, -(-n_in // block), -(-n_out // block))
+        shapes[scale] = (*lead, -(-rows // block), -(-cols // block))
         dtypes[scale] = jnp.float32
         sources[scale] = replace(
             source, hf_names=tuple(n.replace(".weight", ".weight_scale_inv") for n in source.hf_names),
@@ -61,16 +63,17 @@ def quantize_layout(shapes: dict, sources: dict, dtypes: dict, block: int, exemp
 
 
 def dequantize(w, scale, dtype, block: int = 128):
-    """FP8 [..., K, N] with block scales [..., cdiv(K, b), cdiv(N, b)] -> `dtype`."""
+    """FP8 [..., R, C] with block scales [..., cdiv(R, b), cdiv(C, b)] -> `dtype`."""
     from pallas_kernels.grouped_gemm import dequantize_blocks
 
     return dequantize_blocks(w, scale, block, dtype)
 
 
 def linear(x, params: dict, name: str, block: int = 128):
-    """`x @ params[name]`, dequantising an FP8 weight on the fly when it has block scales."""
+    """`linear(x, params[name])` (a weight [out, in]), dequantising an FP8 weight on the fly when it has
+    block scales."""
     w = params[name]
     scale = params.get(name + SCALE_SUFFIX)
     if scale is not None:
         w = dequantize(w, scale, x.dtype, block)
-    return x @ w
+    return layers.linear(x, w)

@@ -1,7 +1,14 @@
 """GLM-4-0414 (Glm4ForCausalLM): partial interleaved RoPE, q/k/v bias, fused gate_up,
 and two extra norms (after attention and after the MLP, before each residual add)."""
 
-from mrv2_jax.models.layers import apply_rope_interleaved_partial, gated_mlp, rms_norm, rope_angles, split_qkv
+from mrv2_jax.models.layers import (
+    apply_rope_interleaved_partial,
+    gated_mlp,
+    linear,
+    rms_norm,
+    rope_angles,
+    split_qkv,
+)
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
 
 _LAYER = "model.layers.{i}."
@@ -23,9 +30,9 @@ class Glm4ModelState(ModelState):
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         qkv = (self.num_heads + 2 * self.num_kv_heads) * d
         shapes = {
-            "input_norm": (h,), "qkv_proj": (h, qkv), "o_proj": (self.num_heads * d, h),
+            "input_norm": (h,), "qkv_proj": (qkv, h), "o_proj": (h, self.num_heads * d),
             "post_self_attn_norm": (h,), "post_attention_norm": (h,),
-            "gate_up_proj": (h, 2 * i), "down_proj": (i, h), "post_mlp_norm": (h,),
+            "gate_up_proj": (2 * i, h), "down_proj": (h, i), "post_mlp_norm": (h,),
         }
         if self.attention_bias:
             shapes["qkv_bias"] = (qkv,)
@@ -54,7 +61,7 @@ class Glm4ModelState(ModelState):
 
     def layer_forward(self, p, x, rope, attention, layer, kv_cache):
         eps = self.rms_norm_eps
-        qkv = rms_norm(x, p["input_norm"], eps) @ p["qkv_proj"]
+        qkv = linear(rms_norm(x, p["input_norm"], eps), p["qkv_proj"])
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
         q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -62,7 +69,7 @@ class Glm4ModelState(ModelState):
         q = apply_rope_interleaved_partial(q, cos, sin)
         k = apply_rope_interleaved_partial(k, cos, sin)
         out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
-        x = x + rms_norm(out.reshape(x.shape[0], -1) @ p["o_proj"], p["post_self_attn_norm"], eps)
+        x = x + rms_norm(linear(out.reshape(x.shape[0], -1), p["o_proj"]), p["post_self_attn_norm"], eps)
         mlp = gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"])
         x = x + rms_norm(mlp, p["post_mlp_norm"], eps)
         return x, kv_cache

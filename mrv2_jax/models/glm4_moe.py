@@ -12,7 +12,7 @@
 import jax.numpy as jnp
 
 from mrv2_jax.models import fp8
-from mrv2_jax.models.layers import rms_norm
+from mrv2_jax.models.layers import linear, rms_norm
 from mrv2_jax.models.model_state import LayerGroup, WeightSource, register_model_state
 from mrv2_jax.models.moe import grouped_sigmoid_router
 from mrv2_jax.models.qwen3_moe import Qwen3MoeModelState
@@ -62,7 +62,7 @@ class Glm4MoeModelState(Qwen3MoeModelState):
 
     def route(self, p, h):
         # As the reference: router logits in float32 from float32 inputs.
-        logits = jnp.dot(h.astype(jnp.float32), p["router"].astype(jnp.float32))
+        logits = linear(h.astype(jnp.float32), p["router"].astype(jnp.float32))
         return grouped_sigmoid_router(logits, p["router_bias"], self.top_k, self.num_groups,
                                       self.topk_groups, self.norm_topk_prob, self.routed_scaling_factor)
 
@@ -75,7 +75,7 @@ class Glm4MoeModelState(Qwen3MoeModelState):
             return None
         h = self.hidden_size
         layers = tuple(range(self.num_layers, self.num_layers + self.num_mtp_layers))
-        extra = ({"enorm": (h,), "hnorm": (h,), "eh_proj": (2 * h, h), "post_norm": (h,)},
+        extra = ({"enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h), "post_norm": (h,)},
                  {"enorm": WeightSource((_L + "enorm.weight",)),
                   "hnorm": WeightSource((_L + "hnorm.weight",)),
                   "eh_proj": WeightSource((_L + "eh_proj.weight",), linear=True),

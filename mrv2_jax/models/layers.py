@@ -17,6 +17,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x [..., in] @ w.T` for a linear weight `w [out, in]`, the layout checkpoints store it in: each
+    output's weights contiguous, what a one-row product streams best (GEMMs take either layout)."""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
 def rope_angles(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos/sin of shape [T, rotary_dim // 2] for the standard RoPE frequency ladder."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
@@ -51,12 +57,13 @@ def apply_rope_interleaved_partial(x: jax.Array, cos: jax.Array, sin: jax.Array)
 
 
 def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, shards: int = 1) -> jax.Array:
-    """SwiGLU MLP with the gate and up projections fused into one matmul. `shards` > 1: `gate_up`
-    is in the tensor-parallel layout of that many devices (models/tensor_parallel.py)."""
+    """SwiGLU MLP with the gate and up projections fused into one matmul (`gate_up` [2I, H]: gate's
+    rows, then up's). `shards` > 1: `gate_up` is in the tensor-parallel layout of that many devices
+    (models/tensor_parallel.py)."""
     if shards == 1:
-        gate, up = jnp.split(x @ gate_up, 2, axis=-1)
+        gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)
     else:
-        gate, up = split_sharded(x @ gate_up, (gate_up.shape[-1] // 2,) * 2, shards)
+        gate, up = split_sharded(linear(x, gate_up), (gate_up.shape[0] // 2,) * 2, shards)
     return row_parallel(jax.nn.silu(gate) * up, down, shards)
 
 

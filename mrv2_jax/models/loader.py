@@ -174,8 +174,8 @@ class _TensorReader:
             t = self.get(name)
             if dequantize and t.dtype == ml_dtypes.float8_e4m3fn:
                 t = _dequantize_np(t, self.get(name.replace(".weight", ".weight_scale_inv")))
-            parts.append(t.T if source.linear else t)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+            parts.append(t.T if source.transposed else t)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=source.output_axis)
 
 
 def _dequantize_np(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
@@ -231,9 +231,9 @@ def save_hf_checkpoint(lm: CausalLM, out_dir, dtype=jnp.bfloat16) -> Path:
     def put(source: WeightSource, value: np.ndarray, layer=None):
         for e in range(source.experts) if source.experts else (None,):
             one = value if e is None else value[e]
-            pieces = np.split(one, np.cumsum(source.widths)[:-1], axis=-1) if source.widths else [one]
+            pieces = np.split(one, np.cumsum(source.widths)[:-1], axis=source.output_axis) if source.widths else [one]
             for n, piece in zip(source.hf_names, pieces):
-                tensors[n.format(i=layer, e=e)] = np.ascontiguousarray(piece.T if source.linear else piece)
+                tensors[n.format(i=layer, e=e)] = np.ascontiguousarray(piece.T if source.transposed else piece)
 
     model_dtype = lm.embed_tokens.get_value().dtype
 

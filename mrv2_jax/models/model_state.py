@@ -22,10 +22,11 @@ from mrv2_jax.models.tensor_parallel import ShardRule
 class WeightSource:
     """How one stacked parameter is assembled from Hugging Face tensors.
 
-    `hf_names` are concatenated along the output axis; `linear` tensors are stored by HF as
-    [out, in] and transposed to our [in, out]. Per-layer names contain `{i}`. With
-    `experts=E`, the names also contain `{e}` and the E per-expert tensors are stacked on a new
-    leading axis ([E, in, out]): the hub stores MoE experts one module per expert.
+    `hf_names` are concatenated along the output axis. `linear` tensors are linear weights, stored
+    by HF as [out, in]; we keep that layout (models/layers.py's `linear`), except for routed experts.
+    Per-layer names contain `{i}`. With `experts=E`, the names also contain `{e}` and the E
+    per-expert tensors are stacked on a new leading axis and transposed, [E, in, out], the grouped
+    GEMM kernels' layout: the hub stores MoE experts one module per expert.
     """
 
     hf_names: tuple[str, ...]
@@ -36,6 +37,16 @@ class WeightSource:
     def __post_init__(self):
         if len(self.hf_names) > 1 and len(self.widths) != len(self.hf_names):
             raise ValueError(f"fused weight {self.hf_names} needs one width per name")
+
+    @property
+    def transposed(self) -> bool:
+        """Whether each HF tensor is transposed into our layout (the routed experts' linear weights)."""
+        return self.linear and bool(self.experts)
+
+    @property
+    def output_axis(self) -> int:
+        """The axis of one HF tensor in our layout that fused names are concatenated along."""
+        return 0 if self.linear and not self.experts else -1
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Qwen3 (dense): per-head RMSNorm on q and k, full "halves" RoPE, SwiGLU MLP."""
 
 from mrv2_jax.models.attention import QKNormRope
-from mrv2_jax.models.layers import gated_mlp, rms_norm, rope_angles
+from mrv2_jax.models.layers import gated_mlp, linear, rms_norm, rope_angles
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
 from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
@@ -24,9 +24,9 @@ class Qwen3ModelState(ModelState):
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         qkv = (self.num_heads + 2 * self.num_kv_heads) * d
         shapes = {
-            "input_norm": (h,), "qkv_proj": (h, qkv), "q_norm": (d,), "k_norm": (d,),
-            "o_proj": (self.num_heads * d, h), "post_attention_norm": (h,),
-            "gate_up_proj": (h, 2 * i), "down_proj": (i, h),
+            "input_norm": (h,), "qkv_proj": (qkv, h), "q_norm": (d,), "k_norm": (d,),
+            "o_proj": (h, self.num_heads * d), "post_attention_norm": (h,),
+            "gate_up_proj": (2 * i, h), "down_proj": (h, i),
         }
         if self.attention_bias:
             shapes |= {"qkv_bias": (qkv,), "o_bias": (h,)}
@@ -55,11 +55,12 @@ class Qwen3ModelState(ModelState):
 
     def tensor_parallel_rules(self, n, expert_parallel=False):
         """q/k/v and gate/up split by output features (whole heads, whole MLP units per device), o and
-        down by input features; the fused ones interleaved per device (models/tensor_parallel.py)."""
+        down by input features; the fused ones interleaved per device (models/tensor_parallel.py).
+        Linear weights are [out, in]."""
         check_divides("tensor_parallel_size", n, {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
                                                   "intermediate_size": self.intermediate_size})
-        rules = {"qkv_proj": ShardRule(1, self.qkv_widths()), "o_proj": ShardRule(0),
-                 "gate_up_proj": ShardRule(1, (self.intermediate_size,) * 2), "down_proj": ShardRule(0)}
+        rules = {"qkv_proj": ShardRule(0, self.qkv_widths()), "o_proj": ShardRule(1),
+                 "gate_up_proj": ShardRule(0, (self.intermediate_size,) * 2), "down_proj": ShardRule(1)}
         if self.attention_bias:
             rules["qkv_bias"] = ShardRule(0, self.qkv_widths())  # o_bias is added after the all-reduce
         return rules
@@ -70,7 +71,7 @@ class Qwen3ModelState(ModelState):
     def layer_forward(self, p, x, rope, attention, layer, kv_cache):
         eps = self.rms_norm_eps
         h = rms_norm(x, p["input_norm"], eps)
-        qkv = h @ p["qkv_proj"]
+        qkv = linear(h, p["qkv_proj"])
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
         norm_rope = QKNormRope(p["q_norm"], p["k_norm"], eps, *rope)

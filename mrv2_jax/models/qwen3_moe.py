@@ -4,7 +4,8 @@ RoPE); each layer's MLP is either a dense SwiGLU or a softmax top-k mixture of e
 
 The two kinds of layer have different parameters, so they form two layer groups
 ("dense_layers", "moe_layers"), each stacked over its own layers; the model scans each run
-of consecutive layers of one kind. Experts are stacked `[layers, E, in, out]`.
+of consecutive layers of one kind. Experts are stacked `[layers, E, in, out]` (the grouped GEMM's
+layout); every other linear weight is `[out, in]`.
 GLM-4.5 (glm4_moe.py) shares this layer structure and overrides the router, the rotary and
 the shared experts.
 """
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 
 from mrv2_jax.models import fp8
 from mrv2_jax.models.attention import QKNormRope
-from mrv2_jax.models.layers import gated_mlp, rms_norm, rope_angles
+from mrv2_jax.models.layers import gated_mlp, linear, rms_norm, rope_angles
 from mrv2_jax.models.model_state import (
     LayerGroup,
     ModelState,
@@ -87,7 +88,7 @@ class Qwen3MoeModelState(ModelState):
     def attention_layout(self):
         h, d = self.hidden_size, self.head_dim
         qkv = (self.num_heads + 2 * self.num_kv_heads) * d
-        shapes = {"input_norm": (h,), "qkv_proj": (h, qkv), "o_proj": (self.num_heads * d, h),
+        shapes = {"input_norm": (h,), "qkv_proj": (qkv, h), "o_proj": (h, self.num_heads * d),
                   "post_attention_norm": (h,)}
         sources = {
             "input_norm": WeightSource((_L + "input_layernorm.weight",)),
@@ -112,7 +113,7 @@ class Qwen3MoeModelState(ModelState):
     def dense_mlp_layout(self, prefix="gate_up_proj", size=None, hf=_L + "mlp."):
         h, i = self.hidden_size, size or self.intermediate_size
         names = _mlp_names(prefix)
-        shapes = {names[0]: (h, 2 * i), names[1]: (i, h)}
+        shapes = {names[0]: (2 * i, h), names[1]: (h, i)}
         sources = {names[0]: WeightSource((hf + "gate_proj.weight", hf + "up_proj.weight"), linear=True,
                                           widths=(i, i)),
                    names[1]: WeightSource((hf + "down_proj.weight",), linear=True)}
@@ -121,7 +122,7 @@ class Qwen3MoeModelState(ModelState):
     def moe_layout(self):
         h, i, e = self.hidden_size, self.moe_intermediate_size, self.num_experts
         ex = _L + "mlp.experts.{e}."
-        shapes = {"router": (h, e), "experts_gate_up": (e, h, 2 * i), "experts_down": (e, i, h)}
+        shapes = {"router": (e, h), "experts_gate_up": (e, h, 2 * i), "experts_down": (e, i, h)}
         sources = {
             "router": WeightSource((_L + "mlp.gate.weight",), linear=True),
             "experts_gate_up": WeightSource((ex + "gate_proj.weight", ex + "up_proj.weight"), linear=True,
@@ -146,10 +147,10 @@ class Qwen3MoeModelState(ModelState):
         if self.num_experts % n:
             raise ValueError(f"enable_expert_parallel: tensor_parallel_size={n} must divide the model's "
                              f"{self.num_experts} experts")
-        rules = {"qkv_proj": ShardRule(1, self.qkv_widths()), "o_proj": ShardRule(0),
+        rules = {"qkv_proj": ShardRule(0, self.qkv_widths()), "o_proj": ShardRule(1),
                  "experts_gate_up": ShardRule(0), "experts_down": ShardRule(0)}
         if dense:
-            rules |= {"gate_up_proj": ShardRule(1, (self.intermediate_size,) * 2), "down_proj": ShardRule(0)}
+            rules |= {"gate_up_proj": ShardRule(0, (self.intermediate_size,) * 2), "down_proj": ShardRule(1)}
         if self.attention_bias:
             rules["qkv_bias"] = ShardRule(0, self.qkv_widths())  # o_bias is added after the all-reduce
         return rules
@@ -187,7 +188,7 @@ class Qwen3MoeModelState(ModelState):
         return self.linear(jax.nn.silu(gate) * up, p, down)
 
     def route(self, p, h):
-        return softmax_topk_router(h @ p["router"], self.top_k, self.norm_topk_prob)
+        return softmax_topk_router(linear(h, p["router"]), self.top_k, self.norm_topk_prob)
 
     def moe_mlp(self, p, h):
         weights, ids = self.route(p, h)

@@ -1,16 +1,17 @@
 """Tensor parallelism, the model's side: which layer weights are split across devices, and the
 per-shard layout of fused weights.
 
-A decoder layer is split Megatron-style over N devices: the q/k/v and gate/up projections by
-their output features (column-parallel: each device computes whole heads / whole MLP units), the
-o and down projections by their input features (row-parallel: each device's partial products
-are summed by one all-reduce). Everything else (norms, embeddings, lm_head) is replicated.
+A decoder layer is split Megatron-style over N devices (linear weights are stored [out, in]): the
+q/k/v and gate/up projections by their output features (column-parallel, axis 0: each device
+computes whole heads / whole MLP units), the o and down projections by their input features
+(row-parallel, axis 1: each device's partial products are summed by one all-reduce). Everything
+else (norms, embeddings, lm_head) is replicated.
 
-Fused weights need care: `qkv_proj`'s columns are [q | k | v], so cutting them into N equal
+Fused weights need care: `qkv_proj`'s rows are [q | k | v], so cutting them into N equal
 pieces would give device 0 all of q and device N-1 all of v. `interleave_shards` re-orders the
-columns ONCE, when the weights are placed, into [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (piece d holds
+rows ONCE, when the weights are placed, into [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (piece d holds
 device d's whole heads of each part); `split_sharded` undoes it at run time as a view, so that
-device d finds its own q, k and v inside its own columns and no data moves.
+device d finds its own q, k and v inside its own outputs and no data moves.
 """
 
 from dataclasses import dataclass
@@ -64,10 +65,10 @@ def split_sharded(x: jax.Array, widths: tuple[int, ...], n: int) -> list[jax.Arr
 
 
 def row_parallel(x: jax.Array, w: jax.Array, shards: int) -> jax.Array:
-    """x @ w for a row-parallel weight (split by its input features): each device's partial product
-    stays float32 through the all-reduce and is rounded to x's dtype once, after the sum, as one
-    device's GEMM rounds once after accumulating in f32 (a bf16 sum of bf16 partials would round
-    N + 1 times and flip near-tied greedy tokens). One device: a plain x @ w."""
+    """`x @ w.T` for a row-parallel linear weight `w [out, in]` (split by its input features): each device's partial
+    product stays float32 through the all-reduce and is rounded to x's dtype once, after the sum, as
+    one device's GEMM rounds once after accumulating in f32 (a bf16 sum of bf16 partials would round
+    N + 1 times and flip near-tied greedy tokens). One device: a plain product."""
     if shards == 1:
-        return x @ w
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        return jnp.einsum("...i,oi->...o", x, w)
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -1,6 +1,6 @@
 """gemv (the one-row GEMV over an [N, K] weight with RMSNorm before and a residual add or SwiGLU after,
 on Mosaic GPU): in Mosaic GPU's interpreter on the CPU against the jnp reference and a numpy f64
-computation of the layer's math; the gate/up interleave against separate gate and up products; every
+computation of the layer's math; the fused gate/up against separate gate and up products; every
 variant at Qwen3-0.6B's shapes lowered for CUDA; bad input refused; on a GPU (`-m gpu`) the real
 kernel against the reference at the real shapes."""
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gemv_mgpu import BLOCK_K, GemvConfig, gemv, gemv_reference, interleave_gate_up
+from pallas_kernels.gemv_mgpu import BLOCK_K, GemvConfig, gemv, gemv_reference
 
 on_gpu = jax.default_backend() == "gpu"
 # Qwen3-0.6B's decode projections as [N, K] with what surrounds each: (K, N, norm before, epilogue).
@@ -36,7 +36,7 @@ def run(x, w, layer, g, r, *, norm, epilogue, config=None, interpret=not on_gpu)
                                                   residual=r if epilogue == "residual" else None))(x, w, layer, g, r)
 
 
-def numpy_layer_math(x, w, g, r, *, norm, epilogue, block_n, eps=1e-6):
+def numpy_layer_math(x, w, g, r, *, norm, epilogue, eps=1e-6):
     """The same math in float64 numpy, written from the model's definition (no bf16 rounding)."""
     v = np.asarray(x, np.float64)
     if norm:
@@ -45,10 +45,8 @@ def numpy_layer_math(x, w, g, r, *, norm, epilogue, block_n, eps=1e-6):
     if epilogue == "residual":
         return y + np.asarray(r, np.float64)
     if epilogue == "swiglu":
-        half = block_n // 2
-        pairs = y.reshape(1, -1, 2, half)
-        gate, up = pairs[:, :, 0], pairs[:, :, 1]
-        return (gate / (1 + np.exp(-gate)) * up).reshape(1, -1)
+        gate, up = np.split(y, 2, axis=-1)
+        return gate / (1 + np.exp(-gate)) * up
     return y
 
 
@@ -59,8 +57,8 @@ def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, 
     config = GemvConfig(block_n=block_n, num_stages=2)
     y = np.asarray(run(x, w, 2, g, r, norm=norm, epilogue=epilogue, config=config), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=2, norm_weight=g if norm else None, epilogue=epilogue,
-                                    residual=r if epilogue == "residual" else None, block_n=block_n), np.float32)
-    exact = numpy_layer_math(x, w[2], g[2], r, norm=norm, epilogue=epilogue, block_n=block_n)
+                                    residual=r if epilogue == "residual" else None), np.float32)
+    exact = numpy_layer_math(x, w[2], g[2], r, norm=norm, epilogue=epilogue)
     assert y.shape == ref.shape == exact.shape == (1, 32 if epilogue == "swiglu" else 64)
     np.testing.assert_allclose(y, ref, rtol=2**-7, atol=2e-2)
     np.testing.assert_allclose(y, exact, rtol=2**-6, atol=3e-2)
@@ -80,7 +78,7 @@ def test_no_races_in_the_interpreter(norm, epilogue):
     jax.block_until_ready(y)
     assert not gpu_callbacks.get_races().races_found
     ref = gemv_reference(x, w, layer=1, norm_weight=g, epilogue=epilogue,
-                         residual=r if epilogue == "residual" else None, block_n=16)
+                         residual=r if epilogue == "residual" else None)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32), rtol=2**-7, atol=3e-2)
 
 
@@ -92,14 +90,15 @@ def test_a_single_weight_and_a_long_pipeline():
     np.testing.assert_allclose(np.asarray(y, np.float32), exact, rtol=2**-7, atol=2e-2)
 
 
-def test_interleaved_gate_up_gives_silu_of_gate_times_up():
-    """interleave_gate_up + the SwiGLU epilogue == silu(x @ gate.T) * (x @ up.T) with separate weights."""
+def test_fused_gate_up_gives_silu_of_gate_times_up():
+    """The SwiGLU epilogue over gate's rows then up's == silu(x @ gate.T) * (x @ up.T) with separate
+    weights, for more than one CTA (each pairs its gate rows with the up rows I rows further)."""
     keys = jax.random.split(jax.random.key(2), 3)
     k, inter = BLOCK_K, 48
     x = jax.random.normal(keys[0], (1, k), jnp.bfloat16)
     gate = (jax.random.normal(keys[1], (2, inter, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
     up = (jax.random.normal(keys[2], (2, inter, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    w = interleave_gate_up(gate, up, block_n=16)
+    w = jnp.concatenate([gate, up], axis=1)
     assert w.shape == (2, 2 * inter, k)
     y = gemv(x, w, layer=1, epilogue="swiglu", config=GemvConfig(block_n=16, num_stages=2), interpret=not on_gpu)
     xf = np.asarray(x, np.float64)
@@ -161,5 +160,5 @@ def test_on_the_gpu_at_qwen3_shapes(name, pdl):
     config = GemvConfig(block_n=16, pdl=pdl)
     y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=config), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=3, norm_weight=g if norm else None, epilogue=epilogue,
-                                    residual=r if epilogue == "residual" else None, block_n=16), np.float32)
+                                    residual=r if epilogue == "residual" else None), np.float32)
     np.testing.assert_allclose(y, ref, rtol=2**-7, atol=5e-2)

@@ -69,6 +69,21 @@ def test_orbax_round_trip_is_bit_exact(tmp_path):
     assert max_logit_error(out, load_expected("qwen3-tiny")) <= 1e-4
 
 
+def test_a_directory_converted_with_the_old_layout_is_refused(tmp_path):
+    """A converted directory without the layout file (linear weights [in, out], before layout 2) or with
+    another version is refused by name, not loaded transposed."""
+    _, lm, src = load_model(FIXTURES / "qwen3-tiny", dtype="float32")
+    out = convert(src, lm, tmp_path / "converted")
+    layout = out / "params_layout.json"
+    assert json.loads(layout.read_text()) == {"layout_version": 2}
+    layout.unlink()
+    with pytest.raises(ValueError, match="layout 1.*convert the model again"):
+        load_model(out, dtype="float32")
+    layout.write_text(json.dumps({"layout_version": 3}))
+    with pytest.raises(ValueError, match="layout 3"):
+        load_model(out, dtype="float32")
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     src = copy_fixture("qwen3-tiny", tmp_path)
     config = json.loads((src / "config.json").read_text())

@@ -162,7 +162,7 @@ def test_layer_groups_stack_dense_and_moe_layers_separately():
     spec, lm, _ = load_model(FIXTURES / "glm4-moe-tiny", dtype="float32")
     assert spec.layer_groups()["dense_layers"].layers == (0,)
     assert lm.moe_layers.router_bias[...].dtype == jnp.float32
-    assert spec.has_mtp and lm.mtp.eh_proj[...].shape == (1, 64, 32)
+    assert spec.has_mtp and lm.mtp.eh_proj[...].shape == (1, 32, 64)  # [layers, out, in]
 
 
 def test_mtp_layer_matches_hugging_face():

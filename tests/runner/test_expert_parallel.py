@@ -28,17 +28,17 @@ def test_greedy_tokens_equal_one_device(model, n):
 
 def test_each_device_holds_its_experts_whole():
     params = child()["moe"]["2"]["placement"]["params"]  # 8 experts, 2 MoE layers and 1 dense layer
-    experts, column, row, replicated = ("P(None, 'tp', None, None)", "P(None, None, 'tp')", "P(None, 'tp', None)",
-                                        "P()")
+    experts, column, row, replicated = ("P(None, 'tp', None, None)", "P(None, 'tp', None)", "P(None, None, 'tp')",
+                                        "P()")  # dense weights [layers, out, in], experts [layers, E, in, out]
     assert params["moe_layers.experts_gate_up"] == [[2, 8, 32, 32], experts, [2, 4, 32, 32]]
     assert params["moe_layers.experts_down"] == [[2, 8, 16, 32], experts, [2, 4, 16, 32]]
-    assert params["moe_layers.router"] == [[2, 32, 8], replicated, [2, 32, 8]]
+    assert params["moe_layers.router"] == [[2, 8, 32], replicated, [2, 8, 32]]
     for group, layers in (("moe_layers", 2), ("dense_layers", 1)):  # attention as tensor parallelism splits it
-        assert params[f"{group}.qkv_proj"] == [[layers, 32, 128], column, [layers, 32, 64]]
-        assert params[f"{group}.o_proj"] == [[layers, 64, 32], row, [layers, 32, 32]]
+        assert params[f"{group}.qkv_proj"] == [[layers, 128, 32], column, [layers, 64, 32]]
+        assert params[f"{group}.o_proj"] == [[layers, 32, 64], row, [layers, 32, 32]]
         assert params[f"{group}.o_bias"][1] == replicated
-    assert params["dense_layers.gate_up_proj"] == [[1, 32, 96], column, [1, 32, 48]]
-    assert params["dense_layers.down_proj"] == [[1, 48, 32], row, [1, 24, 32]]
+    assert params["dense_layers.gate_up_proj"] == [[1, 96, 32], column, [1, 48, 32]]
+    assert params["dense_layers.down_proj"] == [[1, 32, 48], row, [1, 32, 24]]
     assert child()["moe"]["2"]["placement"]["kv"][2] == [3, 26, 1, 4, 16]
     wide = child()["wide"]["4"]["placement"]["params"]
     assert wide["moe_layers.experts_gate_up"][2] == [2, 2, 32, 32]

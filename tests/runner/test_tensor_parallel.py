@@ -52,19 +52,19 @@ def test_side_programs_keep_the_replicated_state():
 def test_weights_and_kv_cache_are_split_as_documented():
     tiny = child()["tiny"]["2"]["placement"]  # 4 heads, 2 KV heads of 16, MLP 96, attention bias
     params = tiny["params"]
-    column, row, replicated = "P(None, None, 'tp')", "P(None, 'tp', None)", "P()"
-    assert params["layers.qkv_proj"] == [[2, 64, 128], column, [2, 64, 64]]
+    column, row, replicated = "P(None, 'tp', None)", "P(None, None, 'tp')", "P()"  # weights [layers, out, in]
+    assert params["layers.qkv_proj"] == [[2, 128, 64], column, [2, 64, 64]]
     assert params["layers.qkv_bias"] == [[2, 128], "P(None, 'tp')", [2, 64]]
-    assert params["layers.gate_up_proj"] == [[2, 64, 192], column, [2, 64, 96]]
-    assert params["layers.o_proj"] == [[2, 64, 64], row, [2, 32, 64]]
-    assert params["layers.down_proj"] == [[2, 96, 64], row, [2, 48, 64]]
+    assert params["layers.gate_up_proj"] == [[2, 192, 64], column, [2, 96, 64]]
+    assert params["layers.o_proj"] == [[2, 64, 64], row, [2, 64, 32]]
+    assert params["layers.down_proj"] == [[2, 64, 96], row, [2, 64, 48]]
     for name in ("embed_tokens", "lm_head", "final_norm", "layers.input_norm", "layers.q_norm", "layers.o_bias"):
         assert params[name][1] == replicated and params[name][0] == params[name][2], name
     assert tiny["kv"] == [[2, 26, 2, 4, 16], "P(None, None, 'tp', None, None)", [2, 26, 1, 4, 16]]
     assert tiny["state"] == replicated
     wide = child()["wide"]["4"]["placement"]  # 8 heads, 4 KV heads: one per device
     assert wide["kv"][2] == [2, 26, 1, 4, 16]
-    assert wide["params"]["layers.qkv_proj"][2] == [2, 64, (8 + 2 * 4) * 16 // 4]
+    assert wide["params"]["layers.qkv_proj"][2] == [2, (8 + 2 * 4) * 16 // 4, 64]
 
 
 def test_one_all_reduce_per_attention_and_per_mlp_block_and_donation_works():
