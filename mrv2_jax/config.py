@@ -179,6 +179,10 @@ class KernelConfig:
     above for the rows they do not settle) or "sort" (one sort of every row). "auto": threshold on GPUs
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
+    ``decode_projections``: fused decode's one-row bucket as one token whose projections run as the
+    one-row GEMV kernels with the norms, residual adds and SwiGLU fused in ("gemv": models/one_row.py,
+    pallas_kernels/gemv_mgpu.py; Mosaic GPU, or its interpreter elsewhere; families with
+    ``one_row_weights``, one device), or padded to 8 tokens for cuBLAS's GEMMs ("xla"). "auto": "xla".
     """
 
     attention: str = "auto"
@@ -189,6 +193,7 @@ class KernelConfig:
     decode_attention: str = "auto"
     ragged_attention: str = "auto"
     sampler_truncation: str = "auto"
+    decode_projections: str = "auto"
 
     # Field -> (environment variable of its default or None, allowed values).
     CHOICES = {
@@ -200,6 +205,7 @@ class KernelConfig:
         "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
         "sampler_truncation": (None, ("auto", "threshold", "sort")),
+        "decode_projections": (None, ("auto", "xla", "gemv")),
     }
 
     def __post_init__(self) -> None:
@@ -256,4 +262,5 @@ class KernelConfig:
                             decode_attention=auto(self.decode_attention, "pallas", "pallas"),
                             ragged_attention=auto(self.ragged_attention, "pallas", "pallas"),
                             sampler_truncation=(("threshold" if threshold else "sort")
-                                                if self.sampler_truncation == "auto" else self.sampler_truncation))
+                                                if self.sampler_truncation == "auto" else self.sampler_truncation),
+                            decode_projections=auto(self.decode_projections, "xla", "xla"))

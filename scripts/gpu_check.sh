@@ -27,7 +27,8 @@
 # KV cache filling the GPU (large-kv), fused decode with the layer loop and with every layer unrolled
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
-# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv).
+# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), and fused decode's one-row bucket through
+# those kernels against the 8-token cuBLAS path (one-row-gemv).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -126,6 +127,17 @@ for s in $sections; do case $s in
             --output-len 512 --num-prompts 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
             --max-model-len 1024 --output-json "$OUT/ab_s1_256_${sampling}_${tree}_$round.json"
         done
+      done
+    done ;;
+  # S2 (1,024 in / 128 out) v2-async, the old tree (.ab_old, as for ab-s1-before-after) against this one.
+  ab-s2-before-after)
+    for round in $(seq ${ROUNDS:-2}); do
+      for tree in old new; do
+        path=.; [ $tree = old ] && path=.ab_old:.
+        PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section ab-s2-$tree-$round timeout 240 \
+          python3 -P -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async \
+          --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 \
+          --max-model-len 1280 --output-json "$OUT/ab_s2_${tree}_$round.json"
       done
     done ;;
   # The host cost of one decode call, the old tree (.ab_old, as for ab-s1-before-after) against this
@@ -433,6 +445,17 @@ for s in $sections; do case $s in
       run_section fused-one-row-seqs$n-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --batches 1 --max-num-seqs $n --fused-steps 16 --compile-mode lazy \
           --output-json "$OUT/fused_decode_one_row_seqs${n}_r$r.json"
+    done; done ;;
+  # Issue 26: fused decode's one-row bucket (max_num_seqs 1) padded to 8 tokens for cuBLAS against one
+  # token through the GEMV kernels (--kernels decode_projections=gemv), ROUNDS rounds alternated, after
+  # the one-row path's tests on the GPU (the real kernels).
+  one-row-gemv)
+    run_section one-row-gemv-tests timeout 300 python3 -m pytest -q -p no:cacheprovider tests/models/test_one_row.py \
+        "tests/engine/test_engine.py::test_fused_decode_of_one_row_through_the_gemv_kernels"
+    for r in $(seq ${ROUNDS:-2}); do for p in xla gemv; do
+      run_section one-row-$p-r$r timeout 120 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+          --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
+          --output-json "$OUT/fused_decode_one_row_${p}_r$r.json"
     done; done ;;
   # Issue 26: a layer's projections at batch 1 as four fused Mosaic GPU GEMVs (gemv_mgpu) against XLA at
   # one row and at eight, after the kernel's GPU tests.

@@ -62,10 +62,10 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     config = KernelConfig.parse("attention=reference")
     assert config == KernelConfig(attention="reference", sampler_noise_pass="interpret", moe_backend="dense")
     assert config.resolved("gpu") == KernelConfig("reference", "kernel", "interpret", "kernel", "dense", "pallas",
-                                                  "pallas", "threshold")
+                                                  "pallas", "threshold", "xla")
     # The noise pass in the interpreter: a Pallas program, so the truncation stays the threshold method.
     assert config.resolved("cpu") == KernelConfig("reference", "reference", "interpret", "reference", "dense", "pallas",
-                                                  "pallas", "threshold")
+                                                  "pallas", "threshold", "xla")
     # "kernel" for a sampler pass: the kernel where it runs, the jnp reference elsewhere.
     assert KernelConfig(sampler_slow_path="kernel").resolved("cpu").sampler_slow_path == "reference"
     assert KernelConfig().resolved("gpu").attention == "pallas"

@@ -97,6 +97,7 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                              unrolled_layers_max_tokens=resolve_unrolled_layers_max_tokens(config),
                              unrolled_layers_max_rows=config.unrolled_layers_max_rows,
                              decode_attention=config.kernels.decode_attention,
+                             decode_projections=config.kernels.decode_projections,
                              stream_in_call=config.stream_in_call and config.max_fused_steps > 1, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 

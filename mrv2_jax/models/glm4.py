@@ -1,15 +1,9 @@
 """GLM-4-0414 (Glm4ForCausalLM): partial interleaved RoPE, q/k/v bias, fused gate_up,
 and two extra norms (after attention and after the MLP, before each residual add)."""
 
-from mrv2_jax.models.layers import (
-    apply_rope_interleaved_partial,
-    gated_mlp,
-    linear,
-    rms_norm,
-    rope_angles,
-    split_qkv,
-)
+from mrv2_jax.models.layers import apply_rope_interleaved_partial, rms_norm, rope_angles, split_qkv
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
+from mrv2_jax.models.one_row import norm_linear, norm_swiglu, project
 
 _LAYER = "model.layers.{i}."
 
@@ -17,6 +11,7 @@ _LAYER = "model.layers.{i}."
 @register_model_state
 class Glm4ModelState(ModelState):
     architecture = "Glm4ForCausalLM"
+    one_row_weights = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)
@@ -61,7 +56,7 @@ class Glm4ModelState(ModelState):
 
     def layer_forward(self, p, x, rope, attention, layer, kv_cache):
         eps = self.rms_norm_eps
-        qkv = linear(rms_norm(x, p["input_norm"], eps), p["qkv_proj"])
+        qkv = norm_linear(x, p["input_norm"], p["qkv_proj"], eps)
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
         q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -69,7 +64,7 @@ class Glm4ModelState(ModelState):
         q = apply_rope_interleaved_partial(q, cos, sin)
         k = apply_rope_interleaved_partial(k, cos, sin)
         out, kv_cache = attention(q, k, v, layer, kv_cache, self.head_dim**-0.5)
-        x = x + rms_norm(linear(out.reshape(x.shape[0], -1), p["o_proj"]), p["post_self_attn_norm"], eps)
-        mlp = gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"])
+        x = x + rms_norm(project(out.reshape(x.shape[0], -1), p["o_proj"]), p["post_self_attn_norm"], eps)
+        mlp = project(norm_swiglu(x, p["post_attention_norm"], p["gate_up_proj"], eps), p["down_proj"])
         x = x + rms_norm(mlp, p["post_mlp_norm"], eps)
         return x, kv_cache

@@ -1,8 +1,9 @@
 """Qwen3 (dense): per-head RMSNorm on q and k, full "halves" RoPE, SwiGLU MLP."""
 
 from mrv2_jax.models.attention import QKNormRope
-from mrv2_jax.models.layers import gated_mlp, linear, rms_norm, rope_angles
+from mrv2_jax.models.layers import gated_mlp, rms_norm, rope_angles
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
+from mrv2_jax.models.one_row import linear_add, norm_linear, norm_swiglu, project
 from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
 _ATTN = "model.layers.{i}.self_attn."
@@ -12,6 +13,7 @@ _ATTN = "model.layers.{i}.self_attn."
 class Qwen3ModelState(ModelState):
     architecture = "Qwen3ForCausalLM"
     in_place_weights = ("q_norm", "k_norm")
+    one_row_weights = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)
@@ -70,17 +72,21 @@ class Qwen3ModelState(ModelState):
 
     def layer_forward(self, p, x, rope, attention, layer, kv_cache):
         eps = self.rms_norm_eps
-        h = rms_norm(x, p["input_norm"], eps)
-        qkv = linear(h, p["qkv_proj"])
+        qkv = norm_linear(x, p["input_norm"], p["qkv_proj"], eps)
         if self.attention_bias:
             qkv = qkv + p["qkv_bias"]
         norm_rope = QKNormRope(p["q_norm"], p["k_norm"], eps, *rope)
         out, kv_cache = attention.attend_qkv(qkv, (self.num_heads, self.num_kv_heads, self.head_dim), norm_rope,
                                              layer, kv_cache, self.head_dim**-0.5, self.tp_size)
-        out = row_parallel(out.reshape(x.shape[0], -1), p["o_proj"], self.tp_size)
+        out = out.reshape(x.shape[0], -1)
+        if self.tp_size > 1:  # row-parallel o and down, summed in f32 by one all-reduce each
+            out = row_parallel(out, p["o_proj"], self.tp_size)
+            x = x + (out + p["o_bias"] if self.attention_bias else out)
+            return x + gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"],
+                                 self.tp_size), kv_cache
         if self.attention_bias:
-            out = out + p["o_bias"]
-        x = x + out
-        x = x + gated_mlp(rms_norm(x, p["post_attention_norm"], eps), p["gate_up_proj"], p["down_proj"],
-                          self.tp_size)
+            x = x + (project(out, p["o_proj"]) + p["o_bias"])
+        else:
+            x = linear_add(out, p["o_proj"], x)
+        x = linear_add(norm_swiglu(x, p["post_attention_norm"], p["gate_up_proj"], eps), p["down_proj"], x)
         return x, kv_cache

@@ -139,7 +139,8 @@ class ModelRunnerV2(RunnerBase):
                  fused_unroll: int = 1, compile_mode: str = "eager", tensor_parallel=None,
                  stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
                  unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas",
-                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas"):
+                 bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas",
+                 decode_projections: str = "xla"):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -156,7 +157,10 @@ class ModelRunnerV2(RunnerBase):
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
-        rows take `decode_attention`'s where it is "mgpu"."""
+        rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs fused
+        decode's one-row bucket as one token whose projections are the GEMV kernels (the family's
+        `one_row_weights`; models/one_row.py), "xla" pads it to fused.ONE_ROW_TOKENS for cuBLAS;
+        one device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -197,6 +201,8 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
+        self.one_row_gemv = (decode_projections == "gemv" and tensor_parallel is None
+                             and bool(model_state.one_row_weights))
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -290,7 +296,8 @@ class ModelRunnerV2(RunnerBase):
                                   mesh=None if self.tp is None else self.tp.attention_mesh,
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
-                                  unroll_layers=self.unrolls_layers(bucket))
+                                  unroll_layers=self.unrolls_layers(bucket),
+                                  one_row_gemv=self.one_row_gemv and bucket.num_reqs == 1)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec

@@ -245,6 +245,26 @@ def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
     assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
+def test_fused_decode_of_one_row_through_the_gemv_kernels(monkeypatch):
+    """--kernels decode_projections=gemv: the one-row bucket's program computes its one token (no
+    padding), its projections through the GEMV kernels (Mosaic GPU's interpreter here; the demo
+    model in bf16, whose shapes the kernel tiles), and gives the tokens of the 8-token GEMM path."""
+    from mrv2_jax.runner import fused
+
+    prompts = random_prompts(2, seed=13)
+    config = dict(runner="v2", dtype="bfloat16", max_num_seqs=1, max_fused_steps=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
+    tokens, forward = [], fused.forward_and_sample
+    monkeypatch.setattr(fused, "forward_and_sample",
+                        lambda lm, *a, **kw: tokens.append((kw["input_ids"].shape[0], lm.one_row_gemv))
+                        or forward(lm, *a, **kw))
+    llm = make_llm(**config, kernels="decode_projections=gemv")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(1, True)}
+    assert got == want
+
+
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
     """unrolled_layers_max_rows: 8- and 16-token buckets of 4 rows are added and unroll; the buckets
     of 8 rows keep the loop; a step picks a few-row bucket when its rows fit; greedy tokens equal the

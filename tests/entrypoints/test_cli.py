@@ -40,7 +40,7 @@ def test_kernels_flag_parses_into_the_engine_kernel_config(monkeypatch):
     assert kernels == KernelConfig(attention="pallas", sampler_logit_stats="reference", sampler_noise_pass="reference",
                                    sampler_slow_path="interpret", moe_backend="dense",
                                    decode_attention="pallas", ragged_attention="pallas",
-                                   sampler_truncation="threshold")  # the CPU's resolution
+                                   sampler_truncation="threshold", decode_projections="xla")  # the CPU's resolution
     for bad, named in (("attention=fast", "KernelConfig.attention"), ("sampler=kernel", "unknown kernel fields"),
                        ("attention", "field=value")):
         args = build_parser().parse_args(["generate", "--prompt", "x", "--kernels", bad])

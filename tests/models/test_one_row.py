@@ -1,0 +1,74 @@
+"""The one-row path (models/one_row.py): a one-token forward with `CausalLM.one_row_gemv` runs every
+projection of Qwen3 and GLM-4 through the GEMV kernels (Mosaic GPU's interpreter on the CPU) and
+gives the logits of the plain XLA forward, which the Hugging Face parity tests cover; more tokens,
+or shapes the kernel does not tile, take the XLA math unchanged."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from transformers import Glm4Config, Qwen3Config
+
+from mrv2_jax.models.attention import DenseAttention
+from mrv2_jax.models.model_state import model_state_for
+
+# Sizes the kernel tiles (K a multiple of 256), two layers.
+DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, num_hidden_layers=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+CONFIGS = {"qwen3": lambda **kw: Qwen3Config(**(DIMS | kw), architectures=["Qwen3ForCausalLM"]),
+           "glm4": lambda **kw: Glm4Config(**(DIMS | kw), architectures=["Glm4ForCausalLM"])}
+
+
+def model(family, **overrides):
+    spec = model_state_for(CONFIGS[family](**overrides))
+    lm = spec.build_model(dtype=jnp.bfloat16, seed=3)
+    # Random norm weights too (they start at one), so that a norm applied in the wrong place shows.
+    for group in spec.layer_groups():
+        stack = getattr(lm, group)
+        for name in stack.names:
+            if "norm" in name:
+                param = getattr(stack, name)
+                noise = jax.random.normal(jax.random.key(len(name)), param[...].shape) * 0.2
+                param.set_value((1 + noise).astype(jnp.bfloat16))
+    return spec, lm
+
+
+def logits_and_jaxpr(lm, ids, one_row_gemv, unroll):
+    lm.one_row_gemv, lm.layer_unroll = one_row_gemv, unroll
+    positions = jnp.arange(ids.shape[0], dtype=jnp.int32) + 5
+
+    def forward(ids):
+        hidden, _ = lm(ids, positions, DenseAttention(jnp.zeros_like(ids), positions))
+        return lm.compute_logits(hidden)
+
+    return np.asarray(jax.jit(forward)(ids)), str(jax.make_jaxpr(forward)(ids))
+
+
+@pytest.mark.parametrize("family,unroll", [("qwen3", True), ("glm4", 1)])
+def test_one_token_through_the_gemv_kernels_gives_the_xla_logits(family, unroll):
+    _, lm = model(family)
+    ids = jnp.asarray([17], jnp.int32)
+    expected, _ = logits_and_jaxpr(lm, ids, False, unroll)
+    got, jaxpr = logits_and_jaxpr(lm, ids, True, unroll)
+    # Mosaic GPU's interpreter traces each kernel call as an `mpmd_map`: every projection of the layer
+    # (Qwen3: norm + qkv, o + residual, norm + gate/up + SwiGLU, down + residual; GLM-4 the same with
+    # its o and down plain), in the layer scan's one body (XLA unrolls it later).
+    assert jaxpr.count("mpmd_map[") == 4
+    # The kernel rounds once where XLA rounds the norm's output and each product: a few bf16 steps.
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, atol=0.03 * scale, rtol=0)
+    margin = np.sort(expected, axis=-1)[:, -1] - np.sort(expected, axis=-1)[:, -2]
+    if margin[0] > 0.06 * scale:
+        assert got.argmax(-1)[0] == expected.argmax(-1)[0]
+
+
+def test_more_tokens_or_untileable_shapes_take_the_xla_math_unchanged():
+    """Three tokens, or a hidden size of 64 (not a multiple of the kernel's 256-wide K tiles): no kernel
+    runs and the logits are exactly the plain forward's."""
+    for ids, overrides in ((jnp.asarray([17, 4, 9], jnp.int32), {}),
+                           (jnp.asarray([17], jnp.int32), dict(hidden_size=64, head_dim=16, intermediate_size=96))):
+        _, lm = model("qwen3", **overrides)
+        expected, _ = logits_and_jaxpr(lm, ids, False, True)
+        got, jaxpr = logits_and_jaxpr(lm, ids, True, True)
+        assert "mpmd_map[" not in jaxpr
+        np.testing.assert_array_equal(got, expected)
