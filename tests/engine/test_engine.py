@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mrv2_jax.llm import LLM
+from mrv2_jax.models.paths import CHECKPOINTS_DIR
 from mrv2_jax.sampling_params import SamplingParams
 from tests.engine_reference import greedy_reference
 from tests.parity import FIXTURES
@@ -12,10 +13,10 @@ MODEL = FIXTURES / "qwen3-tiny"  # vocab 96, eos 2
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def make_llm(**overrides):
+def make_llm(model=str(MODEL), **overrides):
     args = dict(dtype="float32", runner="v1", max_num_seqs=8, max_num_batched_tokens=32,
                 max_model_len=96, num_gpu_blocks=128, block_size=4, show_progress=False)
-    return LLM(str(MODEL), **(args | overrides))
+    return LLM(model, **(args | overrides))
 
 
 def random_prompts(n, seed, lo=1, hi=40):
@@ -245,24 +246,62 @@ def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
     assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
-def test_fused_decode_of_one_row_through_the_gemv_kernels(monkeypatch):
-    """--kernels decode_projections=gemv: the one-row bucket's program computes its one token (no
-    padding), its projections through the GEMV kernels (Mosaic GPU's interpreter here; the demo
-    model in bf16, whose shapes the kernel tiles), and gives the tokens of the 8-token GEMM path."""
+def one_row_gemv_against_gemms(monkeypatch, model):
+    """Greedy tokens of `model` (bf16, one row) with --kernels decode_projections=gemv against the
+    8-token GEMM path -> whether each projection of the one-row program took the GEMV kernel.
+
+    The one-row bucket's program must compute its one token (no padding) with the family's one-row
+    weights handed on (CausalLM.one_row_gemv), and give the GEMM path's tokens up to the first step
+    whose top two candidates are within a few bf16 steps of each other: the paths round differently,
+    such a near-tie may go either way, and the sequences may part there."""
+    from mrv2_jax.models import one_row
+    from mrv2_jax.models.layer_weight import LayerWeight
     from mrv2_jax.runner import fused
 
-    prompts = random_prompts(2, seed=13)
-    config = dict(runner="v2", dtype="bfloat16", max_num_seqs=1, max_fused_steps=4)
-    params = SamplingParams(temperature=0.0, max_tokens=6)
-    want = [o.outputs[0].token_ids for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
+    prompts = random_prompts(3, seed=13)
+    config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=1, max_fused_steps=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    reference = [o.outputs[0] for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
     tokens, forward = [], fused.forward_and_sample
     monkeypatch.setattr(fused, "forward_and_sample",
                         lambda lm, *a, **kw: tokens.append((kw["input_ids"].shape[0], lm.one_row_gemv))
                         or forward(lm, *a, **kw))
+    kernel_calls, takes = [], one_row._kernel_takes  # per projection handed on as a LayerWeight: kernel or not
+
+    def spy(x, w):
+        if isinstance(w, LayerWeight):
+            kernel_calls.append(takes(x, w))
+        return takes(x, w)
+
+    monkeypatch.setattr(one_row, "_kernel_takes", spy)
     llm = make_llm(**config, kernels="decode_projections=gemv")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(1, True)}
-    assert got == want
+    compared = 0
+    for want, out in zip(reference, got):
+        for step, (token, candidates) in enumerate(zip(want.token_ids, want.logprobs)):
+            assert out[step] == token, (step, want.token_ids, out)
+            compared += 1
+            top = sorted((c.logprob for c in candidates.values()), reverse=True)
+            if top[0] - top[1] < 0.25:  # a near-tie: what follows may part
+                break
+    assert compared >= 8  # most steps are clear
+    return kernel_calls
+
+
+def test_fused_decode_of_one_row_through_the_gemv_path(monkeypatch):
+    """--kernels decode_projections=gemv with the tiny model, whose shapes the GEMV kernel does not
+    tile (K = 64): one token, the one-row weights handed on, the XLA math (the kernel in the engine is
+    the GPU test below; on a CPU its interpreter takes minutes there, and tests/models/test_one_row.py
+    checks it in the layer)."""
+    kernel_calls = one_row_gemv_against_gemms(monkeypatch, str(MODEL))
+    assert len(kernel_calls) == 4 and not any(kernel_calls)
+
+
+@pytest.mark.gpu
+def test_fused_decode_of_one_row_through_the_gemv_kernels(monkeypatch):
+    """The same with the demo model, whose projections the kernel tiles: all four take it."""
+    assert one_row_gemv_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3")).count(True) == 4
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
