@@ -451,7 +451,8 @@ for s in $sections; do case $s in
   # the one-row path's tests on the GPU (the real kernels).
   one-row-gemv)
     run_section one-row-gemv-tests timeout 300 python3 -m pytest -q -p no:cacheprovider tests/models/test_one_row.py \
-        "tests/engine/test_engine.py::test_fused_decode_of_one_row_through_the_gemv_kernels"
+        "tests/engine/test_engine.py::test_fused_decode_of_one_row_through_the_gemv_kernels" \
+        "tests/engine/test_engine.py::test_fused_decode_of_one_row_through_the_gemv_path"
     for r in $(seq ${ROUNDS:-2}); do for p in xla gemv; do
       run_section one-row-$p-r$r timeout 120 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
