@@ -1,7 +1,8 @@
-"""A decoder layer's projections at batch 1 as four fused Mosaic GPU GEMVs, against XLA (issue 26).
+"""A decoder layer's projections at batch 1 (or a few rows) as four fused Mosaic GPU GEMVs, against
+XLA (issue 26).
 
 Qwen3-0.6B's dense layer without its attention, 28 layers chained in one jitted call (unrolled, as
-the engine's small buckets are), the residual stream h [1, 1024] carried through:
+the engine's small buckets are), the residual stream h [rows, 1024] carried through:
 
     x = rmsnorm(h) * g1;  qkv = x @ Wqkv;  a = qkv[:, :2048]     (a stands in for the attention's output)
     h = h + a @ Wo;  x = rmsnorm(h) * g2;  m = silu(x @ Wgate) * (x @ Wup);  h = h + m @ Wdown
@@ -19,10 +20,12 @@ Ways:
   mgpu_pdl   the same, each kernel launched as a programmatic dependent of the one before (CUDA's
              PDL: placed while the previous kernel drains, waiting for its results): whether that
              hides the launch gaps inside XLA's command buffers (GPU only)
+With `--rows M` > 1 (a bucket of M one-token rows): nk_Mrow (the engine's path there, cuBLAS), mgpu
+and mgpu_pdl at M rows (the kernel reads each weight tile once for all M rows).
 
 Reported per way: the kernels' device time per layer (profiler), their launches per layer, the wall
 time per call when calls run back to back (device-bound: the host queues ahead) per layer, and
-the weights' GB/s at that wall time; the max error of h against xla_1row. On a CPU the Mosaic GPU
+the weights' GB/s at that wall time; the max error of h against the first way. On a CPU the Mosaic GPU
 kernels run in their interpreter (--tiny: small shapes, 2 layers) and the wall time is one call's.
 
     python -m benchmarks.decode_layer_gemv --output-json decode_layer_gemv.json
@@ -73,14 +76,15 @@ def xla_layers(h, kn, *, rows):
 
     from mrv2_jax.models.layers import rms_norm
 
-    h = jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
+    m = h.shape[0]
+    h = jnp.pad(h, ((0, rows - m), (0, 0)))
     attn = kn["o"][0].shape[0]
     for layer in range(len(kn["qkv"])):
         qkv = rms_norm(h, kn["g1"][layer], EPS) @ kn["qkv"][layer]
         h = h + qkv[:, :attn] @ kn["o"][layer]
         gate, up = jnp.split(rms_norm(h, kn["g2"][layer], EPS) @ kn["gate_up"][layer], 2, axis=-1)
         h = h + (jax.nn.silu(gate) * up) @ kn["down"][layer]
-    return h[:1]
+    return h[:m]
 
 
 def nk_layers(h, nk, *, rows):
@@ -90,13 +94,14 @@ def nk_layers(h, nk, *, rows):
 
     from mrv2_jax.models.layers import gated_mlp, linear, rms_norm
 
-    h = jnp.pad(h, ((0, rows - h.shape[0]), (0, 0)))
+    m = h.shape[0]
+    h = jnp.pad(h, ((0, rows - m), (0, 0)))
     attn = nk["o"][0].shape[1]
     for layer in range(len(nk["qkv"])):
         qkv = linear(rms_norm(h, nk["g1"][layer], EPS), nk["qkv"][layer])
         h = h + linear(qkv[:, :attn], nk["o"][layer])
         h = h + gated_mlp(rms_norm(h, nk["g2"][layer], EPS), nk["gate_up"][layer], nk["down"][layer])
-    return h[:1]
+    return h[:m]
 
 
 def mgpu_layers(h, nk, *, interpret, pdl=False):
@@ -107,12 +112,16 @@ def mgpu_layers(h, nk, *, interpret, pdl=False):
     gemv = functools.partial(gemv, eps=EPS, interpret=interpret)
     # o and down (N = 1024) at 8 rows a CTA make 128 CTAs, about one an SM: a deeper ring keeps as many
     # bytes in flight there as the 16-row CTAs of qkv and gate/up (2-3 an SM) hold with 4 stages.
-    wide, narrow = GemvConfig(block_n=16, num_stages=4, pdl=pdl), GemvConfig(block_n=8, num_stages=8, pdl=pdl)
+    # With more rows each weight row costs more registers (a pair per x row): 8 rows a CTA there, as
+    # few as SwiGLU allows (16, its outputs' 16-byte store).
+    wide, narrow = GemvConfig(block_n=16 if h.shape[0] == 1 else 8, num_stages=4, pdl=pdl), \
+        GemvConfig(block_n=8, num_stages=8, pdl=pdl)
+    swiglu = GemvConfig(block_n=16, num_stages=4, pdl=pdl)
     attn = nk["o"].shape[2]
     for layer in range(nk["qkv"].shape[0]):
         qkv = gemv(h, nk["qkv"], layer=layer, norm_weight=nk["g1"], config=wide)
         h = gemv(qkv[:, :attn], nk["o"], layer=layer, epilogue="residual", residual=h, config=narrow)
-        m = gemv(h, nk["gate_up"], layer=layer, norm_weight=nk["g2"], epilogue="swiglu", config=wide)
+        m = gemv(h, nk["gate_up"], layer=layer, norm_weight=nk["g2"], epilogue="swiglu", config=swiglu)
         h = gemv(m, nk["down"], layer=layer, epilogue="residual", residual=h, config=narrow)
     return h
 
@@ -134,6 +143,7 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes, 2 layers (CPU tests)")
     p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--rows", type=int, default=1, help="rows of h (a bucket of that many one-token rows)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     import jax
@@ -145,7 +155,7 @@ def main(argv=None) -> list[dict]:
     dims = TINY if args.tiny else QWEN3_06B
     on_gpu = jax.default_backend() == "gpu"
     kn, nk = make_weights(dims)
-    h = jax.random.normal(jax.random.key(1), (1, dims["hidden"]), jnp.bfloat16)
+    h = jax.random.normal(jax.random.key(1), (args.rows, dims["hidden"]), jnp.bfloat16)
     kn_t = {name: [w.T.copy() if w.ndim == 2 else w for w in ws] for name, ws in kn.items()}
     weight_bytes = 2 * sum(w[0].size for name, w in kn.items() if name not in ("g1", "g2"))  # a layer's
     ways = {"xla_1row": (functools.partial(xla_layers, rows=1), kn),
@@ -154,6 +164,9 @@ def main(argv=None) -> list[dict]:
             "nk_8row": (functools.partial(nk_layers, rows=8), kn_t),
             "mgpu": (functools.partial(mgpu_layers, interpret=not on_gpu), nk),
             "mgpu_pdl": (functools.partial(mgpu_layers, interpret=not on_gpu, pdl=True), nk)}
+    if args.rows > 1:  # today's engine at that many rows (cuBLAS over [N, K]) against the kernels
+        ways = {f"nk_{args.rows}row": (functools.partial(nk_layers, rows=args.rows), kn_t),
+                "mgpu": ways["mgpu"], "mgpu_pdl": ways["mgpu_pdl"]}
     if not on_gpu:
         del ways["mgpu_pdl"]  # the interpreter runs kernels one after another: nothing to launch early
     layers = dims["layers"]
@@ -189,7 +202,7 @@ def main(argv=None) -> list[dict]:
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment, write_report
 
-        write_report({**describe_environment(), "settings": vars(args), "dims": dims,
+        write_report({**describe_environment(), "settings": vars(args), "dims": dims, "rows": args.rows,
                       "weight_bytes_per_layer": weight_bytes, "results": results}, args.output_json)
     return results
 

@@ -15,3 +15,10 @@ def test_the_fused_layers_match_xla_s(tmp_path):
     assert all(r["max_abs_error"] <= 0.1 for r in results), results
     report = json.loads(out.read_text())
     assert ENVIRONMENT_KEYS <= report.keys() and report["dims"] == decode_layer_gemv.TINY
+
+
+def test_a_few_rows_match_xla_s():
+    """--rows 2: the engine's two-row path (XLA over [N, K]) and the kernels at two rows agree."""
+    results = decode_layer_gemv.main(["--tiny", "--rows", "2"])
+    assert [r["way"] for r in results] == ["nk_2row", "mgpu"]
+    assert all(r["max_abs_error"] <= 0.1 for r in results), results
