@@ -114,8 +114,8 @@ def mgpu_layers(h, nk, *, interpret, pdl=False):
     # bytes in flight there as the 16-row CTAs of qkv and gate/up (2-3 an SM) hold with 4 stages.
     # With more rows each weight row costs more registers (a pair per x row): 8 rows a CTA there, as
     # few as SwiGLU allows (16, its outputs' 16-byte store).
-    wide, narrow = GemvConfig(block_n=16 if h.shape[0] == 1 else 8, num_stages=4, pdl=pdl), \
-        GemvConfig(block_n=8, num_stages=8, pdl=pdl)
+    wide = GemvConfig(block_n=16 if h.shape[0] == 1 else 8, num_stages=4, pdl=pdl)
+    narrow = GemvConfig(block_n=8, num_stages=8, pdl=pdl)
     swiglu = GemvConfig(block_n=16, num_stages=4, pdl=pdl)
     attn = nk["o"].shape[2]
     for layer in range(nk["qkv"].shape[0]):

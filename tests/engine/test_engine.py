@@ -269,9 +269,10 @@ def one_row_gemv_against_gemms(monkeypatch, model):
     kernel_calls, takes = [], one_row._kernel_takes  # per projection handed on as a LayerWeight: kernel or not
 
     def spy(x, w):
+        took = takes(x, w)
         if isinstance(w, LayerWeight):
-            kernel_calls.append(takes(x, w))
-        return takes(x, w)
+            kernel_calls.append(took)
+        return took
 
     monkeypatch.setattr(one_row, "_kernel_takes", spy)
     llm = make_llm(**config, kernels="decode_projections=gemv")
