@@ -180,9 +180,9 @@ class KernelConfig:
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
     ``decode_projections``: fused decode's one-row bucket as one token whose projections run as the
-    one-row GEMV kernels with the norms, residual adds and SwiGLU fused in ("gemv": models/one_row.py,
+    one-row GEMV kernels with the norms, residual adds and SwiGLU fused in ("gemv": models/gemv_projections.py,
     pallas_kernels/gemv_mgpu.py; Mosaic GPU, or its interpreter elsewhere; families with
-    ``one_row_weights``, one device), or padded to 8 tokens for cuBLAS's GEMMs ("xla"). "auto": "xla".
+    ``gemv_weights``, one device), or padded to 8 tokens for cuBLAS's GEMMs ("xla"). "auto": "xla".
     """
 
     attention: str = "auto"

@@ -13,7 +13,7 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
 - ``gemv_mgpu``: ``gemv`` / ``gemv_reference`` (decode's one-row projection from an ``[N, K]`` weight with
   the RMSNorm before it and a residual add or SwiGLU after it in the same kernel, no split of K; Mosaic
   GPU, issue 26; fused decode's one-row bucket with ``--kernels decode_projections=gemv``,
-  through mrv2_jax/models/one_row.py).
+  through mrv2_jax/models/gemv_projections.py).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``ragged_paged_attention_mgpu``: ``ragged_paged_attention_mgpu``, the same attention on Mosaic GPU

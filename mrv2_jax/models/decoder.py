@@ -99,8 +99,8 @@ class CausalLM(nnx.Module):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
         # A program of one token (fused decode's one-row bucket) sets this on the module it traces: the
-        # family's `one_row_weights` reach its layer as LayerWeights, for the GEMV kernel (models/one_row.py).
-        self.one_row_gemv = False
+        # family's `gemv_weights` reach its layer as LayerWeights, for the GEMV kernel (models/gemv_projections.py).
+        self.gemv_projections = False
         # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
         # split over, set when the weights are placed there; None: all layers on every device.
         self.pipeline_mesh = None
@@ -144,7 +144,7 @@ class CausalLM(nnx.Module):
         # Weights handed on with their stack and layer (LayerWeight); the others sliced per layer,
         # by the scan itself where it walks the whole stack (the weights' GEMMs read those slices in
         # place through XLA's dynamic-slice fusion).
-        in_place = set(self.spec.in_place_weights) | (set(self.spec.one_row_weights) if self.one_row_gemv else set())
+        in_place = set(self.spec.in_place_weights) | (set(self.spec.gemv_weights) if self.gemv_projections else set())
         wrapped = in_place & set(stack) if self.pipeline_mesh is None else set()
 
         def wrap(j):

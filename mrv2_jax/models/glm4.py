@@ -1,9 +1,9 @@
 """GLM-4-0414 (Glm4ForCausalLM): partial interleaved RoPE, q/k/v bias, fused gate_up,
 and two extra norms (after attention and after the MLP, before each residual add)."""
 
+from mrv2_jax.models.gemv_projections import norm_linear, norm_swiglu, project
 from mrv2_jax.models.layers import apply_rope_interleaved_partial, rms_norm, rope_angles, split_qkv
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
-from mrv2_jax.models.one_row import norm_linear, norm_swiglu, project
 
 _LAYER = "model.layers.{i}."
 
@@ -11,7 +11,7 @@ _LAYER = "model.layers.{i}."
 @register_model_state
 class Glm4ModelState(ModelState):
     architecture = "Glm4ForCausalLM"
-    one_row_weights = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
+    gemv_weights = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)

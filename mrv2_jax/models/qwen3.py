@@ -1,9 +1,9 @@
 """Qwen3 (dense): per-head RMSNorm on q and k, full "halves" RoPE, SwiGLU MLP."""
 
 from mrv2_jax.models.attention import QKNormRope
+from mrv2_jax.models.gemv_projections import linear_add, norm_linear, norm_swiglu, project
 from mrv2_jax.models.layers import gated_mlp, rms_norm, rope_angles
 from mrv2_jax.models.model_state import ModelState, WeightSource, register_model_state
-from mrv2_jax.models.one_row import linear_add, norm_linear, norm_swiglu, project
 from mrv2_jax.models.tensor_parallel import ShardRule, check_divides, row_parallel
 
 _ATTN = "model.layers.{i}.self_attn."
@@ -13,7 +13,7 @@ _ATTN = "model.layers.{i}.self_attn."
 class Qwen3ModelState(ModelState):
     architecture = "Qwen3ForCausalLM"
     in_place_weights = ("q_norm", "k_norm")
-    one_row_weights = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
+    gemv_weights = ("input_norm", "qkv_proj", "o_proj", "post_attention_norm", "gate_up_proj", "down_proj")
 
     def __init__(self, hf_config):
         super().__init__(hf_config)

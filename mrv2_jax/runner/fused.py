@@ -95,7 +95,7 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
 def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams,
                       block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0,
                       mesh=None, on_step=None, decode_kernel: str = "pallas", ragged_kernel: str = "pallas",
-                      unroll_layers: bool = False, one_row_gemv: bool = False):
+                      unroll_layers: bool = False, gemv_projections: bool = False):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields).
     `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None.
@@ -103,9 +103,9 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
     `decode_kernel`: the attention kernel of its steps, "pallas" or "mgpu" (models/attention.py);
     `ragged_kernel`: the one used where `decode_kernel` is "pallas".
     `unroll_layers`: every decoder layer unrolled in the step's body (else the model's `layer_unroll`).
-    `one_row_gemv` (a one-row bucket): the step computes the row's one token and the family's layer
-    runs its projections through the GEMV kernels (CausalLM.one_row_gemv) instead of padding to
-    ONE_ROW_TOKENS."""
+    `gemv_projections` (a bucket of at most gemv_mgpu.MAX_ROWS rows): the family's layer runs its
+    projections through the GEMV kernels (CausalLM.gemv_projections), and a one-row bucket computes its
+    one token instead of padding to ONE_ROW_TOKENS."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
         x = layout.unpack(packed)
@@ -118,9 +118,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
         diverged = prepare.diverged_rows(state, idx, budget, num_reqs)
         # One token per row, read from the tables (no chunk of prompt tokens); one row pads to
         # ONE_ROW_TOKENS, so that its projections stay GEMMs, unless they run as the GEMV kernels.
-        if one_row_gemv and num_rows != 1:
-            raise ValueError(f"one_row_gemv needs a bucket of one row, got {num_rows}")
-        num_tokens = ONE_ROW_TOKENS if num_rows == 1 and not one_row_gemv else num_rows
+        num_tokens = ONE_ROW_TOKENS if num_rows == 1 and not gemv_projections else num_rows
         no_chunk = jnp.zeros((num_tokens,), jnp.int32)
 
         def one_step(step, carry):
@@ -138,7 +136,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             lm = params.merge(param_leaves)
             if unroll_layers:
                 lm.layer_unroll = True
-            lm.one_row_gemv = one_row_gemv
+            lm.gemv_projections = gemv_projections
             kv_cache, out = forward_and_sample(
                 lm, kv_cache, input_ids=inputs.input_ids, positions=inputs.positions,
                 attention=attention, logits_indices=inputs.logits_indices, sampling=sampling,

@@ -159,7 +159,7 @@ class ModelRunnerV2(RunnerBase):
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs fused
         decode's one-row bucket as one token whose projections are the GEMV kernels (the family's
-        `one_row_weights`; models/one_row.py), "xla" pads it to fused.ONE_ROW_TOKENS for cuBLAS;
+        `gemv_weights`; models/gemv_projections.py), "xla" pads it to fused.ONE_ROW_TOKENS for cuBLAS;
         one device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
@@ -201,8 +201,12 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
-        self.one_row_gemv = (decode_projections == "gemv" and tensor_parallel is None
-                             and bool(model_state.one_row_weights))
+        # Fused decode's buckets of at most this many rows run their projections as the GEMV kernels (0: none).
+        self.gemv_max_rows = 0
+        if decode_projections == "gemv" and tensor_parallel is None and model_state.gemv_weights:
+            from pallas_kernels.gemv_mgpu import MAX_ROWS
+
+            self.gemv_max_rows = MAX_ROWS
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -297,7 +301,7 @@ class ModelRunnerV2(RunnerBase):
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
                                   unroll_layers=self.unrolls_layers(bucket),
-                                  one_row_gemv=self.one_row_gemv and bucket.num_reqs == 1)
+                                  gemv_projections=bucket.num_reqs <= self.gemv_max_rows)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec

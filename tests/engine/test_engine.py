@@ -246,27 +246,28 @@ def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
     assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
-def one_row_gemv_against_gemms(monkeypatch, model):
-    """Greedy tokens of `model` (bf16, one row) with --kernels decode_projections=gemv against the
-    8-token GEMM path -> whether each projection of the one-row program took the GEMV kernel.
+def gemv_projections_against_gemms(monkeypatch, model, rows):
+    """Greedy tokens of `model` (bf16, engines of `rows` rows, 3 prompts) with --kernels
+    decode_projections=gemv against cuBLAS's GEMMs (a one-row bucket padded to 8 tokens) -> whether each
+    projection of the fused program took the GEMV kernel.
 
-    The one-row bucket's program must compute its one token (no padding) with the family's one-row
-    weights handed on (CausalLM.one_row_gemv), and give the GEMM path's tokens up to the first step
-    whose top two candidates are within a few bf16 steps of each other: the paths round differently,
-    such a near-tie may go either way, and the sequences may part there."""
-    from mrv2_jax.models import one_row
+    The fused bucket's program must compute one token a row (one row: no padding) with the family's
+    GEMV weights handed on (CausalLM.gemv_projections), and give the GEMM path's tokens up to the first
+    step whose top two candidates are within a few bf16 steps of each other: the paths round
+    differently, such a near-tie may go either way, and the sequences may part there."""
+    from mrv2_jax.models import gemv_projections
     from mrv2_jax.models.layer_weight import LayerWeight
     from mrv2_jax.runner import fused
 
     prompts = random_prompts(3, seed=13)
-    config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=1, max_fused_steps=4)
+    config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=4)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
     reference = [o.outputs[0] for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
     tokens, forward = [], fused.forward_and_sample
     monkeypatch.setattr(fused, "forward_and_sample",
-                        lambda lm, *a, **kw: tokens.append((kw["input_ids"].shape[0], lm.one_row_gemv))
+                        lambda lm, *a, **kw: tokens.append((kw["input_ids"].shape[0], lm.gemv_projections))
                         or forward(lm, *a, **kw))
-    kernel_calls, takes = [], one_row._kernel_takes  # per projection handed on as a LayerWeight: kernel or not
+    kernel_calls, takes = [], gemv_projections._kernel_takes  # per projection handed on as a LayerWeight
 
     def spy(x, w):
         took = takes(x, w)
@@ -274,10 +275,10 @@ def one_row_gemv_against_gemms(monkeypatch, model):
             kernel_calls.append(took)
         return took
 
-    monkeypatch.setattr(one_row, "_kernel_takes", spy)
+    monkeypatch.setattr(gemv_projections, "_kernel_takes", spy)
     llm = make_llm(**config, kernels="decode_projections=gemv")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(1, True)}
+    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, True)}
     compared = 0
     for want, out in zip(reference, got):
         for step, (token, candidates) in enumerate(zip(want.token_ids, want.logprobs)):
@@ -290,19 +291,21 @@ def one_row_gemv_against_gemms(monkeypatch, model):
     return kernel_calls
 
 
-def test_fused_decode_of_one_row_through_the_gemv_path(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_decode_through_the_gemv_path(monkeypatch, rows):
     """--kernels decode_projections=gemv with the tiny model, whose shapes the GEMV kernel does not
-    tile (K = 64): one token, the one-row weights handed on, the XLA math (the kernel in the engine is
-    the GPU test below; on a CPU its interpreter takes minutes there, and tests/models/test_one_row.py
-    checks it in the layer)."""
-    kernel_calls = one_row_gemv_against_gemms(monkeypatch, str(MODEL))
+    tile (K = 64): one token a row, the GEMV weights handed on, the XLA math (the kernel in the engine
+    is the GPU test below; on a CPU its interpreter takes minutes there, and
+    tests/models/test_gemv_projections.py checks it in the layer)."""
+    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows)
     assert len(kernel_calls) == 4 and not any(kernel_calls)
 
 
 @pytest.mark.gpu
-def test_fused_decode_of_one_row_through_the_gemv_kernels(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_decode_through_the_gemv_kernels(monkeypatch, rows):
     """The same with the demo model, whose projections the kernel tiles: all four take it."""
-    assert one_row_gemv_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3")).count(True) == 4
+    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), rows).count(True) == 4
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
