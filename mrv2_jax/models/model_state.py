@@ -84,9 +84,9 @@ class ModelState(ABC):
     # that reads them through models/layer_weight.py's weight_array or passes the stack to a kernel
     # (the q/k norms of QKNormRope): a kernel reads the stack in place instead of a copied slice.
     in_place_weights: ClassVar[tuple[str, ...]] = ()
-    # Layer weights the layer reads through models/gemv_projections.py (its projections and the norms before
-    # them): in a one-row program (CausalLM.gemv_projections) they come as LayerWeights too, which the
-    # GEMV kernel reads in place. () : the family has no one-row path.
+    # Layer weights the layer reads through models/gemv_projections.py (its projections and the norms
+    # before them): in a program of a few rows (CausalLM.gemv_projections) they come as LayerWeights too,
+    # which the GEMV kernel reads in place. () : the family has no GEMV path.
     gemv_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, hf_config):

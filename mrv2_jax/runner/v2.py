@@ -157,10 +157,10 @@ class ModelRunnerV2(RunnerBase):
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
-        rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs fused
-        decode's one-row bucket as one token whose projections are the GEMV kernels (the family's
-        `gemv_weights`; models/gemv_projections.py), "xla" pads it to fused.ONE_ROW_TOKENS for cuBLAS;
-        one device only."""
+        rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
+        projections of fused decode's buckets of up to gemv_mgpu.MAX_ROWS rows as the GEMV kernels (the
+        family's `gemv_weights`; models/gemv_projections.py), the one-row bucket as one token; "xla"
+        leaves them to cuBLAS and pads the one-row bucket to fused.ONE_ROW_TOKENS; one device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
