@@ -448,7 +448,8 @@ for s in $sections; do case $s in
     done; done ;;
   # Issue 26: fused decode with its buckets of up to 8 rows through the GEMV kernels (decode_projections=gemv)
   # against cuBLAS (xla) at batch 1 / 8 / 32 (32 is the control: its bucket keeps cuBLAS), and batch 1 in a
-  # one-row bucket (max_num_seqs 1), ROUNDS rounds, after the GEMV path's tests on the GPU (the real kernels).
+  # one-row bucket (max_num_seqs 1; GEMV_ONE_ROW=0 leaves it out), ROUNDS rounds, after the GEMV path's
+  # tests on the GPU (the real kernels).
   gemv-projections)
     run_section gemv-projections-tests timeout 300 python3 -m pytest -q -p no:cacheprovider \
         tests/models/test_gemv_projections.py "tests/engine/test_engine.py::test_fused_decode_through_the_gemv_kernels" \
@@ -457,7 +458,7 @@ for s in $sections; do case $s in
       run_section gemv-projections-$p-r$r timeout 150 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_r$r.json"
-      run_section gemv-projections-$p-one-row-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      [ "${GEMV_ONE_ROW:-1}" = 0 ] || run_section gemv-projections-$p-one-row-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
     done; done ;;
