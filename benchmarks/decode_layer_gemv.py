@@ -14,14 +14,13 @@ Ways:
   nk_1row    XLA over [N, K] weights (the engine's layout since session 45), one row: the products become
              reductions along contiguous rows of K
   nk_8row    the same at 8 rows (cuBLAS with the transposed operand)
-  mgpu       pallas_kernels/gemv_mgpu over [N, K] weights, four kernels a layer: norm + qkv, o +
-             residual, norm + gate/up + SwiGLU, down + residual; the `a`
-             slice is the only other op
-  mgpu_pdl   the same, each kernel launched as a programmatic dependent of the one before (CUDA's
-             PDL: placed while the previous kernel drains, waiting for its results): whether that
-             hides the launch gaps inside XLA's command buffers (GPU only)
-With `--rows M` > 1 (a bucket of M one-token rows): nk_Mrow (the engine's path there, cuBLAS), mgpu
-and mgpu_pdl at M rows (the kernel reads each weight tile once for all M rows).
+  mgpu       the engine's GEMV path (mrv2_jax/models/gemv_projections.py: pallas_kernels/gemv_mgpu over
+             [N, K] weights), four kernels a layer: norm + qkv, o + residual, norm + gate/up + SwiGLU,
+             down + residual; the `a` slice is the only other op
+With `--rows M` > 1 (a bucket of M one-token rows): nk_Mrow (cuBLAS, the engine's path without the GEMV
+kernels) and mgpu at M rows (the kernel reads each weight tile once for all M rows); past
+FUSED_SWIGLU_MAX_ROWS rows mgpu's SwiGLU runs in XLA after the gate/up kernel, and mgpu_fused_swiglu
+keeps it in the kernel (16 weight rows a CTA: whether its sums still fit the registers).
 
 Reported per way: the kernels' device time per layer (profiler), their launches per layer, the wall
 time per call when calls run back to back (device-bound: the host queues ahead) per layer, and
@@ -104,25 +103,23 @@ def nk_layers(h, nk, *, rows):
     return h[:m]
 
 
-def mgpu_layers(h, nk, *, interpret, pdl=False):
-    """The layers as four gemv_mgpu kernels each, over the [N, K] stacks read in place (`pdl`: each
-    launched as a programmatic dependent of the one before)."""
-    from pallas_kernels.gemv_mgpu import GemvConfig, gemv
+def mgpu_layers(h, nk, *, fused_swiglu=False):
+    """The layers through the engine's GEMV path (mrv2_jax/models/gemv_projections.py, its kernel
+    configs): four gemv_mgpu kernels a layer over the [N, K] stacks read in place, the SwiGLU fused
+    up to FUSED_SWIGLU_MAX_ROWS rows and in XLA past them; `fused_swiglu`: fused at any row count."""
+    from mrv2_jax.models import gemv_projections as gp
+    from mrv2_jax.models.layer_weight import LayerWeight
 
-    gemv = functools.partial(gemv, eps=EPS, interpret=interpret)
-    # o and down (N = 1024) at 8 rows a CTA make 128 CTAs, about one an SM: a deeper ring keeps as many
-    # bytes in flight there as the 16-row CTAs of qkv and gate/up (2-3 an SM) hold with 4 stages.
-    # With more rows each weight row costs more registers (a pair per x row): 8 rows a CTA there, as
-    # few as SwiGLU allows (16, its outputs' 16-byte store).
-    wide = GemvConfig(block_n=16 if h.shape[0] == 1 else 8, num_stages=4, pdl=pdl)
-    narrow = GemvConfig(block_n=8, num_stages=8, pdl=pdl)
-    swiglu = GemvConfig(block_n=16, num_stages=4, pdl=pdl)
     attn = nk["o"].shape[2]
     for layer in range(nk["qkv"].shape[0]):
-        qkv = gemv(h, nk["qkv"], layer=layer, norm_weight=nk["g1"], config=wide)
-        h = gemv(qkv[:, :attn], nk["o"], layer=layer, epilogue="residual", residual=h, config=narrow)
-        m = gemv(h, nk["gate_up"], layer=layer, norm_weight=nk["g2"], epilogue="swiglu", config=swiglu)
-        h = gemv(m, nk["down"], layer=layer, epilogue="residual", residual=h, config=narrow)
+        w = {name: LayerWeight(stack, layer) for name, stack in nk.items()}
+        qkv = gp.norm_linear(h, w["g1"], w["qkv"], EPS)
+        h = gp.linear_add(qkv[:, :attn], w["o"], h)
+        if fused_swiglu:
+            m = gp.layer_gemv(h, w["gate_up"], norm_weight=nk["g2"], eps=EPS, epilogue="swiglu")
+        else:
+            m = gp.norm_swiglu(h, w["g2"], w["gate_up"], EPS)
+        h = gp.linear_add(m, w["down"], h)
     return h
 
 
@@ -151,6 +148,7 @@ def main(argv=None) -> list[dict]:
     import numpy as np
 
     from mrv2_jax.bench.trace import profile_kernels
+    from mrv2_jax.models.gemv_projections import FUSED_SWIGLU_MAX_ROWS
 
     dims = TINY if args.tiny else QWEN3_06B
     on_gpu = jax.default_backend() == "gpu"
@@ -162,13 +160,11 @@ def main(argv=None) -> list[dict]:
             "xla_8row": (functools.partial(xla_layers, rows=8), kn),
             "nk_1row": (functools.partial(nk_layers, rows=1), kn_t),
             "nk_8row": (functools.partial(nk_layers, rows=8), kn_t),
-            "mgpu": (functools.partial(mgpu_layers, interpret=not on_gpu), nk),
-            "mgpu_pdl": (functools.partial(mgpu_layers, interpret=not on_gpu, pdl=True), nk)}
-    if args.rows > 1:  # today's engine at that many rows (cuBLAS over [N, K]) against the kernels
-        ways = {f"nk_{args.rows}row": (functools.partial(nk_layers, rows=args.rows), kn_t),
-                "mgpu": ways["mgpu"], "mgpu_pdl": ways["mgpu_pdl"]}
-    if not on_gpu:
-        del ways["mgpu_pdl"]  # the interpreter runs kernels one after another: nothing to launch early
+            "mgpu": (mgpu_layers, nk)}
+    if args.rows > 1:  # the engine at that many rows without the GEMV kernels (cuBLAS over [N, K]) against them
+        ways = {f"nk_{args.rows}row": (functools.partial(nk_layers, rows=args.rows), kn_t), "mgpu": ways["mgpu"]}
+    if args.rows > FUSED_SWIGLU_MAX_ROWS:
+        ways["mgpu_fused_swiglu"] = (functools.partial(mgpu_layers, fused_swiglu=True), nk)
     layers = dims["layers"]
     reference, results = None, []
     for way, (fn, weights) in ways.items():

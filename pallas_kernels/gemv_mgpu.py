@@ -63,18 +63,11 @@ EPILOGUES = (None, "residual", "swiglu")
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """``block_n`` weight rows per CTA (outputs: ``block_n``, or ``block_n / 2`` with SwiGLU) and the
-    pipeline's depth in ``[block_n, BLOCK_K]`` tiles.
-
-    ``pdl``: launch as a programmatic dependent (CUDA's PDL, ``griddepcontrol``): the kernel's CTAs may
-    be placed on the SMs while the kernel before it drains, each waits for that kernel's results
-    before it reads anything, and lets the kernel after it (if it is launched the same way) be
-    placed once it has begun. It hides launch gaps between such kernels; whether it does inside XLA's
-    command buffers is what the benchmark asks. The interpreter runs kernels one after another, so
-    there it changes nothing."""
+    pipeline's depth in ``[block_n, BLOCK_K]`` tiles. Each thread keeps ``block_n * M`` f32 register
+    pairs of sums: past ~96 (e.g. 16 weight rows at 8 rows of x) they no longer fit its registers."""
 
     block_n: int = 8
     num_stages: int = 4
-    pdl: bool = False
 
 
 def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None):
@@ -122,10 +115,7 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
         raise ValueError(f"residual must be [M, N] = {(x.shape[0], n)}, got {tuple(residual.shape)}")
 
 
-def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, norm, epilogue, pdl):
-    if pdl:
-        plgpu.griddepcontrol_wait()  # the previous kernel's writes (x, the residual) are visible from here
-        plgpu.griddepcontrol_launch_dependents()
+def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, norm, epilogue):
     rest = list(rest)
     g_gmem = rest.pop(0) if norm else None
     r_gmem = rest.pop(0) if epilogue == "residual" else None
@@ -220,8 +210,7 @@ def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None
     num_out = n // 2 if epilogue == "swiglu" else n
     kernel = plgpu.kernel(
         functools.partial(_kernel, block_n=config.block_n, steps=steps, stages=min(config.num_stages, steps), k=k,
-                          eps=eps, norm=norm_weight is not None, epilogue=epilogue,
-                          pdl=config.pdl and not interpret),
+                          eps=eps, norm=norm_weight is not None, epilogue=epilogue),
         out_type=jax.ShapeDtypeStruct((x.shape[0], num_out), jnp.bfloat16),
         grid=(n // config.block_n,),
         grid_names=("n",),

@@ -132,20 +132,6 @@ def test_cuda_lowering_accepts_each_projection_of_a_layer(name):
                           S((28, k), jnp.bfloat16), S((rows, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
 
 
-def test_pdl_launches_as_a_programmatic_dependent_and_waits_first():
-    """With pdl the lowered kernel carries Mosaic GPU's PDL attribute (its runtime then launches it with
-    programmatic stream serialisation) and the griddepcontrol instructions; without, neither."""
-    S = jax.ShapeDtypeStruct
-    texts = {}
-    for pdl in (False, True):
-        fn = functools.partial(gemv, config=GemvConfig(16, 4, pdl=pdl))
-        texts[pdl] = jax.jit(lambda x, w, layer: fn(x, w, layer=layer)).trace(
-            S((1, 1024), jnp.bfloat16), S((28, 4096, 1024), jnp.bfloat16), S((), jnp.int32)).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu.uses_pdl" in texts[True] and "griddepcontrol.wait" in texts[True]
-    assert "uses_pdl" not in texts[False] and "griddepcontrol" not in texts[False]
-
-
 @pytest.mark.parametrize("kwargs,message", [
     (dict(x=(9, 256)), r"1 <= M <= 8"),
     (dict(k=128), "multiple of BLOCK_K"),
@@ -166,12 +152,11 @@ def test_bad_input_is_refused(kwargs, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("name", list(QWEN3_06B))
-def test_on_the_gpu_at_qwen3_shapes(name, pdl):
+def test_on_the_gpu_at_qwen3_shapes(name):
     k, n, norm, epilogue = QWEN3_06B[name]
     x, w, g, r = make(4, k, n)
-    config = GemvConfig(block_n=16, pdl=pdl)
+    config = GemvConfig(block_n=16)
     y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=config), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=3, norm_weight=g if norm else None, epilogue=epilogue,
                                     residual=r if epilogue == "residual" else None), np.float32)

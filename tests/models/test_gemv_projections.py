@@ -44,7 +44,9 @@ def logits_and_jaxpr(lm, ids, gemv_projections, unroll):
     return np.asarray(jax.jit(forward)(ids)), str(jax.make_jaxpr(forward)(ids))
 
 
-@pytest.mark.parametrize("family,unroll,ids", [("qwen3", True, [17]), ("glm4", 1, [17]), ("qwen3", 1, [17, 4, 9])])
+# One token; three (SwiGLU in the kernel); six (past FUSED_SWIGLU_MAX_ROWS: gate/up in the kernel, SwiGLU in XLA).
+@pytest.mark.parametrize("family,unroll,ids", [("qwen3", True, [17]), ("glm4", 1, [17]), ("qwen3", 1, [17, 4, 9]),
+                                               ("glm4", True, [17, 4, 9, 30, 2, 11])])
 def test_a_few_tokens_through_the_gemv_kernels_give_the_xla_logits(family, unroll, ids):
     _, lm = model(family)
     ids = jnp.asarray(ids, jnp.int32)
