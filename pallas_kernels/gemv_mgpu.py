@@ -64,7 +64,7 @@ EPILOGUES = (None, "residual", "swiglu")
 class GemvConfig:
     """``block_n`` weight rows per CTA (outputs: ``block_n``, or ``block_n / 2`` with SwiGLU) and the
     pipeline's depth in ``[block_n, BLOCK_K]`` tiles. Each thread keeps ``block_n * M`` f32 register
-    pairs of sums: past ~96 (e.g. 16 weight rows at 8 rows of x) they no longer fit its registers."""
+    pairs of sums: 16 weight rows at 8 rows of x make 256 registers, more than a thread has."""
 
     block_n: int = 8
     num_stages: int = 4
