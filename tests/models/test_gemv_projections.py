@@ -10,6 +10,7 @@ import pytest
 from transformers import Glm4Config, Qwen3Config
 
 from mrv2_jax.models.attention import DenseAttention
+from mrv2_jax.models.gemv_projections import FUSED_SWIGLU_MAX_ROWS
 from mrv2_jax.models.model_state import model_state_for
 
 # Sizes the kernel tiles (K a multiple of 256), two layers.
@@ -56,6 +57,8 @@ def test_a_few_tokens_through_the_gemv_kernels_give_the_xla_logits(family, unrol
     # (Qwen3: norm + qkv, o + residual, norm + gate/up + SwiGLU, down + residual; GLM-4 the same with
     # its o and down plain), in the layer scan's one body (XLA unrolls it later).
     assert jaxpr.count("mpmd_map[") == 4
+    # XLA's SwiGLU (jax.nn.silu: a `logistic`) only past FUSED_SWIGLU_MAX_ROWS; the kernel's own is exp-based.
+    assert ("logistic" in jaxpr) == (len(ids) > FUSED_SWIGLU_MAX_ROWS)
     # The kernel rounds once where XLA rounds the norm's output and each product: a few bf16 steps.
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got, expected, atol=0.03 * scale, rtol=0)
