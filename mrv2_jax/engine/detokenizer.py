@@ -18,6 +18,7 @@ turn out to be the start of a stop string that must not be shown.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import tokenizers
@@ -65,7 +66,8 @@ class IncrementalDetokenizer:
         while context and self._tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
             context.pop()
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._context = context  # the last ids whose text was emitted (a flush's left context)
+        # The last ids whose text was emitted (a flush's left context).
+        self._context = deque(context, maxlen=_CONTEXT_TOKENS)
         self._pending: list[int] = []  # ids the stream holds back: an unfinished character
         self._stop = list(stop)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
@@ -95,8 +97,10 @@ class IncrementalDetokenizer:
         if text is None:
             self._pending += new_token_ids
             return self._append("", final=False)
-        self._context = (self._context + self._pending + new_token_ids)[-_CONTEXT_TOKENS:]
-        self._pending = []
+        if self._pending:
+            self._context.extend(self._pending)
+            self._pending = []
+        self._context.extend(new_token_ids)
         return self._append(text, final=False)
 
     def flush(self) -> str:
@@ -106,14 +110,18 @@ class IncrementalDetokenizer:
         text = ""
         if self._pending:  # what the stream holds back, decoded after its left context
             decode = self._tokenizer.decode
-            prefix = decode(self._context, skip_special_tokens=self._skip_special_tokens)
-            full = decode(self._context + self._pending, skip_special_tokens=self._skip_special_tokens)
+            context = list(self._context)
+            prefix = decode(context, skip_special_tokens=self._skip_special_tokens)
+            full = decode(context + self._pending, skip_special_tokens=self._skip_special_tokens)
             text = full[len(prefix):] if len(full) > len(prefix) else ""
             self._pending = []
         delta, _ = self._append(text, final=True)
         return delta
 
     def _append(self, new_text: str, final: bool) -> tuple[str, str | None]:
+        if not self._stop:  # nothing to search for or hold back: all new text goes out
+            self.output_text += new_text
+            return new_text, None
         if new_text:
             # A stop string completed by the new text must end inside it, so it starts at
             # most (longest stop - 1) characters before it.

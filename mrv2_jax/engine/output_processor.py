@@ -100,19 +100,17 @@ class OutputProcessor:
                 continue
             # Split into single tokens (a fused call or a speculative step brings several): a
             # stop string then ends the output at the token that completed it, and streams look
-            # the same whatever the step size. An output without tokens (a finish) stays whole.
-            for i in range(max(len(tokens), 1)):
-                last = i >= len(tokens) - 1
-                logprobs = out.new_logprobs[i : i + 1] if out.new_logprobs else None
-                snapshot, stop_string = self._advance(
-                    t, tokens[i : i + 1], logprobs, out.finish_reason if last else None,
-                    out.stop_reason if last else None, now)
-                if stop_string:
-                    stopped.append(out.req_id)
-                if snapshot is not None:
-                    changed.append(snapshot)
-                    if snapshot.finished:
-                        del self.tracked[out.req_id]
+            # the same whatever the step size. An output of one token (a decode step, the common
+            # case) or of none (a finish) goes whole.
+            if len(tokens) <= 1:
+                self._deliver(t, tokens, out.new_logprobs or None, out.finish_reason, out.stop_reason, now,
+                              changed, stopped)
+            else:
+                for i in range(len(tokens)):
+                    last = i == len(tokens) - 1
+                    logprobs = out.new_logprobs[i : i + 1] if out.new_logprobs else None
+                    if self._deliver(t, tokens[i : i + 1], logprobs, out.finish_reason if last else None,
+                                     out.stop_reason if last else None, now, changed, stopped):
                         break
             if t.early and out.req_id in self.tracked:
                 self._apply_early(t, now, changed, stopped)
@@ -137,14 +135,23 @@ class OutputProcessor:
             del t.early[index]
         while len(t.token_ids) in t.early:
             token = t.early.pop(len(t.token_ids))
-            snapshot, stop_string = self._advance(t, [token], None, None, None, now)
-            if stop_string:
-                stopped.append(t.request.request_id)
-            if snapshot is not None:
-                changed.append(snapshot)
-                if snapshot.finished:
-                    del self.tracked[t.request.request_id]
-                    return
+            if self._deliver(t, [token], None, None, None, now, changed, stopped):
+                return
+
+    def _deliver(self, t: _Tracked, token_ids: list[int], logprobs, finish_reason, stop_reason, now,
+                 changed: list, stopped: list) -> bool:
+        """Apply one request's new tokens and collect its output -> whether the request finished (it
+        is then no longer tracked)."""
+        snapshot, stop_string = self._advance(t, token_ids, logprobs, finish_reason, stop_reason, now)
+        if stop_string:
+            stopped.append(t.request.request_id)
+        if snapshot is None:
+            return False
+        changed.append(snapshot)
+        if snapshot.finished:
+            del self.tracked[t.request.request_id]
+            return True
+        return False
 
     def _advance(self, t: _Tracked, token_ids: list[int], logprobs, finish_reason, stop_reason, now,
                  ) -> tuple[RequestOutput | None, bool]:
@@ -183,13 +190,12 @@ class OutputProcessor:
         return text
 
     def _snapshot(self, t: _Tracked, finish_reason, stop_reason, now) -> RequestOutput:
+        # Arguments by position, in each class's field order: this runs for every streaming request at
+        # every step, and keyword arguments nearly double what building a slotted dataclass costs.
         r = t.request
-        completion = CompletionOutput(text=t.text, token_ids=TokenIdsView(t.token_ids),
-                                      finish_reason=finish_reason, stop_reason=stop_reason,
-                                      logprobs=None if t.logprobs is None else t.logprobs.snapshot())
-        metrics = RequestMetrics(arrival_time=r.arrival_time, first_token_time=t.first_token_time,
-                                 finished_time=now if finish_reason else None)
-        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
-                             outputs=[completion], finished=finish_reason is not None, metrics=metrics,
-                             num_cached_tokens=r.num_cached_tokens, delta_text=t.delta_text,
-                             prompt_logprobs=t.prompt_logprobs)  # set once: shared, like its dicts
+        completion = CompletionOutput(t.text, TokenIdsView(t.token_ids), finish_reason, stop_reason, 0,
+                                      None if t.logprobs is None else t.logprobs.snapshot())
+        metrics = RequestMetrics(r.arrival_time, t.first_token_time, now if finish_reason else None)
+        # prompt_logprobs are set once: shared between snapshots, like their dicts.
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], finish_reason is not None,
+                             metrics, r.num_cached_tokens, t.prompt_logprobs, t.delta_text)
