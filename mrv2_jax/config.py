@@ -179,8 +179,8 @@ class KernelConfig:
     above for the rows they do not settle) or "sort" (one sort of every row). "auto": threshold on GPUs
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
-    ``decode_projections``: the projections of fused decode's buckets of up to 8 rows as GEMV kernels
-    with the norms, residual adds and SwiGLU fused in, the one-row bucket as one token ("gemv":
+    ``decode_projections``: the projections of fused decode's one-row bucket as GEMV kernels with the
+    norms, residual adds and SwiGLU fused in, the bucket as one token ("gemv":
     models/gemv_projections.py, pallas_kernels/gemv_mgpu.py; Mosaic GPU, or its interpreter elsewhere;
     families with ``gemv_weights``, one device), or cuBLAS's GEMMs with the one-row bucket padded to 8
     tokens ("xla"). "auto": "xla".

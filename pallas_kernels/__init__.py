@@ -12,7 +12,7 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   used by the engine).
 - ``gemv_mgpu``: ``gemv`` / ``gemv_reference`` (decode's projection of 1-8 rows from an ``[N, K]`` weight with
   the RMSNorm before it and a residual add or SwiGLU after it in the same kernel, no split of K; Mosaic
-  GPU, issue 26; fused decode's buckets of up to 8 rows with ``--kernels decode_projections=gemv``,
+  GPU, issue 26; fused decode's one-row bucket with ``--kernels decode_projections=gemv``,
   through mrv2_jax/models/gemv_projections.py).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).

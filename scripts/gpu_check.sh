@@ -27,7 +27,7 @@
 # KV cache filling the GPU (large-kv), fused decode with the layer loop and with every layer unrolled
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
-# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), and fused decode's buckets of up to 8 rows
+# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), and fused decode's one-row bucket
 # through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
@@ -446,19 +446,14 @@ for s in $sections; do case $s in
           --batches 1 --max-num-seqs $n --fused-steps 16 --compile-mode lazy \
           --output-json "$OUT/fused_decode_one_row_seqs${n}_r$r.json"
     done; done ;;
-  # Issue 26: fused decode with its buckets of up to 8 rows through the GEMV kernels (decode_projections=gemv)
-  # against cuBLAS (xla) at batch 1 / 8 / 32 (32 is the control: its bucket keeps cuBLAS), and batch 1 in a
-  # one-row bucket (max_num_seqs 1; GEMV_ONE_ROW=0 leaves it out), ROUNDS rounds, after the GEMV path's
-  # tests on the GPU (the real kernels).
+  # Issue 26: batch 1 in fused decode's one-row bucket (max_num_seqs 1) through the GEMV kernels
+  # (decode_projections=gemv) against cuBLAS (xla), ROUNDS rounds, after the GEMV path's tests on the GPU
+  # (the gpu-marked one runs the real kernels in the engine).
   gemv-projections)
-    run_section gemv-projections-tests timeout 300 python3 -m pytest -q -p no:cacheprovider \
-        tests/models/test_gemv_projections.py "tests/engine/test_engine.py::test_fused_decode_through_the_gemv_kernels" \
-        "tests/engine/test_engine.py::test_fused_decode_through_the_gemv_path"
+    run_section gemv-projections-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+        tests/models/test_gemv_projections.py tests/engine/test_engine.py -k "gemv"
     for r in $(seq ${ROUNDS:-2}); do for p in xla gemv; do
-      run_section gemv-projections-$p-r$r timeout 150 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
-          --output-json "$OUT/fused_decode_projections_${p}_r$r.json"
-      [ "${GEMV_ONE_ROW:-1}" = 0 ] || run_section gemv-projections-$p-one-row-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+      run_section gemv-projections-$p-one-row-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
     done; done ;;

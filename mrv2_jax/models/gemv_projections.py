@@ -5,7 +5,8 @@ small kernels around it (the RMSNorm before, the residual add or SwiGLU after).
 `pallas_kernels/gemv_mgpu.py` does the norm, the product and the add or SwiGLU in one kernel from the
 `[out, in]` weight, reading each weight tile once for all the rows.
 
-A program that wants it (fused decode's buckets of up to `gemv_mgpu.MAX_ROWS` rows: `CausalLM.gemv_projections`)
+A program that wants it (fused decode's one-row bucket: `CausalLM.gemv_projections`; the functions take up
+to `gemv_mgpu.MAX_ROWS` tokens)
 has the decoder hand the family's `ModelState.gemv_weights` (its projections and the norms before
 them) to the layer as `LayerWeight`s, which the kernel reads in place from their stacks. The functions
 below are what a family's layer calls for those steps: with LayerWeights and at most that many tokens

@@ -103,9 +103,9 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
     `decode_kernel`: the attention kernel of its steps, "pallas" or "mgpu" (models/attention.py);
     `ragged_kernel`: the one used where `decode_kernel` is "pallas".
     `unroll_layers`: every decoder layer unrolled in the step's body (else the model's `layer_unroll`).
-    `gemv_projections` (a bucket of at most gemv_mgpu.MAX_ROWS rows): the family's layer runs its
-    projections through the GEMV kernels (CausalLM.gemv_projections), and a one-row bucket computes its
-    one token instead of padding to ONE_ROW_TOKENS."""
+    `gemv_projections` (the one-row bucket): the family's layer runs its projections through the GEMV
+    kernels (CausalLM.gemv_projections), and the bucket computes its one token instead of padding to
+    ONE_ROW_TOKENS."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
         x = layout.unpack(packed)

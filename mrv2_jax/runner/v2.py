@@ -158,9 +158,10 @@ class ModelRunnerV2(RunnerBase):
         attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
-        projections of fused decode's buckets of up to gemv_mgpu.MAX_ROWS rows as the GEMV kernels (the
-        family's `gemv_weights`; models/gemv_projections.py), the one-row bucket as one token; "xla"
-        leaves them to cuBLAS and pads the one-row bucket to fused.ONE_ROW_TOKENS; one device only."""
+        projections of fused decode's one-row bucket as the GEMV kernels, one token (the family's
+        `gemv_weights`; models/gemv_projections.py); "xla" leaves them to cuBLAS and pads that bucket to
+        fused.ONE_ROW_TOKENS. Buckets of more rows keep cuBLAS either way (the GEMV kernels at 8 rows
+        lost to it, docs/benchmarks.md). One device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -201,12 +202,8 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
-        # Fused decode's buckets of at most this many rows run their projections as the GEMV kernels (0: none).
-        self.gemv_max_rows = 0
-        if decode_projections == "gemv" and tensor_parallel is None and model_state.gemv_weights:
-            from pallas_kernels.gemv_mgpu import MAX_ROWS
-
-            self.gemv_max_rows = MAX_ROWS
+        # Fused decode's one-row bucket runs its projections as the GEMV kernels.
+        self.gemv_one_row = decode_projections == "gemv" and tensor_parallel is None and bool(model_state.gemv_weights)
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -301,7 +298,7 @@ class ModelRunnerV2(RunnerBase):
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
                                   unroll_layers=self.unrolls_layers(bucket),
-                                  gemv_projections=bucket.num_reqs <= self.gemv_max_rows)
+                                  gemv_projections=bucket.num_reqs == 1 and self.gemv_one_row)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec
