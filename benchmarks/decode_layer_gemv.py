@@ -1,8 +1,7 @@
-"""A decoder layer's projections at batch 1 (or a few rows) as four fused Mosaic GPU GEMVs, against
-XLA (issue 26).
+"""A decoder layer's projections at batch 1 as four fused Mosaic GPU GEMVs, against XLA (issue 26).
 
 Qwen3-0.6B's dense layer without its attention, 28 layers chained in one jitted call (unrolled, as
-the engine's small buckets are), the residual stream h [rows, 1024] carried through:
+the engine's small buckets are), the residual stream h [1, 1024] carried through:
 
     x = rmsnorm(h) * g1;  qkv = x @ Wqkv;  a = qkv[:, :2048]     (a stands in for the attention's output)
     h = h + a @ Wo;  x = rmsnorm(h) * g2;  m = silu(x @ Wgate) * (x @ Wup);  h = h + m @ Wdown
@@ -17,10 +16,6 @@ Ways:
   mgpu       the engine's GEMV path (mrv2_jax/models/gemv_projections.py: pallas_kernels/gemv_mgpu over
              [N, K] weights), four kernels a layer: norm + qkv, o + residual, norm + gate/up + SwiGLU,
              down + residual; the `a` slice is the only other op
-With `--rows M` > 1 (a bucket of M one-token rows): nk_Mrow (cuBLAS, the engine's path without the GEMV
-kernels) and mgpu at M rows (the kernel reads each weight tile once for all M rows); past
-FUSED_SWIGLU_MAX_ROWS rows mgpu's SwiGLU runs in XLA after the gate/up kernel, and mgpu_fused_swiglu
-keeps it in the kernel (16 weight rows a CTA: whether its sums still fit the registers).
 
 Reported per way: the kernels' device time per layer (profiler), their launches per layer, the wall
 time per call when calls run back to back (device-bound: the host queues ahead) per layer, and
@@ -103,10 +98,9 @@ def nk_layers(h, nk, *, rows):
     return h[:m]
 
 
-def mgpu_layers(h, nk, *, fused_swiglu=False):
+def mgpu_layers(h, nk):
     """The layers through the engine's GEMV path (mrv2_jax/models/gemv_projections.py, its kernel
-    configs): four gemv_mgpu kernels a layer over the [N, K] stacks read in place, the SwiGLU fused
-    up to FUSED_SWIGLU_MAX_ROWS rows and in XLA past them; `fused_swiglu`: fused at any row count."""
+    configs): four gemv_mgpu kernels a layer over the [N, K] stacks read in place."""
     from mrv2_jax.models import gemv_projections as gp
     from mrv2_jax.models.layer_weight import LayerWeight
 
@@ -115,11 +109,7 @@ def mgpu_layers(h, nk, *, fused_swiglu=False):
         w = {name: LayerWeight(stack, layer) for name, stack in nk.items()}
         qkv = gp.norm_linear(h, w["g1"], w["qkv"], EPS)
         h = gp.linear_add(qkv[:, :attn], w["o"], h)
-        if fused_swiglu:
-            m = gp.layer_gemv(h, w["gate_up"], norm_weight=nk["g2"], eps=EPS, epilogue="swiglu")
-        else:
-            m = gp.norm_swiglu(h, w["g2"], w["gate_up"], EPS)
-        h = gp.linear_add(m, w["down"], h)
+        h = gp.linear_add(gp.norm_swiglu(h, w["g2"], w["gate_up"], EPS), w["down"], h)
     return h
 
 
@@ -140,7 +130,6 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes, 2 layers (CPU tests)")
     p.add_argument("--calls", type=int, default=50)
-    p.add_argument("--rows", type=int, default=1, help="rows of h (a bucket of that many one-token rows)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     import jax
@@ -148,12 +137,11 @@ def main(argv=None) -> list[dict]:
     import numpy as np
 
     from mrv2_jax.bench.trace import profile_kernels
-    from mrv2_jax.models.gemv_projections import FUSED_SWIGLU_MAX_ROWS
 
     dims = TINY if args.tiny else QWEN3_06B
     on_gpu = jax.default_backend() == "gpu"
     kn, nk = make_weights(dims)
-    h = jax.random.normal(jax.random.key(1), (args.rows, dims["hidden"]), jnp.bfloat16)
+    h = jax.random.normal(jax.random.key(1), (1, dims["hidden"]), jnp.bfloat16)
     kn_t = {name: [w.T.copy() if w.ndim == 2 else w for w in ws] for name, ws in kn.items()}
     weight_bytes = 2 * sum(w[0].size for name, w in kn.items() if name not in ("g1", "g2"))  # a layer's
     ways = {"xla_1row": (functools.partial(xla_layers, rows=1), kn),
@@ -161,10 +149,6 @@ def main(argv=None) -> list[dict]:
             "nk_1row": (functools.partial(nk_layers, rows=1), kn_t),
             "nk_8row": (functools.partial(nk_layers, rows=8), kn_t),
             "mgpu": (mgpu_layers, nk)}
-    if args.rows > 1:  # the engine at that many rows without the GEMV kernels (cuBLAS over [N, K]) against them
-        ways = {f"nk_{args.rows}row": (functools.partial(nk_layers, rows=args.rows), kn_t), "mgpu": ways["mgpu"]}
-    if args.rows > FUSED_SWIGLU_MAX_ROWS:
-        ways["mgpu_fused_swiglu"] = (functools.partial(mgpu_layers, fused_swiglu=True), nk)
     layers = dims["layers"]
     reference, results = None, []
     for way, (fn, weights) in ways.items():
@@ -198,7 +182,7 @@ def main(argv=None) -> list[dict]:
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment, write_report
 
-        write_report({**describe_environment(), "settings": vars(args), "dims": dims, "rows": args.rows,
+        write_report({**describe_environment(), "settings": vars(args), "dims": dims,
                       "weight_bytes_per_layer": weight_bytes, "results": results}, args.output_json)
     return results
 

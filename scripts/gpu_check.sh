@@ -458,13 +458,11 @@ for s in $sections; do case $s in
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
     done; done ;;
   # Issue 26: a layer's projections at batch 1 as four fused Mosaic GPU GEMVs (gemv_mgpu) against XLA at
-  # one row and at eight, and at DECODE_LAYER_ROWS rows against XLA there, after the kernel's GPU tests.
+  # one row and padded to eight, after the kernel's GPU tests.
   decode-layer-gemv)
     run_section gemv-mgpu-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_mgpu.py
-    for rows in ${DECODE_LAYER_ROWS:-1 4 8}; do
-      run_section decode-layer-gemv-rows$rows timeout 300 python3 -m benchmarks.decode_layer_gemv --rows $rows \
-          --output-json "$OUT/decode_layer_gemv_rows$rows.json"
-    done ;;
+    run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
+        --output-json "$OUT/decode_layer_gemv.json" ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \

@@ -98,7 +98,7 @@ class CausalLM(nnx.Module):
     def __init__(self, spec, dtype, rngs: nnx.Rngs, layer_unroll: int | bool = 1):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
-        # A program of a few tokens (fused decode's small buckets) sets this on the module it traces: the
+        # A one-token program (fused decode's one-row bucket) sets this on the module it traces: the
         # family's `gemv_weights` reach its layer as LayerWeights, for the GEMV kernel
         # (models/gemv_projections.py).
         self.gemv_projections = False

@@ -85,7 +85,7 @@ class ModelState(ABC):
     # (the q/k norms of QKNormRope): a kernel reads the stack in place instead of a copied slice.
     in_place_weights: ClassVar[tuple[str, ...]] = ()
     # Layer weights the layer reads through models/gemv_projections.py (its projections and the norms
-    # before them): in a program of a few rows (CausalLM.gemv_projections) they come as LayerWeights too,
+    # before them): in a one-token program (CausalLM.gemv_projections) they come as LayerWeights too,
     # which the GEMV kernel reads in place. () : the family has no GEMV path.
     gemv_weights: ClassVar[tuple[str, ...]] = ()
 
