@@ -183,7 +183,7 @@ class KernelConfig:
     norms, residual adds and SwiGLU fused in, the bucket as one token ("gemv":
     models/gemv_projections.py, pallas_kernels/gemv_mgpu.py; Mosaic GPU, or its interpreter elsewhere;
     families with ``gemv_weights``, one device), or cuBLAS's GEMMs with the one-row bucket padded to 8
-    tokens ("xla"). "auto": "xla".
+    tokens ("xla"). "auto": "gemv" on Hopper-class GPUs, "xla" elsewhere.
     """
 
     attention: str = "auto"
@@ -264,4 +264,5 @@ class KernelConfig:
                             ragged_attention=auto(self.ragged_attention, "pallas", "pallas"),
                             sampler_truncation=(("threshold" if threshold else "sort")
                                                 if self.sampler_truncation == "auto" else self.sampler_truncation),
-                            decode_projections=auto(self.decode_projections, "xla", "xla"))
+                            decode_projections=auto(self.decode_projections, "gemv" if gpu and has_wgmma() else "xla",
+                                                    "xla"))
