@@ -27,8 +27,8 @@
 # KV cache filling the GPU (large-kv), fused decode with the layer loop and with every layer unrolled
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
-# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), and fused decode's one-row bucket
-# through those kernels against cuBLAS (gemv-projections).
+# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), that kernel by tile config (gemv-configs),
+# and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -463,6 +463,9 @@ for s in $sections; do case $s in
     run_section gemv-mgpu-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_mgpu.py
     run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
         --output-json "$OUT/decode_layer_gemv.json" ;;
+  # Issue 26: the one-row GEMV kernel by tile config (block_n x num_stages), per projection.
+  gemv-configs) run_section gemv-configs timeout 400 python3 -m benchmarks.gemv_configs \
+      --output-json "$OUT/gemv_configs.json" ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \

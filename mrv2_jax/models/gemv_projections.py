@@ -34,18 +34,23 @@ def _kernel_takes(x, w) -> bool:
     return x.dtype == w.stack.dtype == jnp.bfloat16 and k % BLOCK_K == 0 and n % 16 == 0
 
 
-def layer_gemv(x, w: LayerWeight, **kwargs):
-    """gemv_mgpu.gemv of `x` by `w`'s layer of its stack with the kernel config for the shape; `kwargs`:
-    the kernel's norm_weight, eps, epilogue and residual."""
-    from pallas_kernels.gemv_mgpu import GemvConfig, gemv
+def gemv_config(n: int, epilogue=None):
+    """The kernel's tile config for a projection of `n` outputs (its weight's rows)."""
+    from pallas_kernels.gemv_mgpu import GemvConfig
 
     # Wide outputs (qkv, gate/up) take 16 weight rows a CTA; narrow ones (o, down) 8 with a deeper ring,
     # so that about as many bytes stay in flight on each SM.
-    wide = w.stack.shape[-2] >= 4096
-    if kwargs.get("epilogue") == "swiglu" or wide:
-        config = GemvConfig(block_n=16, num_stages=4)
-    else:
-        config = GemvConfig(block_n=8, num_stages=8)
+    if epilogue == "swiglu" or n >= 4096:
+        return GemvConfig(block_n=16, num_stages=4)
+    return GemvConfig(block_n=8, num_stages=8)
+
+
+def layer_gemv(x, w: LayerWeight, **kwargs):
+    """gemv_mgpu.gemv of `x` by `w`'s layer of its stack with the kernel config for the shape; `kwargs`:
+    the kernel's norm_weight, eps, epilogue and residual."""
+    from pallas_kernels.gemv_mgpu import gemv
+
+    config = gemv_config(w.stack.shape[-2], kwargs.get("epilogue"))
     return gemv(x, w.stack, layer=w.layer, config=config, interpret=jax.default_backend() != "gpu", **kwargs)
 
 

