@@ -14,7 +14,8 @@ processing, detokenization) until the next step starts. Each step also records w
 (new requests, new KV blocks) and the Python garbage collections that ran in it, and the summary
 sets the slowest 1% of steps beside the median ones ("the tail"): which part of the step grew.
 
-Device side, for a window of steady-decode steps (every row decoding, at full concurrency), a
+Device side, for a window of steady-decode steps (every row decoding, at full concurrency; with
+`--max-fused-steps K` a fused call of K tokens a row is such a step), a
 `jax.profiler` trace: the GPU's kernel and copy events (the "Stream" lines of the device), merged
 into busy intervals and set against each step's interval on the same clock (the step is a
 TraceAnnotation there). Per step: device busy time, idle time and the longest idle gap; over the
@@ -46,6 +47,10 @@ from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 from mrv2_jax.runner.step_hooks import StepHooks
 
 HOST_PARTS = ("schedule_ms", "dispatch_ms", "wait_ms", "update_ms", "outside_ms")
+# What the profiler showed of fused calls (docs/benchmarks.md, session 48): per call about one loop
+# iteration's kernels, the rest of the loop's command buffer running unseen.
+FUSED_TRACE_NOTE = ("fused calls: the trace holds about one loop iteration's kernels per call (GPU busy ~1/K of "
+                    "the window), so the split above is about one token's, not the call's")
 
 
 # --- host side: wrap the engine's calls -----------------------------------------------------
@@ -108,6 +113,7 @@ class StepRecorder(StepHooks):
             add("schedule_ms", time.perf_counter() - t0)
             self._current["num_tokens"] = out.total_num_scheduled_tokens
             self._current["num_reqs"] = len(out.num_scheduled_tokens)
+            self._current["fused_steps"] = out.num_fused_steps
             self._current["new_reqs"] = len(out.new_reqs)
             self._current["new_blocks"] = sum(len(c.new_block_ids) for c in out.cached_reqs)
             return out
@@ -128,6 +134,7 @@ class StepRecorder(StepHooks):
             index = len(self.steps)
             self._maybe_toggle_trace(index)
             self._current = record = {"step": index, "start": time.perf_counter(), "num_tokens": 0, "num_reqs": 0,
+                                      "fused_steps": 1,
                                       "new_reqs": 0, "new_blocks": 0, "gc_ms": 0.0, "gc_gen": -1,
                                       "schedule_ms": 0.0, "dispatch_ms": 0.0, "call_ms": 0.0, "wait_ms": 0.0,
                                       "update_ms": 0.0, "traced": self.tracing}
@@ -138,7 +145,7 @@ class StepRecorder(StepHooks):
                 outputs = step()
             record["end"] = time.perf_counter()
             self.steps.append(record)
-            if record["num_tokens"] == record["num_reqs"] == self.rows:
+            if steady_decode(record, self.rows):
                 self._steady_seen += 1
             return outputs
 
@@ -240,8 +247,14 @@ def medians(records: list[dict], keys) -> dict:
     return {k: statistics.median(r[k] for r in records) if records else None for k in keys}
 
 
+def steady_decode(step: dict, rows: int) -> bool:
+    """Every one of `rows` rows decoding: one token each, or K in a fused call of K steps."""
+    return step["num_reqs"] == rows and step["num_tokens"] == rows * step["fused_steps"]
+
+
 TAIL_FLAGS = {"with gc": lambda s: s["gc_ms"] > 0, "new requests": lambda s: s["new_reqs"] > 0,
-              "new blocks": lambda s: s["new_blocks"] > 0, "prefill": lambda s: s["num_tokens"] > s["num_reqs"]}
+              "new blocks": lambda s: s["new_blocks"] > 0,
+              "prefill": lambda s: s["num_tokens"] > s["num_reqs"] * s["fused_steps"]}
 
 
 def tail(steps: list[dict], parts, quantile: float = 0.99) -> dict | None:
@@ -312,7 +325,7 @@ def run(args) -> dict:
     if trace_dir:
         shutil.rmtree(trace_dir, ignore_errors=True)
 
-    steady = [s for s in steps if s["num_tokens"] == s["num_reqs"] == rows]
+    steady = [s for s in steps if steady_decode(s, rows)]
     # The window: its steady-decode steps, or with --trace-from-step every step it traced.
     window = [s for s in (steps if args.trace_from_step is not None else steady) if s["traced"]]
     parts = (*HOST_PARTS, "call_ms", "host_other_ms", "engine_ms", "wall_ms")
@@ -325,6 +338,7 @@ def run(args) -> dict:
         "output_tokens_per_s": num_out / elapsed, "num_steps": len(steps), "steady_decode_rows": rows,
         "num_steady_steps": len(steady), "num_window_steps": len(window),
         "window_tokens_per_step": statistics.median(s["num_tokens"] for s in window) if window else None,
+        "window_fused_steps": max((s["fused_steps"] for s in window), default=1),
         "steady_median": medians([s for s in steady if not s["traced"]], parts),
         "window_median": medians(window, parts) | medians([s for s in window if "device_busy_ms" in s],
                                                           device_parts),
@@ -366,6 +380,8 @@ def print_summary(report: dict) -> None:
         print(f"{'kernel (family)':48} {'ms/step':>8} {'launches/step':>13} {'share':>6}")
         for k in device.get("kernels", [])[: report["settings"].get("top_kernels", 10)]:
             print(f"{k['kernel'][:48]:48} {k['ms_per_step']:8.3f} {k['launches_per_step']:13.1f} {k['share']:6.1%}")
+        if report["window_fused_steps"] > 1:
+            print(FUSED_TRACE_NOTE)
     else:
         print(f"device: {device.get('note')}")
 

@@ -154,8 +154,9 @@ def test_timeline_tail_sets_the_slowest_steps_beside_all():
     """The slowest 1% by wall time (2 of 200 steps here), their parts' medians and what they carried."""
     from mrv2_jax.bench.timeline import tail
 
-    steps = [{"traced": False, "num_tokens": 4, "num_reqs": 4, "wall_ms": float(i), "dispatch_ms": 1.0,
-              "gc_ms": 0.0, "new_reqs": 0, "new_blocks": 0} for i in range(1, 201)]
+    steps = [{"traced": False, "num_tokens": 4, "num_reqs": 4, "fused_steps": 1, "wall_ms": float(i),
+              "dispatch_ms": 1.0, "gc_ms": 0.0, "new_reqs": 0, "new_blocks": 0} for i in range(1, 201)]
+    steps[5].update(num_tokens=12, fused_steps=3)  # a fused call of decode rows is no prefill
     steps[198].update(gc_ms=3.0, dispatch_ms=2.0)
     steps[199].update(new_blocks=1, dispatch_ms=4.0)
     steps[0].update(traced=True)  # traced steps are left out
@@ -164,7 +165,21 @@ def test_timeline_tail_sets_the_slowest_steps_beside_all():
     slow = t["slow"]
     assert slow["num_steps"] == 2 and slow["median"] == {"dispatch_ms": 3.0, "wall_ms": 199.5, "gc_ms": 1.5}
     assert slow["share"] == {"with gc": 0.5, "new requests": 0.0, "new blocks": 0.5, "prefill": 0.0}
-    assert t["all"]["share"]["with gc"] == 1 / 199
+    assert t["all"]["share"]["with gc"] == 1 / 199 and t["all"]["share"]["prefill"] == 0.0
+
+
+def test_bench_timeline_fused_calls_are_steady_decode(tmp_path):
+    """With --max-fused-steps K the steady-decode steps are fused calls of K tokens a row; the window
+    is found among them and holds only them."""
+    out = tmp_path / "timeline.json"
+    assert cli.main(["bench", "timeline", "--num-prompts", "2", "--max-num-seqs", "2", "--input-len", "8",
+                     "--output-len", "24", "--max-fused-steps", "4", "--skip-steps", "1", "--window", "2",
+                     "--disable-tqdm", "--runner", "v2", "--output-json", str(out), *ENGINE]) == 0
+    report = json.loads(out.read_text())
+    traced = [s for s in report["steps"] if s["traced"]]
+    assert report["num_window_steps"] == 2 and report["window_fused_steps"] == 4
+    assert report["num_steady_steps"] >= 3
+    assert all(s["fused_steps"] == 4 and s["num_tokens"] == 8 and s["num_reqs"] == 2 for s in traced)
 
 
 def test_bench_timeline_window_from_a_step(tmp_path):
