@@ -28,6 +28,7 @@
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
 # fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), that kernel by tile config (gemv-configs),
+# the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo),
 # and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
@@ -463,6 +464,16 @@ for s in $sections; do case $s in
     run_section gemv-mgpu-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_mgpu.py
     run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
         --output-json "$OUT/decode_layer_gemv.json" ;;
+  # Issue 26: the two one-block XLA kernels a layer of the one-row fused program (a 1-thread
+  # loop_slice_fusion before the qkv GEMV, a 16-thread loop_broadcast_fusion before the q/k kernel,
+  # session 48): its optimized HLO dumped, those fusions' instructions and bodies printed.
+  fused-hlo)
+    rm -rf /tmp/hlo
+    run_section fused-hlo env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" \
+        timeout 300 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --batches 1 --max-num-seqs 1 \
+        --fused-steps 16 --compile-mode lazy
+    run_section fused-hlo-fusions python3 scripts/hlo_fusions.py /tmp/hlo 'loop_slice_fusion|loop_broadcast_fusion' \
+        --contains mosaic_gpu ;;
   # Issue 26: the one-row GEMV kernel by tile config (block_n x num_stages), per projection.
   gemv-configs) run_section gemv-configs timeout 400 python3 -m benchmarks.gemv_configs \
       --output-json "$OUT/gemv_configs.json" ;;

@@ -1,0 +1,30 @@
+"""scripts/hlo_fusions.py on a real XLA dump (XLA:CPU, a child process with --xla_dump_to): it finds the
+fusion by name, prints the slice and sine its body computes and the instruction that reads it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAM = """
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x, y: jnp.cos(jnp.sin(x[1:3]) * y[:2] + 1.0) @ jnp.ones((2, 5)))
+f(jnp.arange(4.0), jnp.ones(3)).block_until_ready()
+"""
+
+
+def test_the_fusion_its_body_and_its_reader(tmp_path):
+    env = os.environ | {"XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text", "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, "-c", PROGRAM], env=env, check=True, timeout=120)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import hlo_fusions
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    found = hlo_fusions.main([str(tmp_path), "fusion", "--contains", "sine"])
+    assert found, sorted(p.name for p in tmp_path.iterdir())
+    body = "\n".join(line for fusion in found for line in fusion["body"])
+    assert "slice(" in body and "sine(" in body
+    # The elementwise fusion's result feeds the dot (or the fusion holding it).
+    assert any(fusion["users"] for fusion in found), found
