@@ -3,9 +3,9 @@
 
 Each projection as the engine runs it (norm + qkv, o + residual, norm + gate/up + SwiGLU,
 down + residual) over a 28-layer `[L, N, K]` stack: one jitted call makes 28 kernel calls, one per
-layer (the stack is ~4x the GPU's L2, so every weight comes from HBM), and is timed back to back. Per
-config (`block_n` weight rows a CTA, `num_stages` tiles in flight): microseconds per kernel and the
-weight's GB/s. The engine's choice (models/gemv_projections.layer_gemv) is marked.
+layer (the stack is larger than the GPU's L2, so every weight comes from HBM), and is timed back to
+back. Per config (`block_n` weight rows a CTA, `num_stages` tiles in flight): microseconds per kernel
+and the weight's GB/s. The engine's choice (models/gemv_projections.gemv_config) is marked.
 
     python -m benchmarks.gemv_configs --output-json gemv_configs.json
 """
@@ -27,8 +27,7 @@ TINY = {"qkv_proj": (256, 64, True, None), "gate_up_proj": (256, 64, True, "swig
 
 def calls_over_layers(x, w, g, r, *, layers, norm, epilogue, config, interpret):
     """The kernel once per layer of the stack, `[layers, 1, N]`: a scan over a traced layer index that XLA
-    unrolls, as the engine's small buckets do, so the kernel is lowered once (28 lowerings a config
-    took minutes)."""
+    unrolls, as the engine's small buckets do, so that the kernel is lowered once, not once a layer."""
     from jax import lax
 
     from pallas_kernels.gemv_mgpu import gemv
