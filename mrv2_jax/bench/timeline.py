@@ -47,8 +47,8 @@ from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
 from mrv2_jax.runner.step_hooks import StepHooks
 
 HOST_PARTS = ("schedule_ms", "dispatch_ms", "wait_ms", "update_ms", "outside_ms")
-# What the profiler showed of fused calls (docs/benchmarks.md, session 48): per call about one loop
-# iteration's kernels, the rest of the loop's command buffer running unseen.
+# What a profiler trace holds of a fused call (docs/benchmarks.md, "Where a fused-decode token's device
+# time goes"): about one loop iteration's kernels, the rest of the loop's command buffer running unseen.
 FUSED_TRACE_NOTE = ("fused calls: the trace holds about one loop iteration's kernels per call (GPU busy ~1/K of "
                     "the window), so the split above is about one token's, not the call's")
 

@@ -267,8 +267,7 @@ def gemv_projections_against_gemms(monkeypatch, model, rows):
     config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=4, compile_mode="lazy",
                   program_store=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
-    # The reference names cuBLAS's GEMMs: "auto" is the GEMV path on Hopper-class GPUs, whose program the
-    # engine below would then take from the reference's without tracing it.
+    # The reference names cuBLAS's GEMMs: "auto" is the GEMV path itself on Hopper-class GPUs.
     reference = [o.outputs[0] for o in make_llm(**config, kernels="decode_projections=xla")
                  .generate(prompts, params, use_tqdm=False)]
     tokens, forward = [], fused.forward_and_sample
