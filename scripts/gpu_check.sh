@@ -101,7 +101,7 @@ ragged_arms() {
 
 for s in $sections; do case $s in
   env) run_section env python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())" ;;
-  tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+  tests) run_section tests python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests ;;
   # The engine at a KV cache of 90% of the device against the same engine with a small one.
   large-kv) run_section large-kv python3 -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_large_kv_cache.py ;;
   sampler-tests) run_section sampler-tests python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_logit_stats.py \
