@@ -1,6 +1,7 @@
 """scripts/hlo_fusions.py on a real XLA dump (XLA:CPU, a child process with --xla_dump_to): it finds the
 fusion by name, prints the slice and sine its body computes and the instruction that reads it."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,11 +18,9 @@ f(jnp.arange(4.0), jnp.ones(3)).block_until_ready()
 def test_the_fusion_its_body_and_its_reader(tmp_path):
     env = os.environ | {"XLA_FLAGS": f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text", "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", PROGRAM], env=env, check=True, timeout=120)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import hlo_fusions
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("hlo_fusions", ROOT / "scripts" / "hlo_fusions.py")
+    hlo_fusions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hlo_fusions)
     found = hlo_fusions.main([str(tmp_path), "fusion", "--contains", "sine"])
     assert found, sorted(p.name for p in tmp_path.iterdir())
     body = "\n".join(line for fusion in found for line in fusion["body"])
