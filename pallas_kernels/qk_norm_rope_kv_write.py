@@ -79,7 +79,7 @@ def _kernel(layer_ref, norm_rows_ref, slot_ref, qkv_ref, q_norm_ref, k_norm_ref,
     if has_norm:
         x32 = x.astype(jnp.float32)
         scale = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / head_dim + eps)[:, None]
-        q_row, k_row = norm_rows_ref[0], norm_rows_ref[1]
+        q_row, k_row = norm_rows_ref[0], norm_rows_ref[norm_rows_ref.shape[0] - 1]  # one row or two
         weight = jnp.where(is_q, pltriton.load(q_norm_ref.at[q_row, d]), pltriton.load(k_norm_ref.at[k_row, d]))
         weight_p = jnp.where(is_q, pltriton.load(q_norm_ref.at[q_row, partner]),
                              pltriton.load(k_norm_ref.at[k_row, partner]))
@@ -154,8 +154,10 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
         both = jnp.stack([q_norm, k_norm]).astype(qkv.dtype)
         norm_operands, norm_rows = (both, both), jnp.array([0, 1], jnp.int32)
     else:
+        # One row for both weights, not the row broadcast to two: XLA folds a constant layer index
+        # to a literal but would launch a kernel to broadcast it.
         norm_operands = (q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype))
-        norm_rows = jnp.full((2,), norm_layer, jnp.int32)
+        norm_rows = jnp.asarray(norm_layer, jnp.int32).reshape(1)
     kernel = functools.partial(_kernel, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                num_blocks=num_blocks, block_size=block_size, block_t=block_t, eps=eps,
                                rotary_dim=2 * cos.shape[1], has_norm=has_norm)

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mrv2_jax.models.attention import DenseAttention
@@ -129,19 +130,22 @@ class CausalLM(nnx.Module):
         for name, start, count in layer_runs(groups):
             group = groups[name]
             stack = getattr(self, name).arrays()
-            layer_ids = jnp.asarray(group.layers[start:start + count], dtype=jnp.int32)
+            layer_ids = np.asarray(group.layers[start:start + count], dtype=np.int32)
             if count == len(group.layers):  # the usual case: the scan walks the whole stack
                 x, kv_cache = self._run(group.forward, None, stack, layer_ids, x, rope, attention, kv_cache)
             else:
                 # Part of a stack: index it inside the loop (a dynamic slice of one layer)
                 # rather than slicing the run out first, which XLA would copy.
-                x, kv_cache = self._run(group.forward, jnp.arange(start, start + count, dtype=jnp.int32), stack,
+                x, kv_cache = self._run(group.forward, np.arange(start, start + count, dtype=np.int32), stack,
                                         layer_ids, x, rope, attention, kv_cache)
         return rms_norm(x, self.final_norm[...], self.spec.rms_norm_eps), kv_cache
 
     def _run(self, forward, indices, stack, layer_ids, x, rope, attention, kv_cache):
         """A `lax.scan` of `forward` over layers: the whole `stack` with `indices` None, else the
-        layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers."""
+        layers of `stack` at `indices` (taken inside the loop); `layer_ids` the KV cache's layers.
+
+        Layer indices are numpy constants, not `jnp.arange` (an iota): where XLA unrolls the scan,
+        each layer's index then folds to a literal instead of a one-thread slice kernel a layer."""
         # Weights handed on with their stack and layer (LayerWeight); the others sliced per layer,
         # by the scan itself where it walks the whole stack (the weights' GEMMs read those slices in
         # place through XLA's dynamic-slice fusion).
@@ -155,7 +159,7 @@ class CausalLM(nnx.Module):
             xs, take = (stack, layer_ids), lambda params: params
         elif indices is None:
             sliced = {k: v for k, v in stack.items() if k not in wrapped}
-            xs = ((sliced, jnp.arange(layer_ids.shape[0], dtype=jnp.int32)), layer_ids)
+            xs = ((sliced, np.arange(layer_ids.shape[0], dtype=np.int32)), layer_ids)
 
             def take(params):
                 return params[0] | wrap(params[1])

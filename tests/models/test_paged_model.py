@@ -71,3 +71,28 @@ def test_the_qk_kernel_reads_the_stacked_norm_weights_in_place(monkeypatch, unro
                                jnp.array([0, 8], jnp.int32), jnp.int32(1), use_kernels=True, interpret=True)
     jax.make_jaxpr(lambda ids: lm(ids, jnp.arange(8, dtype=jnp.int32), attention, kv))(ids)
     assert seen and all(shape == (spec.num_layers, spec.head_dim) and row is not None for shape, row in seen)
+
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_the_layer_scan_takes_its_indices_as_constants(name):
+    """The layer loop's indices reach its scan as constants, not as an iota computed in the program: where
+    XLA unrolls the scan it folds a constant's per-layer slices to literals, but keeps an iota's as
+    one-thread kernels on the GPU (one a layer)."""
+    import jax
+
+    from mrv2_jax.models.attention import PagedAttention
+
+    spec, lm, _ = load_model(FIXTURES / name, dtype="float32")
+    lm.layer_unroll = True
+    kv = allocate_kv_cache(spec, num_blocks=4, block_size=BLOCK_SIZE, dtype=jnp.float32)
+    attention = PagedAttention(jnp.full(8, -1, jnp.int32), jnp.zeros((1, 4), jnp.int32), jnp.zeros(1, jnp.int32),
+                               jnp.array([0, 8], jnp.int32), jnp.int32(1), use_kernels=False)
+    jaxpr = jax.make_jaxpr(lambda ids: lm(ids, jnp.arange(8, dtype=jnp.int32), attention, kv))(
+        jnp.zeros(8, jnp.int32)).jaxpr
+    made_by = {v: eqn.primitive.name for eqn in jaxpr.eqns for v in eqn.outvars}
+    scans = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    indices = [v for eqn in scans for v in eqn.invars
+               if hasattr(v, "aval") and v.aval.dtype == jnp.int32 and v.aval.ndim == 1]
+    assert scans and indices
+    assert all(made_by.get(v) != "iota" for v in indices), [made_by.get(v) for v in indices]
