@@ -75,9 +75,9 @@ def source_digest(roots: Iterable[Path]) -> str:
 
 
 def package_roots() -> list[Path]:
-    """The folders of the packages whose source builds the step programs."""
-    here = Path(__file__).resolve().parents[2]
-    return [here / name for name in _PACKAGES]
+    """The folders of the packages whose source builds the step programs, where they were imported
+    from (one may come from another tree on the path than the other, as in a same-machine A/B)."""
+    return [Path(importlib.import_module(name).__file__).resolve().parent for name in _PACKAGES]
 
 
 def environment_key() -> dict:

@@ -1,6 +1,7 @@
 """The program store: compiled step programs saved and loaded by a key of what builds them."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,25 @@ def test_a_stored_mosaic_gpu_program_loads_in_a_fresh_process(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     assert "could not load" not in runs[1].stderr
     assert float(runs[1].stdout.split()[-1]) < 0.05
+
+
+def test_the_source_key_reads_the_kernels_actually_imported(tmp_path):
+    """A pallas_kernels imported from another tree on the path (a same-machine A/B) keys programs by its
+    own source, not by the copy beside mrv2_jax: an edit there changes the key."""
+    repo = Path(__file__).resolve().parents[2]
+    shutil.copytree(repo / "pallas_kernels", tmp_path / "pallas_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    script = ("from mrv2_jax.runner.program_store import package_roots, source_digest; "
+              "print(package_roots()[1]); print(source_digest(package_roots()))")
+
+    def key():
+        env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}
+        lines = subprocess.run([sys.executable, "-P", "-c", script], env=env, cwd=tmp_path, check=True,
+                               capture_output=True, text=True).stdout.split()
+        return Path(lines[0]), lines[1]
+
+    where, before = key()
+    assert where == (tmp_path / "pallas_kernels").resolve()
+    with open(tmp_path / "pallas_kernels" / "gemv_mgpu.py", "a") as f:
+        f.write("\n# an edit\n")
+    assert key()[1] != before
