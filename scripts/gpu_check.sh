@@ -464,9 +464,9 @@ for s in $sections; do case $s in
     run_section gemv-mgpu-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_mgpu.py
     run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
         --output-json "$OUT/decode_layer_gemv.json" ;;
-  # Issue 26: the two one-block XLA kernels a layer of the one-row fused program (a 1-thread
-  # loop_slice_fusion before the qkv GEMV, a 16-thread loop_broadcast_fusion before the q/k kernel,
-  # session 48): its optimized HLO dumped, those fusions' instructions and bodies printed.
+  # Issue 26: small one-block XLA kernels in the one-row fused program (loop_slice_fusion and
+  # loop_broadcast_fusion; two a layer until the layer indices became constants): its optimized HLO
+  # dumped, those fusions' instructions, bodies and readers printed.
   fused-hlo)
     rm -rf /tmp/hlo
     run_section fused-hlo env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" \
