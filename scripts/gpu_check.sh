@@ -466,14 +466,16 @@ for s in $sections; do case $s in
         --output-json "$OUT/decode_layer_gemv.json" ;;
   # Issue 26: small one-block XLA kernels in the one-row fused program (loop_slice_fusion and
   # loop_broadcast_fusion; two a layer until the layer indices became constants): its optimized HLO
-  # dumped, those fusions' instructions, bodies and readers printed.
+  # dumped, those fusions' instructions, bodies and readers printed, then every computation's launching
+  # instructions with their JAX ops (fused-hlo-census.log: what one loop iteration launches).
   fused-hlo)
     rm -rf /tmp/hlo
     run_section fused-hlo env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" \
         timeout 300 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --batches 1 --max-num-seqs 1 \
         --fused-steps 16 --compile-mode lazy
     run_section fused-hlo-fusions python3 scripts/hlo_fusions.py /tmp/hlo 'loop_slice_fusion|loop_broadcast_fusion' \
-        --contains mosaic_gpu ;;
+        --contains mosaic_gpu
+    run_section fused-hlo-census python3 scripts/hlo_fusions.py /tmp/hlo --census --contains mosaic_gpu ;;
   # Issue 26: the one-row GEMV kernel by tile config (block_n x num_stages), per projection.
   gemv-configs) run_section gemv-configs timeout 400 python3 -m benchmarks.gemv_configs \
       --output-json "$OUT/gemv_configs.json" ;;
