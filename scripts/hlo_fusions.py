@@ -81,6 +81,7 @@ def census(text: str) -> dict[str, list[dict]]:
 
 
 def print_census(found: dict[str, list[dict]]) -> None:
+    """The census, computations with the most launching instructions first."""
     for name, rows in sorted(found.items(), key=lambda item: -len(item[1])):
         print(f"-- {name}: {len(rows)} launching instructions")
         for row in rows:

@@ -73,7 +73,6 @@ def test_the_qk_kernel_reads_the_stacked_norm_weights_in_place(monkeypatch, unro
     assert seen and all(shape == (spec.num_layers, spec.head_dim) and row is not None for shape, row in seen)
 
 
-
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
 def test_the_layer_scan_takes_its_indices_as_constants(name):
     """The layer loop's indices reach its scan as constants, not as an iota computed in the program: where
