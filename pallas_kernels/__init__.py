@@ -10,7 +10,7 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   ``attend_qkv`` on one device).
 - ``kv_write_mgpu``: ``write_kv_mgpu``, the same update on the Mosaic GPU backend (issue 27; not yet
   used by the engine).
-- ``gemv_mgpu``: ``gemv`` / ``gemv_reference`` (decode's projection of 1-8 rows from an ``[N, K]`` weight with
+- ``gemv_mgpu``: ``gemv`` / ``gemv_reference`` (decode's one-row projection from an ``[N, K]`` weight with
   the RMSNorm before it and a residual add or SwiGLU after it in the same kernel, no split of K; Mosaic
   GPU, issue 26; fused decode's one-row bucket with ``--kernels decode_projections=gemv``,
   through mrv2_jax/models/gemv_projections.py).

@@ -1,15 +1,15 @@
-"""GEMV for decode at a few rows (batch 1 to 8) from a weight stored ``[N, K]``, with the layer's
-RMSNorm before it and a residual add or SwiGLU after it (Pallas, Mosaic GPU backend).
+"""GEMV for decode at batch 1 from a weight stored ``[N, K]``, with the layer's RMSNorm before it and a
+residual add or SwiGLU after it (Pallas, Mosaic GPU backend).
 
-Contract. ``gemv(x, w)`` takes ``x [M, K]`` bf16 (``M`` rows, 1 to ``MAX_ROWS``) and ``w [N, K]``
+Contract. ``gemv(x, w)`` takes ``x [1, K]`` bf16 (one token) and ``w [N, K]``
 bf16 (the Hugging Face layout: ``y = x @ w.T``), or a stack ``w [L, N, K]`` with ``layer=`` an int32
 scalar (may be traced; the stack is read in place). It accumulates in f32 and returns bf16:
 
-* ``norm_weight`` (``[K]``, or ``[L, K]`` with a stacked ``w``): each row of ``x`` is first
+* ``norm_weight`` (``[K]``, or ``[L, K]`` with a stacked ``w``): ``x`` is first
   RMS-normalised over K in f32 and scaled by the weight, ``x * rsqrt(mean(x^2) + eps) * norm_weight``;
-* ``epilogue=None``: ``y [M, N]``; ``"residual"``: ``y + residual`` for ``residual [M, N]``;
+* ``epilogue=None``: ``y [1, N]``; ``"residual"``: ``y + residual`` for ``residual [1, N]``;
   ``"swiglu"``: ``w`` holds the gate's ``N / 2`` rows and then up's (a checkpoint's fused gate_up)
-  and the result is ``silu(gate) * up``, ``[M, N / 2]``.
+  and the result is ``silu(gate) * up``, ``[1, N / 2]``.
 
 ``gemv_reference`` is the jnp reference of the same signature. Shapes the kernel cannot tile raise
 ``ValueError``: ``K`` must be a multiple of ``BLOCK_K`` (256) and ``N`` of ``block_n`` (a multiple
@@ -27,14 +27,13 @@ SwiGLU a CTA streams ``block_n / 2`` gate rows and the matching up rows, two til
 
 Algorithm. Grid ``(N / block_n,)``, one warpgroup (128 threads) per CTA. ``plgpu.emit_pipeline``
 streams the CTA's ``[block_n, BLOCK_K]`` weight tiles (each row contiguous in K) with the matching
-``[M, BLOCK_K]`` tiles of x (and ``[1, BLOCK_K]`` of the norm weight) through shared memory with
-TMA, ``num_stages`` deep. Each thread owns 2 columns of a tile (the warpgroup's strided register
-layout): it loads them once per weight row and multiplies them by each row of x (times the norm
-weight), adding into one f32 register pair per (weight row, x row): ``block_n * M`` pairs a thread,
-the weight read once for all M rows; with a norm it also adds each row's x^2. A warpgroup barrier
-ends each step, so no thread still reads a stage when the pipeline refills it. After the last tile
-each pair is summed across the warpgroup; the norm is linear in x, so each row's
-``rsqrt(mean(x^2) + eps)`` scales its sums then. The epilogue adds the CTA's slice of the residual
+``[1, BLOCK_K]`` tiles of x (and of the norm weight) through shared memory with TMA, ``num_stages``
+deep. Each thread owns 2 columns of a tile (the warpgroup's strided register layout): it multiplies
+each weight row's two by x's (times the norm weight), adding into one f32 register pair per weight
+row, ``block_n`` pairs a thread; with a norm it also adds x^2. A warpgroup barrier ends each step,
+so no thread still reads a stage when the pipeline refills it. After the last tile each pair is
+summed across the warpgroup; the norm is linear in x, so ``rsqrt(mean(x^2) + eps)`` scales the
+sums then. The epilogue adds the CTA's slice of the residual
 (fetched with TMA when the CTA starts) or pairs its gate and up rows, and the CTA stores its
 outputs with one TMA copy.
 
@@ -53,18 +52,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["BLOCK_K", "MAX_ROWS", "GemvConfig", "gemv", "gemv_reference"]
+__all__ = ["BLOCK_K", "GemvConfig", "gemv", "gemv_reference"]
 
 BLOCK_K = 256  # a warpgroup's 128 threads x 2 columns
-MAX_ROWS = 8  # rows of x: each adds block_n register pairs a thread
 EPILOGUES = (None, "residual", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """``block_n`` weight rows per CTA (outputs: ``block_n``, or ``block_n / 2`` with SwiGLU) and the
-    pipeline's depth in ``[block_n, BLOCK_K]`` tiles. Each thread keeps ``block_n * M`` f32 register
-    pairs of sums: 16 weight rows at 8 rows of x make 256 registers, more than a thread has."""
+    pipeline's depth in ``[block_n, BLOCK_K]`` tiles. Each thread keeps ``block_n`` f32 register
+    pairs of sums."""
 
     block_n: int = 8
     num_stages: int = 4
@@ -89,8 +87,8 @@ def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epi
 
 
 def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
-    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS} rows, got {tuple(x.shape)}")
+    if x.ndim != 2 or x.shape[0] != 1:
+        raise ValueError(f"x must be one row [1, K], got {tuple(x.shape)}")
     if w.ndim not in (2, 3) or w.shape[-1] != x.shape[1]:
         raise ValueError(f"w must be [N, K] or [L, N, K] with x's K = {x.shape[1]}, got {tuple(w.shape)}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
@@ -112,7 +110,7 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
     if (epilogue == "residual") != (residual is not None):
         raise ValueError("residual= is needed by, and only by, epilogue='residual'")
     if residual is not None and residual.shape != (x.shape[0], n):
-        raise ValueError(f"residual must be [M, N] = {(x.shape[0], n)}, got {tuple(residual.shape)}")
+        raise ValueError(f"residual must be [1, N] = {(1, n)}, got {tuple(residual.shape)}")
 
 
 def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, norm, epilogue):
@@ -126,29 +124,25 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
     zero = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.float32), layout)
 
     num_w = 2 if epilogue == "swiglu" else 1  # SwiGLU: a gate tile and an up tile a step
-    m_rows = x_gmem.shape[0]
 
     def step(_, *refs_and_carry):
         *refs, carry = refs_and_carry
         w_smems, (x_smem, *g_smem) = refs[:num_w], refs[num_w:]
-        sums, squares = carry
-        xs = [x_smem[m, :].astype(jnp.float32) for m in range(m_rows)]
+        sums, square = carry
+        x = x_smem[0, :].astype(jnp.float32)
         if norm:
-            squares = tuple(q + x * x for q, x in zip(squares, xs))
-            g = g_smem[0][0, :].astype(jnp.float32)
-            xs = [x * g for x in xs]
+            square = square + x * x
+            x = x * g_smem[0][0, :].astype(jnp.float32)
         rows = [(w_smem, r) for w_smem in w_smems for r in range(block_n // num_w)]  # gate's rows, then up's
-        weights = [w_smem[r, :].astype(jnp.float32) for w_smem, r in rows]  # each loaded once for the M rows
-        # sums[m * block_n + r]: x row m against weight row r.
-        sums = tuple(s + weights[i % block_n] * xs[i // block_n] for i, s in enumerate(sums))
+        sums = tuple(s + w_smem[r, :].astype(jnp.float32) * x for s, (w_smem, r) in zip(sums, rows))
         # Every thread's reads of this stage are done before the pipeline refills it with TMA (the
         # pipeline syncs nothing after the body: without this a lagging warp could read the refill).
         plgpu.commit_smem()
-        return sums, squares
+        return sums, square
 
     rows, blocks = block_n // num_w, w_gmem.shape[-2] // block_n  # the up rows start `blocks` tiles after the gate's
     w_specs = [plgpu.BlockSpec((rows, BLOCK_K), lambda i, t=t: (j + t * blocks, i)) for t in range(num_w)]
-    in_specs = [*w_specs, plgpu.BlockSpec((m_rows, BLOCK_K), lambda i: (0, i))]
+    in_specs = [*w_specs, plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i))]
     operands = [w_gmem] * num_w + [x_gmem]
     if norm:
         in_specs.append(plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i)))
@@ -156,32 +150,31 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
     num_out = block_n // 2 if epilogue == "swiglu" else block_n
 
     # The residual's slice and its barrier exist only with that epilogue.
-    residual_scratch = (dict(r_smem=plgpu.SMEM((m_rows, num_out), out_gmem.dtype), barrier=plgpu.Barrier())
+    residual_scratch = (dict(r_smem=plgpu.SMEM((1, num_out), out_gmem.dtype), barrier=plgpu.Barrier())
                         if epilogue == "residual" else {})
 
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((m_rows, num_out), out_gmem.dtype), **residual_scratch)
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((1, num_out), out_gmem.dtype), **residual_scratch)
     def _body(o_smem, r_smem=None, barrier=None):
         if epilogue == "residual":  # fetched while the weights stream, so it is there for the epilogue
             plgpu.copy_gmem_to_smem(r_gmem.at[:, pl.ds(j * num_out, num_out)], r_smem, barrier)
-        sums, squares = plgpu.emit_pipeline(
+        sums, square = plgpu.emit_pipeline(
             step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages,
-            init_carry=((zero,) * (block_n * m_rows), (zero,) * m_rows))(*operands)
+            init_carry=((zero,) * block_n, zero))(*operands)
         if epilogue == "residual":
             plgpu.barrier_wait(barrier)
-        for m in range(m_rows):
-            totals = [jnp.sum(s) for s in sums[m * block_n:(m + 1) * block_n]]  # column sums, across the warpgroup
-            if norm:
-                # The norm is linear in x: its scale applies to the sums. (The model rounds the normalised
-                # x to bf16 before the product; here the sums are rounded once instead.)
-                scale = lax.rsqrt(jnp.sum(squares[m]) / k + eps)
-                totals = [t * scale for t in totals]
-            outs = [t.astype(jnp.bfloat16).astype(jnp.float32) for t in totals]  # the product's bf16 result
-            if epilogue == "residual":
-                outs = [o + r_smem[m, r].astype(jnp.float32) for r, o in enumerate(outs)]
-            elif epilogue == "swiglu":
-                outs = [g / (1 + jnp.exp(-g)) * u for g, u in zip(outs[:num_out], outs[num_out:])]
-            for r, o in enumerate(outs):
-                o_smem[m, r] = o.astype(out_gmem.dtype)
+        totals = [jnp.sum(s) for s in sums]  # column sums, across the warpgroup
+        if norm:
+            # The norm is linear in x: its scale applies to the sums. (The model rounds the normalised
+            # x to bf16 before the product; here the sums are rounded once instead.)
+            scale = lax.rsqrt(jnp.sum(square) / k + eps)
+            totals = [t * scale for t in totals]
+        outs = [t.astype(jnp.bfloat16).astype(jnp.float32) for t in totals]  # the product's bf16 result
+        if epilogue == "residual":
+            outs = [o + r_smem[0, r].astype(jnp.float32) for r, o in enumerate(outs)]
+        elif epilogue == "swiglu":
+            outs = [g / (1 + jnp.exp(-g)) * u for g, u in zip(outs[:num_out], outs[num_out:])]
+        for r, o in enumerate(outs):
+            o_smem[0, r] = o.astype(out_gmem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[:, pl.ds(j * num_out, num_out)])
         plgpu.wait_smem_to_gmem(0)
@@ -189,7 +182,7 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
 
 def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None,
          config: GemvConfig | None = None, interpret=False):
-    """``x [M, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
+    """``x [1, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
     with an RMSNorm of ``x`` before and a residual add or SwiGLU after (module docstring).
 
     ``interpret``: run Mosaic GPU's interpreter (CPU tests): ``True`` for its default
@@ -211,7 +204,7 @@ def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None
     kernel = plgpu.kernel(
         functools.partial(_kernel, block_n=config.block_n, steps=steps, stages=min(config.num_stages, steps), k=k,
                           eps=eps, norm=norm_weight is not None, epilogue=epilogue),
-        out_type=jax.ShapeDtypeStruct((x.shape[0], num_out), jnp.bfloat16),
+        out_type=jax.ShapeDtypeStruct((1, num_out), jnp.bfloat16),
         grid=(n // config.block_n,),
         grid_names=("n",),
         interpret=interpret or None,

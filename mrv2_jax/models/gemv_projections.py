@@ -9,9 +9,9 @@ A program that wants it (fused decode's one-row bucket: `CausalLM.gemv_projectio
 hand the family's `ModelState.gemv_weights` (its projections and the norms before them) to the layer
 as `LayerWeight`s, which the kernel reads in place from their stacks. The functions below are what a
 family's layer calls for those steps: with LayerWeights and one token they run the kernel, otherwise
-the same math in XLA (plain arrays, more tokens), so one layer function serves every program. (The
-kernel takes a few rows too; buckets of up to 8 rows through it measured slower than cuBLAS, so the
-model path stays at one.)
+the same math in XLA (plain arrays, more tokens), so one layer function serves every program.
+(Buckets of up to 8 rows through a few-row variant of the kernel measured slower than cuBLAS:
+docs/benchmarks.md, session 47.)
 """
 
 from __future__ import annotations

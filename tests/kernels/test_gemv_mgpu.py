@@ -21,12 +21,12 @@ QWEN3_06B = {"qkv_proj": (1024, 4096, True, None), "o_proj": (2048, 1024, False,
              "gate_up_proj": (1024, 6144, True, "swiglu"), "down_proj": (3072, 1024, False, "residual")}
 
 
-def make(layers, k, n, seed=0, rows=1):
+def make(layers, k, n, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16) * jnp.arange(1, rows + 1, dtype=jnp.bfloat16)[:, None]
+    x = jax.random.normal(keys[0], (1, k), jnp.bfloat16)
     w = (jax.random.normal(keys[1], (layers, n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
     g = (1 + 0.2 * jax.random.normal(keys[2], (layers, k))).astype(jnp.bfloat16)
-    r = jax.random.normal(keys[3], (rows, n), jnp.bfloat16)
+    r = jax.random.normal(keys[3], (1, n), jnp.bfloat16)
     return x, w, g, r
 
 
@@ -62,17 +62,6 @@ def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, 
     assert y.shape == ref.shape == exact.shape == (1, 32 if epilogue == "swiglu" else 64)
     np.testing.assert_allclose(y, ref, rtol=2**-7, atol=2e-2)
     np.testing.assert_allclose(y, exact, rtol=2**-6, atol=3e-2)
-
-
-@pytest.mark.parametrize("norm,epilogue,block_n", [(False, None, 8), (True, "residual", 8), (True, "swiglu", 16)])
-def test_a_few_rows_each_against_the_layer_math(norm, epilogue, block_n):
-    """Three rows of x at different scales (each row's norm is its own) share each weight tile."""
-    x, w, g, r = make(2, 2 * BLOCK_K, 32, seed=5, rows=3)
-    y = np.asarray(run(x, w, 1, g, r, norm=norm, epilogue=epilogue, config=GemvConfig(block_n=block_n, num_stages=2)),
-                   np.float32)
-    exact = numpy_layer_math(x, w[1], g[1], r, norm=norm, epilogue=epilogue)
-    assert y.shape == exact.shape == (3, 16 if epilogue == "swiglu" else 32)
-    np.testing.assert_allclose(y, exact, rtol=2**-6, atol=3e-2 * max(1.0, float(np.abs(exact).max())))
 
 
 @pytest.mark.parametrize("norm,epilogue", [(True, "residual"), (True, "swiglu")])
@@ -120,20 +109,17 @@ def test_fused_gate_up_gives_silu_of_gate_times_up():
 @pytest.mark.parametrize("name", list(QWEN3_06B))
 def test_cuda_lowering_accepts_each_projection_of_a_layer(name):
     """Mosaic GPU's layout inference and lowering (TMA boxes, the strided register layout, the epilogue's
-    scalar work) take each projection with what surrounds it, from the 28 stacked layers at a traced layer,
-    for one row and for eight."""
+    scalar work) take each projection with what surrounds it, from the 28 stacked layers at a traced layer."""
     k, n, norm, epilogue = QWEN3_06B[name]
     S = jax.ShapeDtypeStruct
-    for rows, config in ((1, GemvConfig(16, 4)), (1, GemvConfig(16, 8)), (8, GemvConfig(8, 4))):
-        if epilogue == "swiglu" and config.block_n < 16:
-            config = GemvConfig(16, 4)
+    for config in (GemvConfig(16, 4), GemvConfig(16, 8)):
         fn = functools.partial(run, norm=norm, epilogue=epilogue, config=config, interpret=False)
-        jax.jit(fn).trace(S((rows, k), jnp.bfloat16), S((28, n, k), jnp.bfloat16), S((), jnp.int32),
-                          S((28, k), jnp.bfloat16), S((rows, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(S((1, k), jnp.bfloat16), S((28, n, k), jnp.bfloat16), S((), jnp.int32),
+                          S((28, k), jnp.bfloat16), S((1, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(x=(9, 256)), r"1 <= M <= 8"),
+    (dict(x=(2, 256)), "one row"),
     (dict(k=128), "multiple of BLOCK_K"),
     (dict(n=60), "not divisible by block_n"),
     (dict(config=GemvConfig(block_n=12)), "multiple of 8"),
@@ -163,15 +149,3 @@ def test_on_the_gpu_at_qwen3_shapes(name):
     # A few bf16 steps: the kernel scales the sums by the norm where the reference rounds the normed x,
     # and SwiGLU multiplies two such rounded products (seen: 2 steps at 8.9 of 3,072 outputs).
     np.testing.assert_allclose(y, ref, rtol=2**-6, atol=5e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 8])
-@pytest.mark.parametrize("name", list(QWEN3_06B))
-def test_a_few_rows_on_the_gpu_at_qwen3_shapes(name, rows):
-    k, n, norm, epilogue = QWEN3_06B[name]
-    x, w, g, r = make(4, k, n, seed=7, rows=rows)
-    config = GemvConfig(block_n=16 if epilogue == "swiglu" else 8)
-    y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=config), np.float32)
-    exact = numpy_layer_math(x, w[3], g[3], r, norm=norm, epilogue=epilogue)
-    np.testing.assert_allclose(y, exact, rtol=2**-6, atol=5e-2 * max(1.0, float(np.abs(exact).max())))
