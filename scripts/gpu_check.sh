@@ -28,7 +28,8 @@
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
 # fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), that kernel by tile config (gemv-configs),
-# the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo),
+# the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
+# rate by tiling (weight-stream),
 # and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
@@ -476,6 +477,10 @@ for s in $sections; do case $s in
     run_section fused-hlo-fusions python3 scripts/hlo_fusions.py /tmp/hlo 'loop_slice_fusion|loop_broadcast_fusion' \
         --contains mosaic_gpu
     run_section fused-hlo-census python3 scripts/hlo_fusions.py /tmp/hlo --census --contains mosaic_gpu ;;
+  # Issue 26: how fast TMA streams a batch-1 weight by tiling (rows a box, stages, CTAs, K split), beside
+  # XLA's row reduction of the same weight.
+  weight-stream) run_section weight-stream timeout 400 python3 -m benchmarks.weight_stream \
+      --output-json "$OUT/weight_stream.json" ;;
   # Issue 26: the one-row GEMV kernel by tile config (block_n x num_stages), per projection.
   gemv-configs) run_section gemv-configs timeout 400 python3 -m benchmarks.gemv_configs \
       --output-json "$OUT/gemv_configs.json" ;;
