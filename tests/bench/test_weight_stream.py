@@ -15,10 +15,10 @@ from tests.bench.test_benchmarks import ENVIRONMENT_KEYS
 def test_every_tiny_way_reads_its_tiles(tmp_path):
     out = tmp_path / "stream.json"
     results = weight_stream.main(["--tiny", "--output-json", str(out)])
-    assert [r["way"] for r in results][0] == "xla row sums" and len(results) == 3
+    assert [r["way"] for r in results][0] == "xla row sums" and len(results) == 4
     assert not [r for r in results if "error" in r], results  # main checks each kernel's sums against numpy
     report = json.loads(out.read_text())
-    assert ENVIRONMENT_KEYS <= report.keys() and len(report["results"]) == 3
+    assert ENVIRONMENT_KEYS <= report.keys() and len(report["results"]) == 4
 
 
 def test_the_reference_tells_the_ctas_apart():
