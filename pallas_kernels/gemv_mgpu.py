@@ -134,7 +134,8 @@ def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, n
             square = square + x * x
             x = x * g_smem[0][0, :].astype(jnp.float32)
         rows = [(w_smem, r) for w_smem in w_smems for r in range(block_n // num_w)]  # gate's rows, then up's
-        sums = tuple(s + w_smem[r, :].astype(jnp.float32) * x for s, (w_smem, r) in zip(sums, rows))
+        weights = [w_smem[r, :].astype(jnp.float32) for w_smem, r in rows]
+        sums = tuple(s + w * x for s, w in zip(sums, weights))
         # Every thread's reads of this stage are done before the pipeline refills it with TMA (the
         # pipeline syncs nothing after the body: without this a lagging warp could read the refill).
         plgpu.commit_smem()
