@@ -32,10 +32,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kv_write import write_kv_reference
 
-__all__ = ["qk_norm_rope_kv_write", "qk_norm_rope_kv_write_reference"]
+__all__ = ["check_inputs", "norm_operands", "qk_norm_rope_kv_write", "qk_norm_rope_kv_write_reference"]
 
 
-def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer=None):
+def check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer=None):
+    """ValueError naming what does not fit (shapes of the projection, cache, cos/sin, norm weights)."""
     if k_cache.shape != v_cache.shape or k_cache.ndim != 5:
         raise ValueError(f"bad cache shapes {k_cache.shape} {v_cache.shape}")
     _, _, num_kv_heads, _, head_dim = k_cache.shape
@@ -115,6 +116,23 @@ def _kernel(layer_ref, norm_rows_ref, slot_ref, qkv_ref, q_norm_ref, k_norm_ref,
     pltriton.store(v_out_ref.at[cache_row[:, None], d[None, :]], v.astype(v_out_ref.dtype), mask=kv_mask)
 
 
+def norm_operands(q_norm, k_norm, norm_layer, head_dim, dtype):
+    """``((q weights, k weights), rows, has_norm)`` as the kernels take them: q's weight at row ``rows[0]``
+    of its operand, k's at ``rows[-1]`` of its own."""
+    has_norm = q_norm is not None
+    if not has_norm:  # the kernel reads no weights; ones keep its operands' shapes
+        q_norm = k_norm = jnp.ones((head_dim,), dtype)
+        norm_layer = None
+    if norm_layer is None:
+        # One [2, D] operand for both: a custom call copies each slice of a stacked weight it is
+        # given, so two weights would cost two copies a layer; stacked, XLA makes them one fusion.
+        both = jnp.stack([q_norm, k_norm]).astype(dtype)
+        return (both, both), jnp.array([0, 1], jnp.int32), has_norm
+    # One row for both weights, not the row broadcast to two: XLA folds a constant layer index
+    # to a literal but would launch a kernel to broadcast it.
+    return (q_norm.astype(dtype), k_norm.astype(dtype)), jnp.asarray(norm_layer, jnp.int32).reshape(1), has_norm
+
+
 def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, layer, *, num_heads,
                           eps=1e-6, norm_layer=None, interpret=False, block_t=16, num_warps=4):
     """q/k RMSNorm + halves RoPE + the KV write, from the fused projection.
@@ -133,7 +151,7 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
     Returns:
       ``(q [T, num_heads, D], k_cache, v_cache)``.
     """
-    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
+    check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
     num_layers, num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
@@ -144,20 +162,7 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
     num_rows = num_layers * num_blocks * num_kv_heads * block_size
     if num_rows >= 2**31:
         raise ValueError("cache has >= 2**31 rows; int32 row indices would overflow")
-    has_norm = q_norm is not None
-    if not has_norm:  # the kernel reads no weights; ones keep its operands' shapes
-        q_norm = k_norm = jnp.ones((head_dim,), qkv.dtype)
-        norm_layer = None
-    if norm_layer is None:
-        # One [2, D] operand for both: a custom call copies each slice of a stacked weight it is
-        # given, so two weights would cost two copies a layer; stacked, XLA makes them one fusion.
-        both = jnp.stack([q_norm, k_norm]).astype(qkv.dtype)
-        norm_operands, norm_rows = (both, both), jnp.array([0, 1], jnp.int32)
-    else:
-        # One row for both weights, not the row broadcast to two: XLA folds a constant layer index
-        # to a literal but would launch a kernel to broadcast it.
-        norm_operands = (q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype))
-        norm_rows = jnp.asarray(norm_layer, jnp.int32).reshape(1)
+    (q_norm_op, k_norm_op), norm_rows, has_norm = norm_operands(q_norm, k_norm, norm_layer, head_dim, qkv.dtype)
     kernel = functools.partial(_kernel, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                num_blocks=num_blocks, block_size=block_size, block_t=block_t, eps=eps,
                                rotary_dim=2 * cos.shape[1], has_norm=has_norm)
@@ -171,7 +176,7 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="qk_norm_rope_kv_write",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), norm_rows, slot_mapping.astype(jnp.int32), qkv, *norm_operands,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), norm_rows, slot_mapping.astype(jnp.int32), qkv, q_norm_op, k_norm_op,
       cos.astype(jnp.float32), sin.astype(jnp.float32),
       k_cache.reshape(num_rows, head_dim), v_cache.reshape(num_rows, head_dim))
     return q.reshape(num_tokens, num_heads, head_dim), k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)
@@ -195,7 +200,7 @@ def qk_norm_rope_kv_write_reference(qkv, q_norm, k_norm, cos, sin, k_cache, v_ca
                                     num_heads, eps=1e-6, norm_layer=None, interpret=False, **unused_tuning):
     """Pure-jnp ``qk_norm_rope_kv_write``: split, norm, rotate, then ``write_kv_reference``."""
     del interpret, unused_tuning
-    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
+    check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
     if q_norm is not None and norm_layer is not None:
         q_norm, k_norm = q_norm[norm_layer], k_norm[norm_layer]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
