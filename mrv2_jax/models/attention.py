@@ -79,7 +79,8 @@ class PagedAttention(AttentionBackend):
     use_kernels: bool = True
     interpret: bool = False
     # Fused decode: every row holds at most one query token, so with `decode_kernel` "mgpu" the
-    # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i].
+    # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i]; with
+    # "pallas_qkv" the Triton kernel that also does the q/k norm, RoPE and KV write (attend_qkv).
     one_token_rows: bool = False
     decode_kernel: str = "pallas"
     # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU). One-token rows never
@@ -121,7 +122,7 @@ class PagedAttention(AttentionBackend):
 
     def attend_qkv(self, qkv, heads, norm_rope, layer, kv_cache, scale, shards=1):
         """With the kernels on one device: q/k norm, RoPE and the KV write in one kernel; in fused
-        decode (one token a row, the Triton kernels) attention joins that kernel too."""
+        decode with `decode_kernel` "pallas_qkv" (one token a row) attention joins that kernel too."""
         if not self.use_kernels or self.mesh is not None or shards > 1:
             return super().attend_qkv(qkv, heads, norm_rope, layer, kv_cache, scale, shards)
         from pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
@@ -131,7 +132,7 @@ class PagedAttention(AttentionBackend):
             norms = dict(q_norm=q_norm.stack, k_norm=k_norm.stack, norm_layer=q_norm.layer)
         else:
             norms = dict(q_norm=weight_array(q_norm), k_norm=weight_array(k_norm))
-        if self.one_token_rows and self.decode_kernel != "mgpu":
+        if self.one_token_rows and self.decode_kernel == "pallas_qkv":
             from pallas_kernels.ragged_paged_attention import ragged_paged_attention_qkv
 
             out, k_cache, v_cache = ragged_paged_attention_qkv(

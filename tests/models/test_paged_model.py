@@ -53,10 +53,11 @@ def test_chunked_paged_prefill_with_pallas_kernels_matches_dense(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-tiny", "glm4-moe-tiny", "glm4-moe-tiny-plain"])
 def test_one_token_rows_attend_in_the_qk_kernel_and_match_dense(name):
-    """Fused decode's attention (`one_token_rows`, the Triton kernels): q/k norm, RoPE, the KV write and
-    attention in one kernel, a token a step, gives the dense model's logits."""
+    """Fused decode's attention with `decode_attention=pallas_qkv` (`one_token_rows`): q/k norm, RoPE, the
+    KV write and attention in one kernel, a token a step, gives the dense model's logits."""
     prompt = list(np.random.default_rng(3).integers(0, 96, 9))
-    paged, dense = paged_logits_in_chunks(name, prompt, 1, use_kernels=True, one_token_rows=True)
+    paged, dense = paged_logits_in_chunks(name, prompt, 1, use_kernels=True, one_token_rows=True,
+                                          decode_kernel="pallas_qkv")
     assert np.abs(paged - dense).max() <= 1e-4
 
 
