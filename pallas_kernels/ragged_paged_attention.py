@@ -14,7 +14,10 @@ within the chunk and over the row's earlier cached context) mixed with decodes (
 token, or a few for speculative decoding). The metadata is the step's (docs/architecture.md):
 row ``i`` owns query tokens ``q[qsl[i]:qsl[i+1]]`` at positions ``seq_lens[i] - q_len + j``,
 and its keys are positions ``0 .. seq_lens[i]-1`` of its pages ``block_tables[i]``. This
-step's K/V are already in the cache (``write_kv`` or ``qk_norm_rope_kv_write`` runs first).
+step's K/V are already in the cache (``write_kv`` or ``qk_norm_rope_kv_write`` runs first), except
+in ``ragged_paged_attention_qkv``: for rows of one token (decode) the kernel takes the fused
+projection, normalises and rotates q and the new key itself, attends with the new key and value in
+place of the cache's, and the split that holds the new position writes them to their slot.
 
 Layout inside the kernel. Both caches are viewed as 2-D ``[rows, head_dim]`` (a free reshape)
 where ``row = ((layer*num_blocks + block)*num_kv_heads + kv_head)*block_size + offset``: each
