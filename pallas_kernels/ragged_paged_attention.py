@@ -214,7 +214,7 @@ def _rpa_kernel(
                                  head_dim=head_dim, **qk)
         q_col = (kv_head * G + lax.rem(lane, G))[:, None] * head_dim
         q = rope(q_ref, q_tok[:, None], q_col, lane_mask, q_norm_ref, is_k=False)
-        new_tok = jnp.minimum(q_start + tile_q0, T - 1)[None, None]
+        new_tok = jnp.broadcast_to(jnp.minimum(q_start + tile_q0, T - 1), (1, 1))  # a [1, 1] block of indices
         new_mask = jnp.broadcast_to(n_valid > 0, (1, head_dim))
         k_col = (num_q_heads + kv_head) * head_dim
         k_new = rope(q_ref, new_tok, k_col, new_mask, k_norm_ref, is_k=True)
@@ -301,7 +301,7 @@ def _rpa_kernel(
     if qk is not None:
         # The split that read the new token's chunk writes its key and value into their slot.
         new_chunk = lax.div(pos_first, BN)
-        slot = pltriton.load(slot_ref.at[new_tok], mask=new_mask[:, :1], other=-1)  # [1, 1]
+        slot = pltriton.load(slot_ref.at[new_tok], mask=jnp.broadcast_to(n_valid > 0, (1, 1)), other=-1)
         owns = (n_valid > 0) & (slot >= 0) & (s_lo <= new_chunk) & (new_chunk < s_hi)
         slot = jnp.maximum(slot, 0)
         block, offset = lax.div(slot, block_size), lax.rem(slot, block_size)
