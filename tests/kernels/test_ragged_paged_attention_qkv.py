@@ -99,3 +99,24 @@ def test_bad_projection_width_is_refused():
         ragged_paged_attention_qkv(b["qkv"][:, :-D], b["q_norm"], b["k_norm"], b["cos"], b["sin"], b["k_cache"],
                                    b["v_cache"], b["slot_mapping"], b["layer"], b["block_tables"], b["seq_lens"],
                                    b["query_start_loc"], b["num_seqs"], num_heads=H, sm_scale=0.1, interpret=not ON_GPU)
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_it_lowers_to_triton_at_qwen3_shapes(monkeypatch, rows):
+    """Pallas's Triton lowering (the kernel as Triton IR; PTX comes later, on a GPU) at Qwen3-0.6B's
+    shapes. Without a GPU, Pallas asks for one to read its compute capability: an H100's is given."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100))
+    S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    cache = S((28, 512, 8, 16, 128), bf16)
+    args = (S((rows, 4096), bf16), S((28, 128), bf16), S((28, 128), bf16), S((rows, 64), jnp.float32),
+            S((rows, 64), jnp.float32), cache, cache, S((rows,), i32), S((), i32), S((rows, 64), i32), S((rows,), i32),
+            S((rows + 1,), i32), S((), i32), S((), i32))
+
+    def attend(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, layer, tables, lens, starts, num_seqs, row):
+        return ragged_paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, layer, tables, lens,
+                                          starts, num_seqs, num_heads=16, sm_scale=128**-0.5, norm_layer=row)
+
+    jax.jit(attend).trace(*args).lower(lowering_platforms=("cuda",))
