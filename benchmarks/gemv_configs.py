@@ -4,7 +4,8 @@
 Each projection as the engine runs it (norm + qkv, o + residual, norm + gate/up + SwiGLU,
 down + residual) over a 28-layer `[L, N, K]` stack: one jitted call makes 28 kernel calls, one per
 layer (the stack is larger than the GPU's L2, so every weight comes from HBM), and is timed back to
-back. Per config (`block_n` weight rows a CTA, `num_stages` tiles in flight): microseconds per kernel
+back. Per config (`block_n` weight rows a CTA, `num_stages` tiles in flight, `kbox` 256-wide chunks of K a
+tile): microseconds per kernel
 and the weight's GB/s. The engine's choice (models/gemv_projections.gemv_config) is marked.
 
     python -m benchmarks.gemv_configs --output-json gemv_configs.json
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import jax.numpy as jnp
 
@@ -22,7 +24,8 @@ import mrv2_jax  # noqa: F401  (the engine's XLA flags)
 # Qwen3-0.6B: (K, N, norm before, epilogue) a projection.
 PROJECTIONS = {"qkv_proj": (1024, 4096, True, None), "o_proj": (2048, 1024, False, "residual"),
                "gate_up_proj": (1024, 6144, True, "swiglu"), "down_proj": (3072, 1024, False, "residual")}
-TINY = {"qkv_proj": (256, 64, True, None), "gate_up_proj": (256, 64, True, "swiglu")}
+TINY = {"qkv_proj": (512, 64, True, None), "gate_up_proj": (256, 64, True, "swiglu")}
+SMEM_BUDGET = 160 * 1024  # bytes of weight tiles in flight a CTA may take
 
 
 def calls_over_layers(x, w, g, r, *, layers, norm, epilogue, config, interpret):
@@ -41,11 +44,12 @@ def print_row(e: dict) -> None:
     """One config's line, printed as soon as it is measured (a run cut short keeps what it printed)."""
     mark = " <- engine" if e["engine"] else ""
     if "error" in e:
-        print(f"{e['projection']:>13} {e['block_n']:7} {e['num_stages']:6}  {e['error']}{mark}", flush=True)
+        print(f"{e['projection']:>13} {e['block_n']:7} {e['num_stages']:6} {e['kbox']:4}  {e['error']}{mark}",
+              flush=True)
         return
     us = "-" if e["us_per_kernel"] is None else f"{e['us_per_kernel']:.2f}"
     gbs = "-" if e["gb_per_s"] is None else f"{e['gb_per_s']:.0f}"
-    print(f"{e['projection']:>13} {e['block_n']:7} {e['num_stages']:6} {us:>9} {gbs:>6} "
+    print(f"{e['projection']:>13} {e['block_n']:7} {e['num_stages']:6} {e['kbox']:4} {us:>9} {gbs:>6} "
           f"{e['max_abs_error']:8.3g}{mark}", flush=True)
 
 
@@ -66,7 +70,8 @@ def main(argv=None) -> list[dict]:
     layers = 2 if args.tiny else 28
     projections = TINY if args.tiny else PROJECTIONS
     results = []
-    print(f"{'projection':>13} {'block_n':>7} {'stages':>6} {'us/kernel':>9} {'GB/s':>6} {'max err':>8}", flush=True)
+    print(f"{'projection':>13} {'block_n':>7} {'stages':>6} {'kbox':>4} {'us/kernel':>9} {'GB/s':>6} {'max err':>8}",
+          flush=True)
     for name, (k, n, norm, epilogue) in projections.items():
         keys = jax.random.split(jax.random.key(len(name)), 4)
         x = jax.random.normal(keys[0], (1, k), jnp.bfloat16)
@@ -79,24 +84,27 @@ def main(argv=None) -> list[dict]:
         chosen = gemv_config(n, epilogue)
         sizes = (16, 32) if args.tiny else ((16, 32) if epilogue == "swiglu" else (8, 16, 32))
         stages = (2,) if args.tiny else (2, 4, 8)
-        for block_n in sizes:
-            for num_stages in stages:
-                config = GemvConfig(block_n=block_n, num_stages=num_stages)
-                call = jax.jit(functools.partial(calls_over_layers, layers=layers, norm=norm, epilogue=epilogue,
-                                                 config=config, interpret=not on_gpu))
-                entry = {"projection": name, "block_n": block_n, "num_stages": num_stages, "engine": config == chosen}
-                try:
-                    out = np.asarray(call(x, w, g, r)[-1], np.float32)  # the last layer's
-                except Exception as exc:  # noqa: BLE001 - a config the GPU refuses is a result, reported
-                    results.append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                    print_row(results[-1])
-                    continue
-                seconds = back_to_back_seconds(call, (x, w, g, r), args.calls) / layers if on_gpu else None
-                results.append(entry | {
-                    "us_per_kernel": None if seconds is None else seconds * 1e6,
-                    "gb_per_s": None if seconds is None else n * k * 2 / seconds / 1e9,
-                    "max_abs_error": float(np.abs(out - expected).max())})
+        kboxes = [b for b in ((1, 2) if args.tiny else (1, 4)) if k % (256 * b) == 0]
+        for block_n, num_stages, kbox in itertools.product(sizes, stages, kboxes):
+            if block_n * kbox * 512 * num_stages > SMEM_BUDGET:
+                continue
+            config = GemvConfig(block_n=block_n, num_stages=num_stages, kbox=kbox)
+            call = jax.jit(functools.partial(calls_over_layers, layers=layers, norm=norm, epilogue=epilogue,
+                                             config=config, interpret=not on_gpu))
+            entry = {"projection": name, "block_n": block_n, "num_stages": num_stages, "kbox": kbox,
+                     "engine": config == chosen}
+            try:
+                out = np.asarray(call(x, w, g, r)[-1], np.float32)  # the last layer's
+            except Exception as exc:  # noqa: BLE001 - a config the GPU refuses is a result, reported
+                results.append(entry | {"error": f"{type(exc).__name__}: {str(exc)[:200]}"})
                 print_row(results[-1])
+                continue
+            seconds = back_to_back_seconds(call, (x, w, g, r), args.calls) / layers if on_gpu else None
+            results.append(entry | {
+                "us_per_kernel": None if seconds is None else seconds * 1e6,
+                "gb_per_s": None if seconds is None else n * k * 2 / seconds / 1e9,
+                "max_abs_error": float(np.abs(out - expected).max())})
+            print_row(results[-1])
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment, write_report
 

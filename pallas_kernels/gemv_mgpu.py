@@ -60,12 +60,14 @@ EPILOGUES = (None, "residual", "swiglu")
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """``block_n`` weight rows per CTA (outputs: ``block_n``, or ``block_n / 2`` with SwiGLU) and the
-    pipeline's depth in ``[block_n, BLOCK_K]`` tiles. Each thread keeps ``block_n`` f32 register
-    pairs of sums."""
+    """``block_n`` weight rows per CTA (outputs: ``block_n``, or ``block_n / 2`` with SwiGLU), the
+    pipeline's depth in tiles, and ``kbox`` 256-wide chunks of K a tile (``[block_n, kbox * 256]``,
+    one TMA copy of the weight viewed as ``[N, K / 256, 256]``, as a TMA box is at most 256 wide).
+    Each thread keeps ``block_n`` f32 register pairs of sums."""
 
     block_n: int = 8
     num_stages: int = 4
+    kbox: int = 1  # 256-wide chunks of K a tile (a step): fewer, larger TMA copies when > 1
 
 
 def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None):
@@ -101,6 +103,8 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
         raise ValueError(f"block_n = {config.block_n} must be a multiple of 8 and at least {min_block}")
     if k % BLOCK_K:
         raise ValueError(f"K = {k} is not a multiple of BLOCK_K = {BLOCK_K}")
+    if config.kbox < 1 or k % (BLOCK_K * config.kbox):
+        raise ValueError(f"K = {k} is not a multiple of kbox = {config.kbox} chunks of {BLOCK_K}")
     if n % config.block_n:
         raise ValueError(f"N = {n} is not divisible by block_n = {config.block_n}")
     if config.num_stages < 1:
@@ -113,40 +117,47 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
         raise ValueError(f"residual must be [1, N] = {(1, n)}, got {tuple(residual.shape)}")
 
 
-def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, norm, epilogue):
+def _kernel(layer_gmem, x_gmem, w_gmem, *rest, block_n, steps, stages, k, eps, norm, epilogue, kbox):
     rest = list(rest)
     g_gmem = rest.pop(0) if norm else None
     r_gmem = rest.pop(0) if epilogue == "residual" else None
     (out_gmem,) = rest
     j = lax.axis_index("n")
-    w_gmem = w_gmem.at[layer_gmem[0]]  # this layer's [N, K] of the stack
+    w_gmem = w_gmem.at[layer_gmem[0]]  # this layer's [N, K] of the stack ([N, K / 256, 256] when kbox > 1)
     layout = plgpu.Layout.WG_STRIDED((BLOCK_K,), vec_size=2)
     zero = plgpu.layout_cast(jnp.zeros((BLOCK_K,), jnp.float32), layout)
 
     num_w = 2 if epilogue == "swiglu" else 1  # SwiGLU: a gate tile and an up tile a step
 
+    def row(tile, r, c):
+        """Row r of a tile's chunk c, [BLOCK_K] in f32."""
+        return (tile[r, c, :] if kbox > 1 else tile[r, :]).astype(jnp.float32)
+
     def step(_, *refs_and_carry):
         *refs, carry = refs_and_carry
         w_smems, (x_smem, *g_smem) = refs[:num_w], refs[num_w:]
         sums, square = carry
-        x = x_smem[0, :].astype(jnp.float32)
-        if norm:
-            square = square + x * x
-            x = x * g_smem[0][0, :].astype(jnp.float32)
         rows = [(w_smem, r) for w_smem in w_smems for r in range(block_n // num_w)]  # gate's rows, then up's
-        weights = [w_smem[r, :].astype(jnp.float32) for w_smem, r in rows]
-        sums = tuple(s + w * x for s, w in zip(sums, weights))
+        for c in range(kbox):
+            x = row(x_smem, 0, c)
+            if norm:
+                square = square + x * x
+                x = x * row(g_smem[0], 0, c)
+            weights = [row(w_smem, r, c) for w_smem, r in rows]
+            sums = tuple(s + w * x for s, w in zip(sums, weights))
         # Every thread's reads of this stage are done before the pipeline refills it with TMA (the
         # pipeline syncs nothing after the body: without this a lagging warp could read the refill).
         plgpu.commit_smem()
         return sums, square
 
-    rows, blocks = block_n // num_w, w_gmem.shape[-2] // block_n  # the up rows start `blocks` tiles after the gate's
-    w_specs = [plgpu.BlockSpec((rows, BLOCK_K), lambda i, t=t: (j + t * blocks, i)) for t in range(num_w)]
-    in_specs = [*w_specs, plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i))]
+    # A tile is [rows, BLOCK_K] of the [N, K] weight, or [rows, kbox, BLOCK_K] of its [N, K / 256, 256] view.
+    box, at = ((kbox, BLOCK_K), lambda *ij: (*ij, 0)) if kbox > 1 else ((BLOCK_K,), lambda *ij: ij)
+    rows, blocks = block_n // num_w, w_gmem.shape[0] // block_n  # the up rows start `blocks` tiles after the gate's
+    w_specs = [plgpu.BlockSpec((rows, *box), lambda i, t=t: at(j + t * blocks, i)) for t in range(num_w)]
+    in_specs = [*w_specs, plgpu.BlockSpec((1, *box), lambda i: at(0, i))]
     operands = [w_gmem] * num_w + [x_gmem]
     if norm:
-        in_specs.append(plgpu.BlockSpec((1, BLOCK_K), lambda i: (0, i)))
+        in_specs.append(plgpu.BlockSpec((1, *box), lambda i: at(0, i)))
         operands.append(g_gmem.at[layer_gmem[0]])
     num_out = block_n // 2 if epilogue == "swiglu" else block_n
 
@@ -198,21 +209,22 @@ def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None
         w = w[None]
         norm_weight = None if norm_weight is None else norm_weight[None]
     n, k = w.shape[1:]
-    steps = k // BLOCK_K
+    steps = k // (BLOCK_K * config.kbox)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     num_out = n // 2 if epilogue == "swiglu" else n
     kernel = plgpu.kernel(
         functools.partial(_kernel, block_n=config.block_n, steps=steps, stages=min(config.num_stages, steps), k=k,
-                          eps=eps, norm=norm_weight is not None, epilogue=epilogue),
+                          eps=eps, norm=norm_weight is not None, epilogue=epilogue, kbox=config.kbox),
         out_type=jax.ShapeDtypeStruct((1, num_out), jnp.bfloat16),
         grid=(n // config.block_n,),
         grid_names=("n",),
         interpret=interpret or None,
     )
-    operands = [jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), x, w]
+    chunks = (lambda a: a.reshape(*a.shape[:-1], k // BLOCK_K, BLOCK_K)) if config.kbox > 1 else (lambda a: a)
+    operands = [jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), chunks(x), chunks(w)]
     if norm_weight is not None:
-        operands.append(norm_weight.astype(jnp.bfloat16)[:, None, :])  # [L, 1, K]: 2-D tiles of one row
+        operands.append(chunks(norm_weight.astype(jnp.bfloat16)[:, None, :]))  # [L, 1, K]: tiles of one row
     if residual is not None:
         operands.append(residual.astype(jnp.bfloat16))
     return kernel(*operands)

@@ -26,6 +26,9 @@ def test_gemv_configs_match_the_reference(tmp_path):
 
     out = tmp_path / "configs.json"
     results = gemv_configs.main(["--tiny", "--output-json", str(out)])
-    assert {(r["projection"], r["block_n"]) for r in results} == {(p, b) for p in gemv_configs.TINY for b in (16, 32)}
+    # qkv_proj's tiny K (512) also takes tiles of two chunks (kbox 2); gate_up's (256) cannot.
+    assert {(r["projection"], r["block_n"], r["kbox"]) for r in results} == {
+        ("qkv_proj", 16, 1), ("qkv_proj", 32, 1), ("qkv_proj", 16, 2), ("qkv_proj", 32, 2),
+        ("gate_up_proj", 16, 1), ("gate_up_proj", 32, 1)}
     assert all(r["max_abs_error"] <= 0.05 for r in results), results
     assert ENVIRONMENT_KEYS <= json.loads(out.read_text()).keys()

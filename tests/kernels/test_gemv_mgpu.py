@@ -50,11 +50,14 @@ def numpy_layer_math(x, w, g, r, *, norm, epilogue, eps=1e-6):
     return y
 
 
-@pytest.mark.parametrize("norm,epilogue,block_n", [(False, None, 8), (True, None, 16), (False, "residual", 8),
-                                                   (True, "residual", 16), (True, "swiglu", 16)])
-def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, block_n):
+@pytest.mark.parametrize("norm,epilogue,block_n,kbox", [(False, None, 8, 1), (True, None, 16, 1),
+                                                        (False, "residual", 8, 1), (True, "residual", 16, 1),
+                                                        (True, "swiglu", 16, 1), (True, "residual", 8, 2),
+                                                        (True, "swiglu", 16, 2)])
+def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, block_n, kbox):
+    """Each epilogue, with and without the norm; with kbox 2 a tile is the whole K of two chunks."""
     x, w, g, r = make(3, 2 * BLOCK_K, 64)
-    config = GemvConfig(block_n=block_n, num_stages=2)
+    config = GemvConfig(block_n=block_n, num_stages=2, kbox=kbox)
     y = np.asarray(run(x, w, 2, g, r, norm=norm, epilogue=epilogue, config=config), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=2, norm_weight=g if norm else None, epilogue=epilogue,
                                     residual=r if epilogue == "residual" else None), np.float32)
@@ -112,7 +115,7 @@ def test_cuda_lowering_accepts_each_projection_of_a_layer(name):
     scalar work) take each projection with what surrounds it, from the 28 stacked layers at a traced layer."""
     k, n, norm, epilogue = QWEN3_06B[name]
     S = jax.ShapeDtypeStruct
-    for config in (GemvConfig(16, 4), GemvConfig(16, 8)):
+    for config in (GemvConfig(16, 4), GemvConfig(16, 8), GemvConfig(16, 4, kbox=4)):
         fn = functools.partial(run, norm=norm, epilogue=epilogue, config=config, interpret=False)
         jax.jit(fn).trace(S((1, k), jnp.bfloat16), S((28, n, k), jnp.bfloat16), S((), jnp.int32),
                           S((28, k), jnp.bfloat16), S((1, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
@@ -122,6 +125,7 @@ def test_cuda_lowering_accepts_each_projection_of_a_layer(name):
     (dict(x=(2, 256)), "one row"),
     (dict(k=128), "multiple of BLOCK_K"),
     (dict(n=60), "not divisible by block_n"),
+    (dict(config=GemvConfig(kbox=2)), "kbox"),
     (dict(config=GemvConfig(block_n=12)), "multiple of 8"),
     (dict(epilogue="swiglu", config=GemvConfig(block_n=8)), "at least 16"),
     (dict(epilogue="residual"), "residual= is needed"),
