@@ -26,16 +26,16 @@ SwiGLU after join the kernel (fewer launches a layer, none of the small kernels 
 SwiGLU a CTA streams ``block_n / 2`` gate rows and the matching up rows, two tiles a step.
 
 Algorithm. Grid ``(N / block_n,)``, one warpgroup (128 threads) per CTA. ``plgpu.emit_pipeline``
-streams the CTA's ``[block_n, BLOCK_K]`` weight tiles (each row contiguous in K) with the matching
-``[1, BLOCK_K]`` tiles of x (and of the norm weight) through shared memory with TMA, ``num_stages``
-deep. Each thread owns 2 columns of a tile (the warpgroup's strided register layout): it multiplies
-each weight row's two by x's (times the norm weight), adding into one f32 register pair per weight
-row, ``block_n`` pairs a thread; with a norm it also adds x^2. A warpgroup barrier ends each step,
-so no thread still reads a stage when the pipeline refills it. After the last tile each pair is
-summed across the warpgroup; the norm is linear in x, so ``rsqrt(mean(x^2) + eps)`` scales the
-sums then. The epilogue adds the CTA's slice of the residual
-(fetched with TMA when the CTA starts) or pairs its gate and up rows, and the CTA stores its
-outputs with one TMA copy.
+streams the CTA's ``[block_n, BLOCK_K]`` weight tiles (each row contiguous in K; ``kbox`` chunks of
+K a tile with ``GemvConfig.kbox``) with the matching ``[1, BLOCK_K]`` tiles of x (and of the norm
+weight) through shared memory with TMA, ``num_stages`` deep. Each thread owns 2 columns of a tile
+(the warpgroup's strided register layout): it multiplies each weight row's two by x's (times the
+norm weight), adding into one f32 register pair per weight row, ``block_n`` pairs a thread; with a
+norm it also adds x^2. A warpgroup barrier ends each step, so no thread still reads a stage when the
+pipeline refills it. After the last tile each pair is summed across the warpgroup; the norm is
+linear in x, so ``rsqrt(mean(x^2) + eps)`` scales the sums then. The epilogue adds the CTA's slice
+of the residual (fetched with TMA when the CTA starts) or pairs its gate and up rows, and the CTA
+stores its outputs with one TMA copy.
 
 On the CPU (tests) the kernel runs in Mosaic GPU's interpreter (``interpret=True``); lowering for
 CUDA on any backend runs Mosaic GPU's layout inference and lowering (TMA boxes, register layouts).
