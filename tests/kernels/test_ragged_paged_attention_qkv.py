@@ -3,7 +3,7 @@ token) in the Pallas interpreter against its two-step jnp reference: qk_norm_rop
 ragged_paged_attention_reference (both tested against numpy loops in their own files).
 
 The new tokens' slots hold NaN before the call, so a kernel that attended to the cache's stale key instead
-of the new one, or wrote the wrong slot, shows; every other slot must keep its bits."""
+of the new one, or wrote the wrong slot, shows; every other slot must keep its value."""
 
 from __future__ import annotations
 
