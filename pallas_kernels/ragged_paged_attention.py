@@ -73,6 +73,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import qk_norm_rope_kv_write as qk_kernel
+
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_qkv", "ragged_paged_attention_reference",
            "default_tuning"]
 
@@ -113,31 +115,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
 # ----------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------
-
-
-def _norm_rope(qkv_ref, tok, col, mask, norm_ref, *, is_k, norm_rows_ref, cos_ref, sin_ref, head_dim, eps,
-               rotary_dim, has_norm):
-    """Heads of the fused projection at rows ``tok`` and first columns ``col`` (broadcast to ``mask``'s
-    ``[rows, head_dim]``): RMSNorm (with ``norm_ref``'s row) and "halves" RoPE, as in
-    qk_norm_rope_kv_write.py, in the projection's dtype."""
-    half = rotary_dim // 2
-    d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-    partner = jnp.where(d < half, d + half, jnp.where(d < rotary_dim, d - half, d))
-    x = pltriton.load(qkv_ref.at[tok, col + d], mask=mask, other=0)
-    xp = pltriton.load(qkv_ref.at[tok, col + partner], mask=mask, other=0)
-    dtype = x.dtype
-    if has_norm:
-        x32 = x.astype(jnp.float32)
-        scale = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / head_dim + eps)[:, None]  # as qk_norm_rope_kv_write's
-        row = norm_rows_ref[norm_rows_ref.shape[0] - 1] if is_k else norm_rows_ref[0]
-        x = pltriton.load(norm_ref.at[row, d]) * (x32 * scale).astype(dtype)
-        xp = pltriton.load(norm_ref.at[row, partner]) * (xp.astype(jnp.float32) * scale).astype(dtype)
-    pair = jnp.where(d < half, d, d - half) % half
-    rotated = d < rotary_dim
-    cos = jnp.where(rotated, pltriton.load(cos_ref.at[tok, pair], mask=mask, other=1), 1.0)
-    sin = pltriton.load(sin_ref.at[tok, pair], mask=mask, other=0)
-    sin = jnp.where(rotated, jnp.where(d < half, -sin, sin), 0.0)
-    return (x.astype(jnp.float32) * cos + xp.astype(jnp.float32) * sin).astype(dtype)
 
 
 def _rpa_kernel(
@@ -210,14 +187,19 @@ def _rpa_kernel(
     else:
         # Each lane's q head from the projection, and the tile's one new key and value (a decode
         # tile holds one token): normed and rotated as qk_norm_rope_kv_write does.
-        rope = functools.partial(_norm_rope, norm_rows_ref=norm_rows_ref, cos_ref=cos_ref, sin_ref=sin_ref,
-                                 head_dim=head_dim, **qk)
+        rope = functools.partial(qk_kernel.norm_rope, cos_ref=cos_ref, sin_ref=sin_ref, head_dim=head_dim,
+                                 rotary_dim=qk["rotary_dim"], eps=qk["eps"])
+
+        def weight_of(norm_ref, row):  # the norm weight at columns `cols`, or no norm
+            return (lambda cols: pltriton.load(norm_ref.at[row, cols])) if qk["has_norm"] else None
+
         q_col = (kv_head * G + lax.rem(lane, G))[:, None] * head_dim
-        q = rope(q_ref, q_tok[:, None], q_col, lane_mask, q_norm_ref, is_k=False)
+        q = rope(q_ref, q_tok[:, None], q_col, lane_mask, norm_weight=weight_of(q_norm_ref, norm_rows_ref[0]))
         new_tok = jnp.broadcast_to(jnp.minimum(q_start + tile_q0, T - 1), (1, 1))  # a [1, 1] block of indices
         new_mask = jnp.broadcast_to(n_valid > 0, (1, head_dim))
         k_col = (num_q_heads + kv_head) * head_dim
-        k_new = rope(q_ref, new_tok, k_col, new_mask, k_norm_ref, is_k=True)
+        k_row = norm_rows_ref[norm_rows_ref.shape[0] - 1]  # one row or two
+        k_new = rope(q_ref, new_tok, k_col, new_mask, norm_weight=weight_of(k_norm_ref, k_row))
         v_col = (num_q_heads + num_kv_heads + kv_head) * head_dim + d
         v_new = pltriton.load(q_ref.at[new_tok, v_col], mask=new_mask, other=0)
     q_pos = ctx_len - q_len + tile_q0 + lane_tok  # [M]
@@ -411,8 +393,6 @@ def ragged_paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, 
     slot. Arguments as the two functions take them (``qkv [T, (num_heads + 2 Hkv) * D]``); returns
     ``(out [T, num_heads, D], k_cache, v_cache)``. A row with more tokens would attend to keys that
     were never written: the caller guarantees one token a row."""
-    from pallas_kernels import qk_norm_rope_kv_write as qk_kernel
-
     head_dim = k_cache.shape[4]
     qk_kernel.check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
     T = qkv.shape[0]
@@ -427,13 +407,14 @@ def ragged_paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, 
     *outs, k_rows, v_rows = _call(qkv, qkv.dtype, T, num_heads, k_cache, v_cache, layer, block_tables, seq_lens,
                                   query_start_loc, num_seqs, sm_scale=sm_scale, interpret=interpret, tuning=tuning,
                                   qk=qk, qk_inputs=qk_inputs)
-    out = _finish(outs[0] if len(outs) == 1 else tuple(outs), T, num_heads, head_dim, qkv.dtype, interpret)
+    out = _finish(outs, T, num_heads, head_dim, qkv.dtype, interpret)
     return out, k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)
 
 
 def _call(q2d, dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
           sm_scale, interpret, tuning, sliding_window=None, qk=None, qk_inputs=()):
-    """The kernel's launch: the output (or the split partials), then with ``qk`` the updated caches."""
+    """The kernel's launch -> its outputs: the attention output (or the split partials), then with ``qk``
+    the updated caches."""
     head_dim = k_cache.shape[4]
     num_layers, num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     R, max_blocks = block_tables.shape
@@ -508,13 +489,13 @@ def _call(q2d, dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables, seq
         v_cache.reshape(num_cache_rows, head_dim),
         *qk_inputs,
     )
-    return outs if qk is not None else (outs[0] if len(outs) == 1 else tuple(outs))
+    return tuple(outs)
 
 
 def _finish(outs, T, num_q_heads, head_dim, dtype, interpret):
-    """The output from the kernel's: as it is, or the split partials merged."""
-    if not isinstance(outs, tuple):
-        return outs.reshape(T, num_q_heads, head_dim)
+    """The output from the kernel's attention outputs: the one output, or the split partials merged."""
+    if len(outs) == 1:
+        return outs[0].reshape(T, num_q_heads, head_dim)
     q_like = jax.ShapeDtypeStruct((T, num_q_heads, head_dim), dtype)
     return _merge_splits(*outs, outs[0].shape[0] // (T * num_q_heads), q_like, interpret=interpret)
 

@@ -178,3 +178,18 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="both or neither"):
         qk_norm_rope_kv_write(case["qkv"], case["q_norm"], None, case["cos"], case["sin"],
                               case["k_cache"], case["v_cache"], case["slot_mapping"], 0, num_heads=num_heads)
+
+
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_it_lowers_to_triton_at_qwen3_shapes(triton_lowering_without_a_gpu, tokens):
+    """Pallas's Triton lowering at Qwen3-0.6B's shapes, the norm weights stacked."""
+    S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    cache = S((28, 512, 8, 16, 128), bf16)
+    args = (S((tokens, 4096), bf16), S((28, 128), bf16), S((28, 128), bf16), S((tokens, 64), jnp.float32),
+            S((tokens, 64), jnp.float32), cache, cache, S((tokens,), i32), S((), i32), S((), i32))
+
+    def write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, layer, row):
+        return qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, layer, num_heads=16,
+                                     norm_layer=row)
+
+    jax.jit(write).trace(*args).lower(lowering_platforms=("cuda",))
