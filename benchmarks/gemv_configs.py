@@ -25,7 +25,6 @@ import mrv2_jax  # noqa: F401  (the engine's XLA flags)
 PROJECTIONS = {"qkv_proj": (1024, 4096, True, None), "o_proj": (2048, 1024, False, "residual"),
                "gate_up_proj": (1024, 6144, True, "swiglu"), "down_proj": (3072, 1024, False, "residual")}
 TINY = {"qkv_proj": (512, 64, True, None), "gate_up_proj": (256, 64, True, "swiglu")}
-SMEM_BUDGET = 160 * 1024  # bytes of weight tiles in flight a CTA may take
 
 
 def calls_over_layers(x, w, g, r, *, layers, norm, epilogue, config, interpret):
@@ -63,8 +62,9 @@ def main(argv=None) -> list[dict]:
     import numpy as np
 
     from benchmarks.decode_layer_gemv import back_to_back_seconds
+    from benchmarks.weight_stream import SMEM_BUDGET
     from mrv2_jax.models.gemv_projections import gemv_config
-    from pallas_kernels.gemv_mgpu import GemvConfig, gemv_reference
+    from pallas_kernels.gemv_mgpu import BLOCK_K, GemvConfig, gemv_reference
 
     on_gpu = jax.default_backend() == "gpu"
     layers = 2 if args.tiny else 28
@@ -84,9 +84,9 @@ def main(argv=None) -> list[dict]:
         chosen = gemv_config(n, epilogue)
         sizes = (16, 32) if args.tiny else ((16, 32) if epilogue == "swiglu" else (8, 16, 32))
         stages = (2,) if args.tiny else (2, 4, 8)
-        kboxes = [b for b in ((1, 2) if args.tiny else (1, 4)) if k % (256 * b) == 0]
+        kboxes = [b for b in ((1, 2) if args.tiny else (1, 4)) if k % (BLOCK_K * b) == 0]
         for block_n, num_stages, kbox in itertools.product(sizes, stages, kboxes):
-            if block_n * kbox * 512 * num_stages > SMEM_BUDGET:
+            if block_n * kbox * BLOCK_K * 2 * num_stages > SMEM_BUDGET:  # bf16 tiles in flight
                 continue
             config = GemvConfig(block_n=block_n, num_stages=num_stages, kbox=kbox)
             call = jax.jit(functools.partial(calls_over_layers, layers=layers, norm=norm, epilogue=epilogue,
