@@ -161,9 +161,7 @@ class KernelConfig:
 
     ``attention``: the paged attention and KV write, "pallas" or "reference".
     ``decode_attention``: with ``attention`` "pallas", the kernel of fused decode's steps (every row one
-    token): "pallas" (the ragged kernel of every other step), "pallas_qkv" (the same kernel taking the
-    fused projection, with the q/k norm, RoPE and KV write of qk_norm_rope_kv_write done inside it:
-    ``ragged_paged_attention_qkv``; models with a ``QKNormRope``) or "mgpu" (the decode kernel on Mosaic
+    token): "pallas" (the ragged kernel of every other step) or "mgpu" (the decode kernel on Mosaic
     GPU, pallas_kernels/paged_decode_attention_mgpu.py; Hopper-class GPUs).
     ``ragged_attention``: with ``attention`` "pallas", the kernel of every other step (mixed prefill and
     decode rows): "pallas" (the Triton kernel, pallas_kernels/ragged_paged_attention.py) or "mgpu" (the
@@ -205,7 +203,7 @@ class KernelConfig:
         "sampler_noise_pass": ("MRV2_SAMPLER_NOISE_PASS", envs.SWITCHES["MRV2_SAMPLER_NOISE_PASS"].allowed),
         "sampler_slow_path": ("MRV2_SAMPLER_SLOW_PATH", envs.SWITCHES["MRV2_SAMPLER_SLOW_PATH"].allowed),
         "moe_backend": ("MRV2_MOE_BACKEND", envs.SWITCHES["MRV2_MOE_BACKEND"].allowed),
-        "decode_attention": (None, ("auto", "pallas", "pallas_qkv", "mgpu")),
+        "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
         "sampler_truncation": (None, ("auto", "threshold", "sort")),
         "decode_projections": (None, ("auto", "xla", "gemv")),

@@ -32,11 +32,10 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kv_write import write_kv_reference
 
-__all__ = ["check_inputs", "norm_operands", "norm_rope", "qk_norm_rope_kv_write", "qk_norm_rope_kv_write_reference"]
+__all__ = ["qk_norm_rope_kv_write", "qk_norm_rope_kv_write_reference"]
 
 
-def check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer=None):
-    """ValueError naming what does not fit (shapes of the projection, cache, cos/sin, norm weights)."""
+def _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer=None):
     if k_cache.shape != v_cache.shape or k_cache.ndim != 5:
         raise ValueError(f"bad cache shapes {k_cache.shape} {v_cache.shape}")
     _, _, num_kv_heads, _, head_dim = k_cache.shape
@@ -59,51 +58,41 @@ def check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, 
         raise ValueError(f"norm weights {q_norm.shape}/{k_norm.shape}: expected {want}, head_dim {head_dim}")
 
 
-def norm_rope(qkv_ref, tok, col, mask, cos_ref, sin_ref, norm_weight, *, head_dim, rotary_dim, eps):
-    """Heads of the fused projection in a kernel: rows ``tok`` (``[rows, 1]``), columns ``col + d`` for
-    ``d < head_dim`` (``mask``: ``[rows, head_dim]``), RMSNorm'd when ``norm_weight`` (a function of
-    column indices ``[1, head_dim]`` to the norm weight there; None: no norm) and "halves"-rotated over
-    the first ``rotary_dim`` dims, in the projection's dtype. Each element's partner
-    ``d +- rotary_dim / 2`` is loaded a second time from the same row and normalised with its row scale."""
-    half = rotary_dim // 2
-    d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-    partner = jnp.where(d < half, d + half, jnp.where(d < rotary_dim, d - half, d))
-    x = pltriton.load(qkv_ref.at[tok, col + d], mask=mask, other=0)
-    xp = pltriton.load(qkv_ref.at[tok, col + partner], mask=mask, other=0)
-    dtype = x.dtype
-    if norm_weight is not None:
-        x32 = x.astype(jnp.float32)
-        scale = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / head_dim + eps)[:, None]
-        x = norm_weight(d) * (x32 * scale).astype(dtype)
-        xp = norm_weight(partner) * (xp.astype(jnp.float32) * scale).astype(dtype)
-    # cos/sin of each element's pair; dims past rotary_dim keep their value (cos 1, sin 0).
-    rotated = d < rotary_dim
-    pair = jnp.where(d < half, d, d - half) % half
-    cos = jnp.where(rotated, pltriton.load(cos_ref.at[tok, pair], mask=mask, other=1), 1.0)
-    sin = pltriton.load(sin_ref.at[tok, pair], mask=mask, other=0)
-    sin = jnp.where(rotated, jnp.where(d < half, -sin, sin), 0.0)
-    return (x.astype(jnp.float32) * cos + xp.astype(jnp.float32) * sin).astype(dtype)
-
-
 def _kernel(layer_ref, norm_rows_ref, slot_ref, qkv_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, k_in_ref, v_in_ref,
             q_out_ref, k_out_ref, v_out_ref, *, num_tokens, num_heads, num_kv_heads, num_blocks, block_size,
             block_t, eps, rotary_dim, has_norm):
     del k_in_ref, v_in_ref  # aliased to the outputs
     head_dim = q_norm_ref.shape[1]
+    half = rotary_dim // 2
     h = pl.program_id(1)
     is_q = h < num_heads
     t = pl.program_id(0) * block_t + jnp.arange(block_t, dtype=jnp.int32)
     in_range = t < num_tokens
     t = jnp.minimum(t, num_tokens - 1)  # every address in bounds
     d = jnp.arange(head_dim, dtype=jnp.int32)
+    partner = jnp.where(d < half, d + half, jnp.where(d < rotary_dim, d - half, d))
     rows = in_range[:, None] & (d >= 0)[None, :]  # [block_t, head_dim]
-    q_row, k_row = norm_rows_ref[0], norm_rows_ref[norm_rows_ref.shape[0] - 1]  # one row or two
 
-    def norm_weight(cols):  # a q head's weight or a k head's
-        return jnp.where(is_q, pltriton.load(q_norm_ref.at[q_row, cols]), pltriton.load(k_norm_ref.at[k_row, cols]))
-
-    out = norm_rope(qkv_ref, t[:, None], h * head_dim, rows, cos_ref, sin_ref, norm_weight if has_norm else None,
-                    head_dim=head_dim, rotary_dim=rotary_dim, eps=eps)
+    x = pltriton.load(qkv_ref.at[t[:, None], (h * head_dim + d)[None, :]], mask=rows, other=0)
+    xp = pltriton.load(qkv_ref.at[t[:, None], (h * head_dim + partner)[None, :]], mask=rows, other=0)
+    dtype = x.dtype
+    if has_norm:
+        x32 = x.astype(jnp.float32)
+        scale = lax.rsqrt(jnp.sum(x32 * x32, axis=1) / head_dim + eps)[:, None]
+        q_row, k_row = norm_rows_ref[0], norm_rows_ref[norm_rows_ref.shape[0] - 1]  # one row or two
+        weight = jnp.where(is_q, pltriton.load(q_norm_ref.at[q_row, d]), pltriton.load(k_norm_ref.at[k_row, d]))
+        weight_p = jnp.where(is_q, pltriton.load(q_norm_ref.at[q_row, partner]),
+                             pltriton.load(k_norm_ref.at[k_row, partner]))
+        x = weight[None, :] * (x32 * scale).astype(dtype)
+        xp = weight_p[None, :] * (xp.astype(jnp.float32) * scale).astype(dtype)
+    # cos/sin of each element's pair; dims past rotary_dim keep their value (cos 1, sin 0).
+    rotated = (d < rotary_dim)[None, :]
+    pair = jnp.where(d < half, d, d - half) % half
+    cos = pltriton.load(cos_ref.at[t[:, None], pair[None, :]], mask=rows, other=1)
+    sin = pltriton.load(sin_ref.at[t[:, None], pair[None, :]], mask=rows, other=0)
+    cos = jnp.where(rotated, cos, 1.0)
+    sin = jnp.where(rotated, jnp.where((d < half)[None, :], -sin, sin), 0.0)
+    out = (x.astype(jnp.float32) * cos + xp.astype(jnp.float32) * sin).astype(dtype)
 
     # q heads: rows t * H + h of q_out; masked-off lanes point one past the end (see kv_write.py).
     q_rows = q_out_ref.shape[0]
@@ -126,23 +115,6 @@ def _kernel(layer_ref, norm_rows_ref, slot_ref, qkv_ref, q_norm_ref, k_norm_ref,
     pltriton.store(v_out_ref.at[cache_row[:, None], d[None, :]], v.astype(v_out_ref.dtype), mask=kv_mask)
 
 
-def norm_operands(q_norm, k_norm, norm_layer, head_dim, dtype):
-    """``((q weights, k weights), rows, has_norm)`` as the kernels take them: q's weight at row ``rows[0]``
-    of its operand, k's at ``rows[-1]`` of its own."""
-    has_norm = q_norm is not None
-    if not has_norm:  # the kernel reads no weights; ones keep its operands' shapes
-        q_norm = k_norm = jnp.ones((head_dim,), dtype)
-        norm_layer = None
-    if norm_layer is None:
-        # One [2, D] operand for both: a custom call copies each slice of a stacked weight it is
-        # given, so two weights would cost two copies a layer; stacked, XLA makes them one fusion.
-        both = jnp.stack([q_norm, k_norm]).astype(dtype)
-        return (both, both), jnp.array([0, 1], jnp.int32), has_norm
-    # One row for both weights, not the row broadcast to two: XLA folds a constant layer index
-    # to a literal but would launch a kernel to broadcast it.
-    return (q_norm.astype(dtype), k_norm.astype(dtype)), jnp.asarray(norm_layer, jnp.int32).reshape(1), has_norm
-
-
 def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, layer, *, num_heads,
                           eps=1e-6, norm_layer=None, interpret=False, block_t=16, num_warps=4):
     """q/k RMSNorm + halves RoPE + the KV write, from the fused projection.
@@ -161,7 +133,7 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
     Returns:
       ``(q [T, num_heads, D], k_cache, v_cache)``.
     """
-    check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
+    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
     num_layers, num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     num_tokens = qkv.shape[0]
     if num_tokens == 0:
@@ -172,7 +144,20 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
     num_rows = num_layers * num_blocks * num_kv_heads * block_size
     if num_rows >= 2**31:
         raise ValueError("cache has >= 2**31 rows; int32 row indices would overflow")
-    (q_norm_op, k_norm_op), norm_rows, has_norm = norm_operands(q_norm, k_norm, norm_layer, head_dim, qkv.dtype)
+    has_norm = q_norm is not None
+    if not has_norm:  # the kernel reads no weights; ones keep its operands' shapes
+        q_norm = k_norm = jnp.ones((head_dim,), qkv.dtype)
+        norm_layer = None
+    if norm_layer is None:
+        # One [2, D] operand for both: a custom call copies each slice of a stacked weight it is
+        # given, so two weights would cost two copies a layer; stacked, XLA makes them one fusion.
+        both = jnp.stack([q_norm, k_norm]).astype(qkv.dtype)
+        norm_operands, norm_rows = (both, both), jnp.array([0, 1], jnp.int32)
+    else:
+        # One row for both weights, not the row broadcast to two: XLA folds a constant layer index
+        # to a literal but would launch a kernel to broadcast it.
+        norm_operands = (q_norm.astype(qkv.dtype), k_norm.astype(qkv.dtype))
+        norm_rows = jnp.asarray(norm_layer, jnp.int32).reshape(1)
     kernel = functools.partial(_kernel, num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                num_blocks=num_blocks, block_size=block_size, block_t=block_t, eps=eps,
                                rotary_dim=2 * cos.shape[1], has_norm=has_norm)
@@ -186,7 +171,7 @@ def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="qk_norm_rope_kv_write",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), norm_rows, slot_mapping.astype(jnp.int32), qkv, q_norm_op, k_norm_op,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), norm_rows, slot_mapping.astype(jnp.int32), qkv, *norm_operands,
       cos.astype(jnp.float32), sin.astype(jnp.float32),
       k_cache.reshape(num_rows, head_dim), v_cache.reshape(num_rows, head_dim))
     return q.reshape(num_tokens, num_heads, head_dim), k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)
@@ -210,7 +195,7 @@ def qk_norm_rope_kv_write_reference(qkv, q_norm, k_norm, cos, sin, k_cache, v_ca
                                     num_heads, eps=1e-6, norm_layer=None, interpret=False, **unused_tuning):
     """Pure-jnp ``qk_norm_rope_kv_write``: split, norm, rotate, then ``write_kv_reference``."""
     del interpret, unused_tuning
-    check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
+    _check(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
     if q_norm is not None and norm_layer is not None:
         q_norm, k_norm = q_norm[norm_layer], k_norm[norm_layer]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]

@@ -14,10 +14,7 @@ within the chunk and over the row's earlier cached context) mixed with decodes (
 token, or a few for speculative decoding). The metadata is the step's (docs/architecture.md):
 row ``i`` owns query tokens ``q[qsl[i]:qsl[i+1]]`` at positions ``seq_lens[i] - q_len + j``,
 and its keys are positions ``0 .. seq_lens[i]-1`` of its pages ``block_tables[i]``. This
-step's K/V are already in the cache (``write_kv`` or ``qk_norm_rope_kv_write`` runs first), except
-in ``ragged_paged_attention_qkv``: for rows of one token (decode) the kernel takes the fused
-projection, normalises and rotates q and the new key itself, attends with the new key and value in
-place of the cache's, and the split that holds the new position writes them to their slot.
+step's K/V are already in the cache (``write_kv`` or ``qk_norm_rope_kv_write`` runs first).
 
 Layout inside the kernel. Both caches are viewed as 2-D ``[rows, head_dim]`` (a free reshape)
 where ``row = ((layer*num_blocks + block)*num_kv_heads + kv_head)*block_size + offset``: each
@@ -73,10 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import qk_norm_rope_kv_write as qk_kernel
-
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_qkv", "ragged_paged_attention_reference",
-           "default_tuning"]
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "default_tuning"]
 
 # Finite "minus infinity": masked logits and the initial running max. Being finite keeps
 # exp2(NEG - NEG) = 1 instead of NaN for rows that have seen no visible key yet; their
@@ -126,7 +120,7 @@ def _rpa_kernel(
     q_ref,
     k_ref,
     v_ref,
-    *refs,
+    *out_refs,
     num_tokens,
     num_rows,
     max_blocks,
@@ -140,14 +134,9 @@ def _rpa_kernel(
     num_splits,
     scale_log2,
     window,
-    qk=None,
 ):
     T, R, G, BQ, BN = num_tokens, num_rows, num_q_heads // num_kv_heads, block_q, block_n
-    head_dim = k_ref.shape[-1]
-    if qk is None:
-        out_refs = refs
-    else:  # q_ref holds the fused projection; q/k norm + RoPE and the KV write happen here
-        norm_rows_ref, slot_ref, q_norm_ref, k_norm_ref, cos_ref, sin_ref, *out_refs, k_out_ref, v_out_ref = refs
+    head_dim = q_ref.shape[-1]
     # The Triton lowering runs f32 dots in TF32 unless asked for HIGHEST (IEEE f32).
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
     # Tiles run in reverse order: with causal prefill the last tiles of a row have the most
@@ -182,26 +171,7 @@ def _rpa_kernel(
     q_row = q_tok * num_q_heads + kv_head * G + lax.rem(lane, G)
     d = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     lane_mask = jnp.broadcast_to(lane_valid[:, None], (block_m, head_dim))
-    if qk is None:
-        q = pltriton.load(q_ref.at[q_row[:, None], d], mask=lane_mask, other=0)
-    else:
-        # Each lane's q head from the projection, and the tile's one new key and value (a decode
-        # tile holds one token): normed and rotated as qk_norm_rope_kv_write does.
-        rope = functools.partial(qk_kernel.norm_rope, cos_ref=cos_ref, sin_ref=sin_ref, head_dim=head_dim,
-                                 rotary_dim=qk["rotary_dim"], eps=qk["eps"])
-
-        def weight_of(norm_ref, row):  # the norm weight at columns `cols`, or no norm
-            return (lambda cols: pltriton.load(norm_ref.at[row, cols])) if qk["has_norm"] else None
-
-        q_col = (kv_head * G + lax.rem(lane, G))[:, None] * head_dim
-        q = rope(q_ref, q_tok[:, None], q_col, lane_mask, norm_weight=weight_of(q_norm_ref, norm_rows_ref[0]))
-        new_tok = jnp.broadcast_to(jnp.minimum(q_start + tile_q0, T - 1), (1, 1))  # a [1, 1] block of indices
-        new_mask = jnp.broadcast_to(n_valid > 0, (1, head_dim))
-        k_col = (num_q_heads + kv_head) * head_dim
-        k_row = norm_rows_ref[norm_rows_ref.shape[0] - 1]  # one row or two
-        k_new = rope(q_ref, new_tok, k_col, new_mask, norm_weight=weight_of(k_norm_ref, k_row))
-        v_col = (num_q_heads + num_kv_heads + kv_head) * head_dim + d
-        v_new = pltriton.load(q_ref.at[new_tok, v_col], mask=new_mask, other=0)
+    q = pltriton.load(q_ref.at[q_row[:, None], d], mask=lane_mask, other=0)
     q_pos = ctx_len - q_len + tile_q0 + lane_tok  # [M]
 
     # --- Key range of the tile, in BLOCK_N chunks: [c_lo, c_hi).
@@ -246,9 +216,6 @@ def _rpa_kernel(
         else:
             k = pltriton.load(k_ref.at[kv_row[:, None], d])
             v = pltriton.load(v_ref.at[kv_row[:, None], d])
-        if qk is not None:  # the new token's key and value, not yet in the cache
-            new = (kv == pos_first)[:, None]
-            k, v = jnp.where(new, k_new.astype(k.dtype), k), jnp.where(new, v_new.astype(v.dtype), v)
 
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale_log2  # log2 domain
         if masked:
@@ -279,19 +246,6 @@ def _rpa_kernel(
     )
     carry = lax.fori_loop(jnp.maximum(c_full_hi, s_lo), s_hi, masked_body, carry)
     acc, m_i, l_i = carry
-
-    if qk is not None:
-        # The split that read the new token's chunk writes its key and value into their slot.
-        new_chunk = lax.div(pos_first, BN)
-        slot = pltriton.load(slot_ref.at[new_tok], mask=jnp.broadcast_to(n_valid > 0, (1, 1)), other=-1)
-        owns = (n_valid > 0) & (slot >= 0) & (s_lo <= new_chunk) & (new_chunk < s_hi)
-        slot = jnp.maximum(slot, 0)
-        block, offset = lax.div(slot, block_size), lax.rem(slot, block_size)
-        cache_row = ((layer_ref[0] * num_blocks + block) * num_kv_heads + kv_head) * block_size + offset
-        cache_row = jnp.where(owns, cache_row, k_out_ref.shape[0])  # one past the end: never touched
-        write = jnp.broadcast_to(owns, (1, head_dim))
-        pltriton.store(k_out_ref.at[cache_row, d], k_new.astype(k_out_ref.dtype), mask=write)
-        pltriton.store(v_out_ref.at[cache_row, d], v_new.astype(v_out_ref.dtype), mask=write)
 
     # Masked-off lanes get a row one past the end: the GPU never touches it, and the
     # interpreter's emulation of a masked store (a scatter that writes the old value back
@@ -373,54 +327,19 @@ def ragged_paged_attention(
       ``[T, Hq, D]`` in q's dtype. Tokens ``t >= query_start_loc[num_seqs]`` (padding) are 0.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    if q.shape[0] == 0:
-        return jnp.zeros_like(q)
     T, num_q_heads, head_dim = q.shape
-    outs = _call(q.reshape(T * num_q_heads, head_dim), q.dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables,
-                 seq_lens, query_start_loc, num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                 interpret=interpret, tuning=dict(block_m=block_m, block_n=block_n, num_kv_splits=num_kv_splits,
-                                                  num_warps=num_warps, num_stages=num_stages))
-    return _finish(outs, T, num_q_heads, head_dim, q.dtype, interpret)
-
-
-def ragged_paged_attention_qkv(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, layer, block_tables,
-                               seq_lens, query_start_loc, num_seqs, *, num_heads, sm_scale, eps=1e-6,
-                               norm_layer=None, interpret=False, **tuning):
-    """``qk_norm_rope_kv_write`` and then ``ragged_paged_attention``, in one kernel, for a step whose
-    rows hold **at most one query token each** (decode): a program normalises and rotates its lanes'
-    q heads and its tile's new key from the projection, attends with the new key and value in place of
-    the cache's (not written yet), and the split that holds the new position writes them into their
-    slot. Arguments as the two functions take them (``qkv [T, (num_heads + 2 Hkv) * D]``); returns
-    ``(out [T, num_heads, D], k_cache, v_cache)``. A row with more tokens would attend to keys that
-    were never written: the caller guarantees one token a row."""
-    head_dim = k_cache.shape[4]
-    qk_kernel.check_inputs(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, num_heads, norm_layer)
-    T = qkv.shape[0]
-    q_like = jax.ShapeDtypeStruct((T, num_heads, head_dim), qkv.dtype)
-    _check_inputs(q_like, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    if T == 0:
-        return jnp.zeros(q_like.shape, q_like.dtype), k_cache, v_cache
-    norm_operands, norm_rows, has_norm = qk_kernel.norm_operands(q_norm, k_norm, norm_layer, head_dim, qkv.dtype)
-    qk = dict(eps=eps, rotary_dim=2 * cos.shape[1], has_norm=has_norm)
-    qk_inputs = (norm_rows, slot_mapping.astype(jnp.int32), *norm_operands, cos.astype(jnp.float32),
-                 sin.astype(jnp.float32))
-    *outs, k_rows, v_rows = _call(qkv, qkv.dtype, T, num_heads, k_cache, v_cache, layer, block_tables, seq_lens,
-                                  query_start_loc, num_seqs, sm_scale=sm_scale, interpret=interpret, tuning=tuning,
-                                  qk=qk, qk_inputs=qk_inputs)
-    out = _finish(outs, T, num_heads, head_dim, qkv.dtype, interpret)
-    return out, k_rows.reshape(k_cache.shape), v_rows.reshape(v_cache.shape)
-
-
-def _call(q2d, dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
-          sm_scale, interpret, tuning, sliding_window=None, qk=None, qk_inputs=()):
-    """The kernel's launch -> its outputs: the attention output (or the split partials), then with ``qk``
-    the updated caches."""
-    head_dim = k_cache.shape[4]
     num_layers, num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     R, max_blocks = block_tables.shape
     G = num_q_heads // num_kv_heads
+    given = dict(
+        block_m=block_m,
+        block_n=block_n,
+        num_kv_splits=num_kv_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     cfg = default_tuning(T, R, num_q_heads, num_kv_heads, max_blocks * block_size)
-    cfg.update({k: v for k, v in tuning.items() if v is not None})
+    cfg.update({k: v for k, v in given.items() if v is not None})
     block_m, block_n, num_splits = cfg["block_m"], cfg["block_n"], cfg["num_kv_splits"]
     if not all(_is_pow2(x) for x in (head_dim, block_m, block_n, num_splits)):
         raise ValueError(
@@ -436,6 +355,8 @@ def _call(q2d, dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables, seq
     num_cache_rows = num_layers * num_blocks * num_kv_heads * block_size
     if num_cache_rows >= 2**31:
         raise ValueError("cache has >= 2**31 rows; int32 row indices would overflow")
+    if T == 0:
+        return jnp.zeros_like(q)
     block_q = block_m // G
     num_tiles = pl.cdiv(T, block_q) + R
 
@@ -454,10 +375,9 @@ def _call(q2d, dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables, seq
         num_splits=num_splits,
         scale_log2=float(sm_scale) * _LOG2E,
         window=None if sliding_window is None else int(sliding_window),
-        qk=qk,
     )
     if num_splits == 1:
-        out_shape = (jax.ShapeDtypeStruct((T * num_q_heads, head_dim), dtype),)
+        out_shape = jax.ShapeDtypeStruct((T * num_q_heads, head_dim), q.dtype)
     else:
         n = num_splits * T * num_q_heads
         out_shape = (
@@ -465,16 +385,10 @@ def _call(q2d, dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables, seq
             jax.ShapeDtypeStruct((n,), jnp.float32),
             jax.ShapeDtypeStruct((n,), jnp.float32),
         )
-    aliases = {}
-    if qk is not None:  # the caches are written in place: inputs 6 and 7 are the last two outputs
-        rows = jax.ShapeDtypeStruct((num_cache_rows, head_dim), k_cache.dtype)
-        aliases = {6: len(out_shape), 7: len(out_shape) + 1}
-        out_shape = (*out_shape, rows, rows)
     outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, num_splits),
         out_shape=out_shape,
-        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         name="ragged_paged_attention",
@@ -484,20 +398,13 @@ def _call(q2d, dtype, T, num_q_heads, k_cache, v_cache, layer, block_tables, seq
         seq_lens.astype(jnp.int32),
         query_start_loc.astype(jnp.int32),
         jnp.asarray(num_seqs, jnp.int32).reshape(1),
-        q2d,
+        q.reshape(T * num_q_heads, head_dim),
         k_cache.reshape(num_cache_rows, head_dim),
         v_cache.reshape(num_cache_rows, head_dim),
-        *qk_inputs,
     )
-    return tuple(outs)
-
-
-def _finish(outs, T, num_q_heads, head_dim, dtype, interpret):
-    """The output from the kernel's attention outputs: the one output, or the split partials merged."""
-    if len(outs) == 1:
-        return outs[0].reshape(T, num_q_heads, head_dim)
-    q_like = jax.ShapeDtypeStruct((T, num_q_heads, head_dim), dtype)
-    return _merge_splits(*outs, outs[0].shape[0] // (T * num_q_heads), q_like, interpret=interpret)
+    if num_splits == 1:
+        return outs.reshape(T, num_q_heads, head_dim)
+    return _merge_splits(*outs, num_splits, q, interpret=interpret)
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, num_splits, num_rows):

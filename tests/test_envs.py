@@ -80,8 +80,7 @@ def test_kernel_config_reads_its_defaults_once_and_resolves_per_backend(monkeypa
     assert KernelConfig().resolved("gpu").moe_backend == "pallas"  # this CPU has no wgmma
     assert KernelConfig().resolved("gpu").decode_attention == "pallas"
     assert KernelConfig.parse("decode_attention=mgpu").resolved("gpu").decode_attention == "mgpu"
-    assert KernelConfig.parse("decode_attention=pallas_qkv").resolved("gpu").decode_attention == "pallas_qkv"
-    with pytest.raises(ValueError, match="decode_attention must be one of auto, pallas, pallas_qkv, mgpu"):
+    with pytest.raises(ValueError, match="decode_attention must be one of auto, pallas, mgpu"):
         KernelConfig(decode_attention="triton")
     assert KernelConfig().resolved("gpu").ragged_attention == "pallas"
     assert KernelConfig.parse("ragged_attention=mgpu").resolved("gpu").ragged_attention == "mgpu"

@@ -79,8 +79,7 @@ class PagedAttention(AttentionBackend):
     use_kernels: bool = True
     interpret: bool = False
     # Fused decode: every row holds at most one query token, so with `decode_kernel` "mgpu" the
-    # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i]; with
-    # "pallas_qkv" the Triton kernel that also does the q/k norm, RoPE and KV write (attend_qkv).
+    # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i].
     one_token_rows: bool = False
     decode_kernel: str = "pallas"
     # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU). One-token rows never
@@ -121,8 +120,7 @@ class PagedAttention(AttentionBackend):
                                    one_token_rows=False)
 
     def attend_qkv(self, qkv, heads, norm_rope, layer, kv_cache, scale, shards=1):
-        """With the kernels on one device: q/k norm, RoPE and the KV write in one kernel; in fused
-        decode with `decode_kernel` "pallas_qkv" (one token a row) attention joins that kernel too."""
+        """With the kernels on one device: q/k norm, RoPE and the KV write in one kernel."""
         if not self.use_kernels or self.mesh is not None or shards > 1:
             return super().attend_qkv(qkv, heads, norm_rope, layer, kv_cache, scale, shards)
         from pallas_kernels.qk_norm_rope_kv_write import qk_norm_rope_kv_write
@@ -132,15 +130,6 @@ class PagedAttention(AttentionBackend):
             norms = dict(q_norm=q_norm.stack, k_norm=k_norm.stack, norm_layer=q_norm.layer)
         else:
             norms = dict(q_norm=weight_array(q_norm), k_norm=weight_array(k_norm))
-        if self.one_token_rows and self.decode_kernel == "pallas_qkv":
-            from pallas_kernels.ragged_paged_attention import ragged_paged_attention_qkv
-
-            out, k_cache, v_cache = ragged_paged_attention_qkv(
-                qkv, cos=norm_rope.cos, sin=norm_rope.sin, k_cache=kv_cache[0], v_cache=kv_cache[1],
-                slot_mapping=self.slot_mapping, layer=layer, block_tables=self.block_tables, seq_lens=self.seq_lens,
-                query_start_loc=self.query_start_loc, num_seqs=self.num_seqs, num_heads=heads[0], sm_scale=scale,
-                eps=norm_rope.eps, interpret=self.interpret, **norms)
-            return out, (k_cache, v_cache)
         q, k_cache, v_cache = qk_norm_rope_kv_write(qkv, cos=norm_rope.cos, sin=norm_rope.sin, k_cache=kv_cache[0],
                                                     v_cache=kv_cache[1], slot_mapping=self.slot_mapping, layer=layer,
                                                     num_heads=heads[0], eps=norm_rope.eps, interpret=self.interpret,

@@ -155,7 +155,7 @@ class ModelRunnerV2(RunnerBase):
         unrolled program while a full decode batch keeps the loop.
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
-        attention kernel of fused decode, "pallas", "pallas_qkv" or "mgpu" (KernelConfig.decode_attention);
+        attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
         projections of fused decode's one-row bucket as the GEMV kernels, one token (the family's

@@ -286,13 +286,6 @@ def gemv_projections_against_gemms(monkeypatch, model, rows):
     llm = make_llm(**config, kernels="decode_projections=gemv")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, rows == 1)}
-    assert_same_tokens_until_a_near_tie(reference, got)
-    return kernel_calls
-
-
-def assert_same_tokens_until_a_near_tie(reference, got):
-    """`got`'s greedy tokens equal `reference`'s (completions with logprobs) up to each sequence's first
-    step whose top two candidates are within a few bf16 steps of each other."""
     compared = 0
     for want, out in zip(reference, got):
         for step, (token, candidates) in enumerate(zip(want.token_ids, want.logprobs)):
@@ -302,6 +295,7 @@ def assert_same_tokens_until_a_near_tie(reference, got):
             if top[0] - top[1] < 0.25:  # a near-tie: what follows may part
                 break
     assert compared >= 8  # most steps are clear
+    return kernel_calls
 
 
 @pytest.mark.parametrize("rows", [1, 4])
@@ -319,28 +313,6 @@ def test_fused_decode_through_the_gemv_path(monkeypatch, rows):
 def test_fused_decode_through_the_gemv_kernels(monkeypatch):
     """The same with the demo model, whose projections the kernel tiles: all four take it."""
     assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1) == [True] * 4
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-def test_fused_decode_with_attention_in_the_qk_kernel(monkeypatch, rows):
-    """--kernels decode_attention=pallas_qkv: fused decode's attention takes the fused projection (q/k norm,
-    RoPE and the KV write inside the attention kernel) and gives the default kernels' greedy tokens up to a
-    near-tie; the kernel runs in every fused program."""
-    from pallas_kernels import ragged_paged_attention as rpa
-
-    prompts = random_prompts(3, seed=17)
-    config = dict(model=str(CHECKPOINTS_DIR / "demo-qwen3"), runner="v2", dtype="bfloat16", max_num_seqs=rows,
-                  max_fused_steps=4, compile_mode="lazy", program_store=False)
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
-    reference = [o.outputs[0] for o in make_llm(**config).generate(prompts, params, use_tqdm=False)]
-    calls, fused_attention = [], rpa.ragged_paged_attention_qkv
-    monkeypatch.setattr(rpa, "ragged_paged_attention_qkv",
-                        lambda *a, **kw: calls.append(1) or fused_attention(*a, **kw))
-    llm = make_llm(**config, kernels="decode_attention=pallas_qkv")
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.runner.num_fused_calls > 0 and calls
-    assert_same_tokens_until_a_near_tie(reference, got)
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():

@@ -11,7 +11,7 @@ from tests.parity import FIXTURES, dense_logits, paged_chunk_logits
 BLOCK_SIZE = 4
 
 
-def paged_logits_in_chunks(name, prompt, chunk, use_kernels, **options):
+def paged_logits_in_chunks(name, prompt, chunk, use_kernels):
     spec, lm, _ = load_model(FIXTURES / name, dtype="float32")
     kv = allocate_kv_cache(spec, num_blocks=16, block_size=BLOCK_SIZE, dtype=jnp.float32)
     # A shuffled block table: pages need not be contiguous.
@@ -27,7 +27,7 @@ def paged_logits_in_chunks(name, prompt, chunk, use_kernels, **options):
         slots[:n] = blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
         chunk_logits, kv = paged_chunk_logits(lm, kv, np.pad(ids, (0, pad - n)), np.pad(pos, (0, pad - n)),
                                               (slots, table, [start + n, 0], [0, n, n], 1),
-                                              use_kernels=use_kernels, interpret=use_kernels, **options)
+                                              use_kernels=use_kernels, interpret=use_kernels)
         logits.append(np.asarray(chunk_logits[:n]))
     dense = dense_logits(lm, prompt, np.arange(len(prompt)), np.zeros(len(prompt)))
     return np.concatenate(logits), np.asarray(dense)
@@ -47,17 +47,6 @@ def test_chunked_paged_prefill_matches_dense(name, chunk):
 def test_chunked_paged_prefill_with_pallas_kernels_matches_dense(name):
     prompt = list(np.random.default_rng(2).integers(0, 96, 11))
     paged, dense = paged_logits_in_chunks(name, prompt, 7, use_kernels=True)
-    assert np.abs(paged - dense).max() <= 1e-4
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-tiny", "glm4-moe-tiny", "glm4-moe-tiny-plain"])
-def test_one_token_rows_attend_in_the_qk_kernel_and_match_dense(name):
-    """Fused decode's attention with `decode_attention=pallas_qkv` (`one_token_rows`): q/k norm, RoPE, the
-    KV write and attention in one kernel, a token a step, gives the dense model's logits."""
-    prompt = list(np.random.default_rng(3).integers(0, 96, 9))
-    paged, dense = paged_logits_in_chunks(name, prompt, 1, use_kernels=True, one_token_rows=True,
-                                          decode_kernel="pallas_qkv")
     assert np.abs(paged - dense).max() <= 1e-4
 
 
