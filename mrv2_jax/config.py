@@ -181,7 +181,7 @@ class KernelConfig:
     the threshold method searches every row anyway and compiles to a larger program.
     ``decode_projections``: the projections of fused decode's one-row bucket as GEMV kernels with the
     norms, residual adds and SwiGLU fused in, the bucket as one token ("gemv":
-    models/gemv_projections.py, pallas_kernels/gemv_mgpu.py; Mosaic GPU, or its interpreter elsewhere;
+    models/gemv_projections.py, pallas_kernels/gemv_triton.py; Triton, or its interpreter elsewhere;
     families with ``gemv_weights``, one device), or cuBLAS's GEMMs with the one-row bucket padded to 8
     tokens ("xla"). "auto": "gemv" on Hopper-class GPUs, "xla" elsewhere.
     """

@@ -29,8 +29,7 @@
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
 # fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), that kernel by tile config (gemv-configs),
 # the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
-# rate by tiling (weight-stream), fused decode's attention with the q/k kernel inside it (qkv-attention),
-# and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
+# rate by tiling (weight-stream), and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -459,20 +458,6 @@ for s in $sections; do case $s in
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
     done; done ;;
-  # Issue 26: fused decode's attention taking the fused projection (decode_attention=pallas_qkv: q/k norm,
-  # RoPE and the KV write inside the attention kernel) against the default, after its tests on the GPU:
-  # batch 1 in the one-row bucket, then batches 8 and 32, ROUNDS rounds with the arms alternated.
-  qkv-attention)
-    run_section qkv-attention-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
-        tests/kernels/test_ragged_paged_attention_qkv.py tests/engine/test_engine.py -k "qkv or qk_kernel"
-    for r in $(seq ${ROUNDS:-2}); do for a in pallas pallas_qkv; do
-      run_section qkv-attention-$a-b1-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_attention=$a \
-          --output-json "$OUT/fused_decode_attention_${a}_b1_r$r.json"
-      run_section qkv-attention-$a-b8-32-r$r timeout 150 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --batches 8 32 --fused-steps 16 --compile-mode lazy --kernels decode_attention=$a \
-          --output-json "$OUT/fused_decode_attention_${a}_b8_32_r$r.json"
-    done; done ;;
   # Issue 26: a layer's projections at batch 1 as four fused Mosaic GPU GEMVs (gemv_mgpu) against XLA at
   # one row and padded to eight, after the kernel's GPU tests.
   decode-layer-gemv)
@@ -495,6 +480,10 @@ for s in $sections; do case $s in
   # XLA's row reduction of the same weight.
   weight-stream) run_section weight-stream timeout 400 python3 -m benchmarks.weight_stream \
       --output-json "$OUT/weight_stream.json" ;;
+  # Issue 26: a projection of 1, 8 and 32 rows as XLA's dot, as a multiply fused into a row reduction,
+  # and (one row) as the GEMV kernel.
+  projection-forms) run_section projection-forms timeout 400 python3 -m benchmarks.projection_forms \
+      --output-json "$OUT/projection_forms.json" ;;
   # Issue 26: the one-row GEMV kernel by tile config (block_n x num_stages), per projection.
   gemv-configs) run_section gemv-configs timeout 400 python3 -m benchmarks.gemv_configs \
       --output-json "$OUT/gemv_configs.json" ;;

@@ -2,7 +2,7 @@
 
 At batch 1 a projection streams its weight once for one row of x: bound by HBM, and by the small
 kernels around it (the RMSNorm before, the residual add or SwiGLU after).
-`pallas_kernels/gemv_mgpu.py` does the norm, the product and the add or SwiGLU in one kernel from the
+`pallas_kernels/gemv_triton.py` does the norm, the product and the add or SwiGLU in one kernel from the
 `[out, in]` weight.
 
 A program that wants it (fused decode's one-row bucket: `CausalLM.gemv_projections`) has the decoder
@@ -26,31 +26,26 @@ from mrv2_jax.models.layers import linear, rms_norm
 def _kernel_takes(x, w) -> bool:
     """Whether the GEMV kernel runs this product: x of one row, the weight a LayerWeight whose shapes and
     dtypes the kernel tiles."""
-    from pallas_kernels.gemv_mgpu import BLOCK_K  # the kernels' module only where a program asks
-
     if not isinstance(w, LayerWeight) or x.shape[0] != 1:
         return False
     n, k = w.stack.shape[-2:]
-    return x.dtype == w.stack.dtype == jnp.bfloat16 and k % BLOCK_K == 0 and n % 16 == 0
+    return x.dtype == w.stack.dtype == jnp.bfloat16 and k % 256 == 0 and n % 8 == 0
 
 
-def gemv_config(n: int, epilogue=None):
-    """The kernel's tile config for a projection of `n` outputs (its weight's rows)."""
-    from pallas_kernels.gemv_mgpu import GemvConfig
+def gemv_config(k: int):
+    """The kernel's tile config for a projection over `k` inputs: four outputs a program (a 1024-wide
+    projection makes 256 programs), K in 512-wide chunks where it divides."""
+    from pallas_kernels.gemv_triton import GemvConfig  # the kernels' module only where a program asks
 
-    # Wide outputs (qkv, gate/up) take 16 weight rows a CTA; narrow ones (o, down) 8 with a deeper ring,
-    # so that about as many bytes stay in flight on each SM.
-    if epilogue == "swiglu" or n >= 4096:
-        return GemvConfig(block_n=16, num_stages=4)
-    return GemvConfig(block_n=8, num_stages=8)
+    return GemvConfig(block_n=4, block_k=512 if k % 512 == 0 else 256, num_warps=8)
 
 
 def layer_gemv(x, w: LayerWeight, **kwargs):
-    """gemv_mgpu.gemv of `x` by `w`'s layer of its stack with the kernel config for the shape; `kwargs`:
+    """gemv_triton.gemv of `x` by `w`'s layer of its stack with the kernel config for the shape; `kwargs`:
     the kernel's norm_weight, eps, epilogue and residual."""
-    from pallas_kernels.gemv_mgpu import gemv
+    from pallas_kernels.gemv_triton import gemv
 
-    config = gemv_config(w.stack.shape[-2], kwargs.get("epilogue"))
+    config = gemv_config(w.stack.shape[-1])
     return gemv(x, w.stack, layer=w.layer, config=config, interpret=jax.default_backend() != "gpu", **kwargs)
 
 

@@ -1,5 +1,5 @@
 """The GEMV path (models/gemv_projections.py): a one-token forward with `CausalLM.gemv_projections` runs
-every projection of Qwen3 and GLM-4 through the GEMV kernels (Mosaic GPU's interpreter on the CPU) and
+every projection of Qwen3 and GLM-4 through the GEMV kernels (Pallas's interpreter on the CPU) and
 gives the logits of the plain XLA forward, which the Hugging Face parity tests cover; more tokens, or
 shapes the kernel does not tile, take the XLA math unchanged."""
 
@@ -50,10 +50,10 @@ def test_one_token_through_the_gemv_kernels_gives_the_xla_logits(family, unroll)
     ids = jnp.asarray([17], jnp.int32)
     expected, _ = logits_and_jaxpr(lm, ids, False, unroll)
     got, jaxpr = logits_and_jaxpr(lm, ids, True, unroll)
-    # Mosaic GPU's interpreter traces each kernel call as an `mpmd_map`: every projection of the layer
+    # Each kernel call is a pallas_call named gemv_triton: every projection of the layer
     # (Qwen3: norm + qkv, o + residual, norm + gate/up + SwiGLU, down + residual; GLM-4 the same with
     # its o and down plain), in the layer scan's one body (XLA unrolls it later).
-    assert jaxpr.count("mpmd_map[") == 4
+    assert jaxpr.count("name=gemv_triton") == 4
     # The SwiGLU is the kernel's (exp-based), not XLA's (jax.nn.silu: a `logistic`).
     assert "logistic" not in jaxpr
     # The kernel rounds once where XLA rounds the norm's output and each product: a few bf16 steps.
@@ -72,5 +72,5 @@ def test_more_tokens_or_untileable_shapes_take_the_xla_math_unchanged():
         _, lm = model("qwen3", **overrides)
         expected, _ = logits_and_jaxpr(lm, ids, False, True)
         got, jaxpr = logits_and_jaxpr(lm, ids, True, True)
-        assert "mpmd_map[" not in jaxpr
+        assert "name=gemv_triton" not in jaxpr
         np.testing.assert_array_equal(got, expected)

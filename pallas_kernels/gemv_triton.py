@@ -1,0 +1,147 @@
+"""GEMV for decode at batch 1 with plain loads (Pallas, Triton backend): the contract of
+``gemv_mgpu.gemv`` (RMSNorm before, residual add or SwiGLU after, ``w [N, K]`` or a stack read in place).
+
+Why Triton. A one-row product streams its weight once, so its speed is the rate at which loads keep
+HBM busy. Through TMA into shared memory (``gemv_mgpu``) the weights of Qwen3-0.6B's projections
+stream at 0.8-1.6 TB/s, while XLA's own row reduction of the same weights, plain vectorised loads
+into registers, reaches 2.2-2.7 TB/s (docs/benchmarks.md, session 51). Mosaic GPU reads global
+memory through TMA; Triton issues ordinary wide loads, as XLA's reduction does.
+
+Algorithm. Grid ``(N_out / block_n,)``: a program owns ``block_n`` outputs (with SwiGLU, their
+gate rows and the matching up rows). It walks K in ``block_k`` chunks, unrolled, adding
+``w[rows, chunk] * x[chunk]`` into an f32 ``[rows, block_k]`` accumulator (with a norm, x is first
+scaled by the norm weight and its squares are summed), then sums across K once. The norm's
+``rsqrt(mean(x^2) + eps)`` scales the sums (the norm is linear in x); the product is rounded to bf16
+as the model's would be, then the residual is added or ``silu(gate) * up`` taken, and the program
+stores its outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["GemvConfig", "gemv", "gemv_reference"]
+
+EPILOGUES = (None, "residual", "swiglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """``block_n``: outputs a program; ``block_k``: K's chunk a step; ``num_warps``: a program's warps."""
+
+    block_n: int = 4
+    block_k: int = 512
+    num_warps: int = 8
+
+
+def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None):
+    """What ``gemv`` computes, in jnp: the model's math, its norm output and product rounded to bf16."""
+    if layer is not None:
+        w = w[layer]
+        norm_weight = None if norm_weight is None else norm_weight[layer]
+    v = x.astype(jnp.float32)
+    if norm_weight is not None:
+        v = v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps) * norm_weight.astype(jnp.float32)
+        v = v.astype(jnp.bfloat16).astype(jnp.float32)
+    y = jnp.dot(v, w.astype(jnp.float32).T).astype(jnp.bfloat16).astype(jnp.float32)
+    if epilogue == "residual":
+        y = y + residual.astype(jnp.float32)
+    elif epilogue == "swiglu":
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
+    return y.astype(jnp.bfloat16)
+
+
+def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
+    if x.ndim != 2 or x.shape[0] != 1:
+        raise ValueError(f"x must be one row [1, K], got {tuple(x.shape)}")
+    if w.ndim not in (2, 3) or w.shape[-1] != x.shape[1]:
+        raise ValueError(f"w must be [N, K] or [L, N, K] with x's K = {x.shape[1]}, got {tuple(w.shape)}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"x and w must be bfloat16, got x {x.dtype} and w {w.dtype}")
+    n, k = w.shape[-2:]
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    for name in ("block_n", "block_k"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} = {value} must be a power of two")
+    if k % config.block_k:
+        raise ValueError(f"K = {k} is not a multiple of block_k = {config.block_k}")
+    num_out = n // 2 if epilogue == "swiglu" else n
+    if n % (2 if epilogue == "swiglu" else 1) or num_out % config.block_n:
+        raise ValueError(f"N = {n} does not split into programs of block_n = {config.block_n} outputs"
+                         + (" (gate and up halves)" if epilogue == "swiglu" else ""))
+    if norm_weight is not None and norm_weight.shape != (*w.shape[:-2], k):
+        raise ValueError(f"norm_weight must be {(*w.shape[:-2], k)}, got {tuple(norm_weight.shape)}")
+    if (epilogue == "residual") != (residual is not None):
+        raise ValueError("residual= is needed by, and only by, epilogue='residual'")
+    if residual is not None and residual.shape != (1, n):
+        raise ValueError(f"residual must be [1, N] = {(1, n)}, got {tuple(residual.shape)}")
+
+
+def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, n, k, block_n, block_k, eps, norm, epilogue):
+    j = pl.program_id(0)
+    layer = layer_ref[0]
+    first = j * block_n
+    # Weight rows of the program's outputs in the [L * N, K] view: the gate's, then (SwiGLU) up's.
+    starts = [layer * n + first] + ([layer * n + n // 2 + first] if epilogue == "swiglu" else [])
+    accs = [jnp.zeros((block_n, block_k), jnp.float32) for _ in starts]
+    squares = jnp.zeros((1, block_k), jnp.float32)
+    for c in range(k // block_k):
+        cols = pl.ds(c * block_k, block_k)
+        x = x_ref[pl.ds(0, 1), cols].astype(jnp.float32)  # [1, block_k]
+        if norm:
+            squares = squares + x * x
+            x = x * g_ref[pl.ds(layer, 1), cols].astype(jnp.float32)
+        accs = [acc + w_ref[pl.ds(start, block_n), cols].astype(jnp.float32) * x for acc, start in zip(accs, starts)]
+    sums = [jnp.sum(acc, axis=1) for acc in accs]  # [block_n] each
+    if norm:
+        scale = lax.rsqrt(jnp.sum(squares) / k + eps)
+        sums = [s * scale for s in sums]
+    sums = [s.astype(jnp.bfloat16).astype(jnp.float32) for s in sums]  # the product's bf16 result
+    outs = pl.ds(first, block_n)
+    if epilogue == "residual":
+        y = sums[0] + r_ref[outs].astype(jnp.float32)
+    elif epilogue == "swiglu":
+        gate, up = sums
+        y = gate / (1 + jnp.exp(-gate)) * up
+    else:
+        y = sums[0]
+    o_ref[outs] = y.astype(o_ref.dtype)
+
+
+def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None,
+         config: GemvConfig | None = None, interpret=False):
+    """``x [1, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
+    with an RMSNorm of ``x`` before and a residual add or SwiGLU after (``gemv_mgpu``'s contract)."""
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
+                         f"and layer={layer!r}")
+    config = config or GemvConfig()
+    _check(x, w, norm_weight, epilogue, residual, config)
+    if w.ndim == 2:  # free reshapes: one code path for a weight and a stack of them
+        w = w[None]
+        norm_weight = None if norm_weight is None else norm_weight[None]
+    num_layers, n, k = w.shape
+    num_out = n // 2 if epilogue == "swiglu" else n
+    g = jnp.ones((1, k), jnp.bfloat16) if norm_weight is None else norm_weight.astype(jnp.bfloat16)
+    r = jnp.zeros((1,), jnp.bfloat16) if residual is None else residual.astype(jnp.bfloat16).reshape(n)
+    kernel = functools.partial(_kernel, n=n, k=k, block_n=config.block_n, block_k=config.block_k, eps=eps,
+                               norm=norm_weight is not None, epilogue=epilogue)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_out,), jnp.bfloat16),
+        grid=(num_out // config.block_n,),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        name="gemv_triton",
+    )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), x, w.reshape(num_layers * n, k), g, r)
+    return out.reshape(1, num_out)
