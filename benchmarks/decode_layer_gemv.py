@@ -1,4 +1,4 @@
-"""A decoder layer's projections at batch 1 as four fused Mosaic GPU GEMVs, against XLA (issue 26).
+"""A decoder layer's projections at batch 1 as four fused GEMV kernels, against XLA (issue 26).
 
 Qwen3-0.6B's dense layer without its attention, 28 layers chained in one jitted call (unrolled, as
 the engine's small buckets are), the residual stream h [1, 1024] carried through:
@@ -13,13 +13,13 @@ Ways:
   nk_1row    XLA over [N, K] weights (the engine's layout since session 45), one row: the products become
              reductions along contiguous rows of K
   nk_8row    the same at 8 rows (cuBLAS with the transposed operand)
-  mgpu       the engine's GEMV path (mrv2_jax/models/gemv_projections.py: pallas_kernels/gemv_mgpu over
+  gemv       the engine's GEMV path (mrv2_jax/models/gemv_projections.py: pallas_kernels/gemv_triton over
              [N, K] weights), four kernels a layer: norm + qkv, o + residual, norm + gate/up + SwiGLU,
              down + residual; the `a` slice is the only other op
 
 Reported per way: the kernels' device time per layer (profiler), their launches per layer, the wall
 time per call when calls run back to back (device-bound: the host queues ahead) per layer, and
-the weights' GB/s at that wall time; the max error of h against the first way. On a CPU the Mosaic GPU
+the weights' GB/s at that wall time; the max error of h against the first way. On a CPU the
 kernels run in their interpreter (--tiny: small shapes, 2 layers) and the wall time is one call's.
 
     python -m benchmarks.decode_layer_gemv --output-json decode_layer_gemv.json
@@ -98,9 +98,9 @@ def nk_layers(h, nk, *, rows):
     return h[:m]
 
 
-def mgpu_layers(h, nk):
+def gemv_layers(h, nk):
     """The layers through the engine's GEMV path (mrv2_jax/models/gemv_projections.py, its kernel
-    configs): four gemv_mgpu kernels a layer over the [N, K] stacks read in place."""
+    configs): four gemv_triton kernels a layer over the [N, K] stacks read in place."""
     from mrv2_jax.models import gemv_projections as gp
     from mrv2_jax.models.layer_weight import LayerWeight
 
@@ -148,7 +148,7 @@ def main(argv=None) -> list[dict]:
             "xla_8row": (functools.partial(xla_layers, rows=8), kn),
             "nk_1row": (functools.partial(nk_layers, rows=1), kn_t),
             "nk_8row": (functools.partial(nk_layers, rows=8), kn_t),
-            "mgpu": (mgpu_layers, nk)}
+            "gemv": (gemv_layers, nk)}
     layers = dims["layers"]
     reference, results = None, []
     for way, (fn, weights) in ways.items():

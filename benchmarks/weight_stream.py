@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import mrv2_jax  # noqa: F401  (the engine's XLA flags)
-from pallas_kernels.gemv_mgpu import BLOCK_K as WIDTH  # a tile's columns, as the GEMV kernel's
 
+WIDTH = 256  # a tile's columns (the widest TMA box)
 OUT_PER_CTA = 8  # a CTA stores its checksum 8 times (a TMA store moves at least 16 bytes)
 # Qwen3-0.6B's batch-1 weights: (N, K).
 SHAPES = {"o_proj": (1024, 2048), "gate_up_proj": (6144, 1024)}

@@ -14,8 +14,6 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   with the RMSNorm before it and a residual add or SwiGLU after it in the same kernel, no split of K;
   Triton, issue 26; fused decode's one-row bucket with ``--kernels decode_projections=gemv``, through
   mrv2_jax/models/gemv_projections.py).
-- ``gemv_mgpu``: the same contract on Mosaic GPU (TMA through shared memory), which the Triton kernel
-  replaced; ``benchmarks.projection_forms`` measures both.
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``ragged_paged_attention_mgpu``: ``ragged_paged_attention_mgpu``, the same attention on Mosaic GPU

@@ -1,19 +1,32 @@
-"""GEMV for decode at batch 1 with plain loads (Pallas, Triton backend): the contract of
-``gemv_mgpu.gemv`` (RMSNorm before, residual add or SwiGLU after, ``w [N, K]`` or a stack read in place).
+"""GEMV for decode at batch 1 from a weight stored ``[N, K]``, with the layer's RMSNorm before it and a
+residual add or SwiGLU after it (Pallas, Triton backend).
 
-Why Triton. A one-row product streams its weight once, so its speed is the rate at which loads keep
-HBM busy. Through TMA into shared memory (``gemv_mgpu``) the weights of Qwen3-0.6B's projections
-stream at 0.8-1.6 TB/s, while XLA's own row reduction of the same weights, plain vectorised loads
-into registers, reaches 2.2-2.7 TB/s (docs/benchmarks.md, session 51). Mosaic GPU reads global
-memory through TMA; Triton issues ordinary wide loads, as XLA's reduction does.
+Contract. ``gemv(x, w)`` takes ``x [1, K]`` bf16 (one token) and ``w [N, K]`` bf16 (the Hugging Face
+layout: ``y = x @ w.T``), or a stack ``w [L, N, K]`` with ``layer=`` an int32 scalar (may be traced; the
+stack is read in place). It accumulates in f32 and returns bf16:
 
-Algorithm. Grid ``(N_out / block_n,)``: a program owns ``block_n`` outputs (with SwiGLU, their
-gate rows and the matching up rows). It walks K in ``block_k`` chunks, unrolled, adding
+* ``norm_weight`` (``[K]``, or ``[L, K]`` with a stacked ``w``): ``x`` is first RMS-normalised over K
+  in f32 and scaled by the weight, ``x * rsqrt(mean(x^2) + eps) * norm_weight``;
+* ``epilogue=None``: ``y [1, N]``; ``"residual"``: ``y + residual`` for ``residual [1, N]``;
+  ``"swiglu"``: ``w`` holds the gate's ``N / 2`` rows and then up's (a checkpoint's fused gate_up) and
+  the result is ``silu(gate) * up``, ``[1, N / 2]``.
+
+``gemv_reference`` is the jnp reference of the same signature. Shapes the config cannot tile raise
+``ValueError`` (``K`` a multiple of ``block_k``, the outputs of ``block_n``, both powers of two).
+
+Why Triton. At batch 1 a projection multiplies each weight element once: its speed is the rate at
+which loads keep HBM busy, and the norm before and the add or SwiGLU after belong in the same kernel
+(no small kernels between). A Mosaic GPU kernel reads global memory through TMA into shared memory,
+and at these sizes that streamed Qwen3-0.6B's weights at 0.8-1.6 TB/s, where plain wide loads into
+registers (XLA's own row reduction, or this kernel) do better (docs/benchmarks.md, session 51).
+
+Algorithm. Grid ``(N_out / block_n,)``: a program owns ``block_n`` outputs (with SwiGLU, their gate
+rows and the matching up rows). It walks K in ``block_k`` chunks, unrolled, adding
 ``w[rows, chunk] * x[chunk]`` into an f32 ``[rows, block_k]`` accumulator (with a norm, x is first
-scaled by the norm weight and its squares are summed), then sums across K once. The norm's
-``rsqrt(mean(x^2) + eps)`` scales the sums (the norm is linear in x); the product is rounded to bf16
-as the model's would be, then the residual is added or ``silu(gate) * up`` taken, and the program
-stores its outputs.
+scaled by the norm weight and its squares are summed), then sums across K once. The norm is linear
+in x, so its ``rsqrt(mean(x^2) + eps)`` scales the sums; the product is rounded to bf16 as the model's
+would be, then the residual is added or ``silu(gate) * up`` taken, and the program stores its outputs.
+On the CPU (tests) it runs in Pallas's interpreter (``interpret=True``).
 """
 
 from __future__ import annotations
@@ -121,7 +134,7 @@ def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, n, k, block_n, bloc
 def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None,
          config: GemvConfig | None = None, interpret=False):
     """``x [1, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
-    with an RMSNorm of ``x`` before and a residual add or SwiGLU after (``gemv_mgpu``'s contract)."""
+    with an RMSNorm of ``x`` before and a residual add or SwiGLU after (module docstring)."""
     if (w.ndim == 3) != (layer is not None):
         raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
                          f"and layer={layer!r}")

@@ -27,7 +27,8 @@
 # KV cache filling the GPU (large-kv), fused decode with the layer loop and with every layer unrolled
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
-# fused Mosaic GPU GEMVs against XLA (decode-layer-gemv), that kernel by tile config (gemv-configs),
+# fused GEMV kernels against XLA (decode-layer-gemv), a projection by form and the GEMV kernel by tile config
+# (projection-forms),
 # the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
@@ -458,10 +459,10 @@ for s in $sections; do case $s in
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
     done; done ;;
-  # Issue 26: a layer's projections at batch 1 as four fused Mosaic GPU GEMVs (gemv_mgpu) against XLA at
+  # Issue 26: a layer's projections at batch 1 as four fused GEMV kernels (gemv_triton) against XLA at
   # one row and padded to eight, after the kernel's GPU tests.
   decode-layer-gemv)
-    run_section gemv-mgpu-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_mgpu.py
+    run_section gemv-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_triton.py
     run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
         --output-json "$OUT/decode_layer_gemv.json" ;;
   # Issue 26: small one-block XLA kernels in the one-row fused program (loop_slice_fusion and
@@ -484,9 +485,6 @@ for s in $sections; do case $s in
   # and (one row) as the GEMV kernel.
   projection-forms) run_section projection-forms timeout 400 python3 -m benchmarks.projection_forms \
       --output-json "$OUT/projection_forms.json" ;;
-  # Issue 26: the one-row GEMV kernel by tile config (block_n x num_stages), per projection.
-  gemv-configs) run_section gemv-configs timeout 400 python3 -m benchmarks.gemv_configs \
-      --output-json "$OUT/gemv_configs.json" ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
