@@ -12,7 +12,8 @@ stack is read in place). It accumulates in f32 and returns bf16:
   the result is ``silu(gate) * up``, ``[1, N / 2]``.
 
 ``gemv_reference`` is the jnp reference of the same signature. Shapes the config cannot tile raise
-``ValueError`` (``K`` a multiple of ``block_k``, the outputs of ``block_n``, both powers of two).
+``ValueError`` (``K`` a multiple of ``block_k``, the outputs of ``block_n``, both powers of two), as does
+a weight or stack of ``2**31`` elements or more (the kernel's element offsets are int32).
 
 Why Triton. At batch 1 a projection multiplies each weight element once: its speed is the rate at
 which loads keep HBM busy, and the norm before and the add or SwiGLU after belong in the same kernel
@@ -40,9 +41,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["GemvConfig", "gemv", "gemv_reference"]
+__all__ = ["MAX_ELEMENTS", "GemvConfig", "gemv", "gemv_reference"]
 
 EPILOGUES = (None, "residual", "swiglu")
+MAX_ELEMENTS = 2**31  # a weight (stack) at least this large: int32 element offsets would overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,8 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} = {value} must be a power of two")
+    if w.size >= MAX_ELEMENTS:
+        raise ValueError(f"w has {w.size} elements, >= 2**31: the kernel's int32 offsets would overflow")
     if k % config.block_k:
         raise ValueError(f"K = {k} is not a multiple of block_k = {config.block_k}")
     num_out = n // 2 if epilogue == "swiglu" else n

@@ -26,16 +26,20 @@ from mrv2_jax.models.layers import linear, rms_norm
 def _kernel_takes(x, w) -> bool:
     """Whether the GEMV kernel runs this product: x of one row, the weight a LayerWeight whose shapes and
     dtypes the kernel tiles."""
+    from pallas_kernels.gemv_triton import MAX_ELEMENTS  # the kernels' module only where a program asks
+
     if not isinstance(w, LayerWeight) or x.shape[0] != 1:
         return False
     n, k = w.stack.shape[-2:]
-    return x.dtype == w.stack.dtype == jnp.bfloat16 and k % 256 == 0 and n % 8 == 0
+    config = gemv_config(k)
+    return (x.dtype == w.stack.dtype == jnp.bfloat16 and k % config.block_k == 0 and n % (2 * config.block_n) == 0
+            and w.stack.size < MAX_ELEMENTS)
 
 
 def gemv_config(k: int):
     """The kernel's tile config for a projection over `k` inputs: four outputs a program (a 1024-wide
     projection makes 256 programs), K in 512-wide chunks where it divides."""
-    from pallas_kernels.gemv_triton import GemvConfig  # the kernels' module only where a program asks
+    from pallas_kernels.gemv_triton import GemvConfig
 
     return GemvConfig(block_n=4, block_k=512 if k % 512 == 0 else 256, num_warps=8)
 

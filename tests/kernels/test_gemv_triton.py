@@ -119,6 +119,14 @@ def test_bad_input_is_refused(kwargs, message):
         gemv(x, w, layer=layer, epilogue=kwargs.get("epilogue"), config=kwargs.get("config"), interpret=True)
 
 
+def test_a_stack_too_large_for_int32_offsets_is_refused():
+    """Qwen3-8B's 36 gate_up weights ([24576, 4096]) hold more than 2**31 elements: refused, not wrapped."""
+    S = jax.ShapeDtypeStruct
+    with pytest.raises(ValueError, match="int32 offsets"):
+        jax.eval_shape(functools.partial(gemv, layer=0, epilogue="swiglu"), S((1, 4096), jnp.bfloat16),
+                       S((36, 24576, 4096), jnp.bfloat16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(QWEN3_06B))
 def test_on_the_gpu_at_qwen3_shapes(name):

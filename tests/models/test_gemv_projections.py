@@ -74,3 +74,13 @@ def test_more_tokens_or_untileable_shapes_take_the_xla_math_unchanged():
         got, jaxpr = logits_and_jaxpr(lm, ids, True, True)
         assert "name=gemv_triton" not in jaxpr
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_stack_past_int32_offsets_takes_the_xla_math():
+    """A stack of 2**31 elements or more (Qwen3-8B's gate_up) is left to XLA; Qwen3-0.6B's is the kernel's."""
+    from mrv2_jax.models.gemv_projections import _kernel_takes
+    from mrv2_jax.models.layer_weight import LayerWeight
+
+    S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    assert _kernel_takes(S((1, 1024), bf16), LayerWeight(S((28, 6144, 1024), bf16), 0))
+    assert not _kernel_takes(S((1, 4096), bf16), LayerWeight(S((36, 24576, 4096), bf16), 0))
