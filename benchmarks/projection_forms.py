@@ -68,7 +68,8 @@ def forms(rows: int, tiny: bool) -> dict:
     if rows == 1:
         from pallas_kernels.gemv_triton import GemvConfig
 
-        for block_n, block_k, warps in ([(8, 256, 4)] if tiny else itertools.product((1, 2, 4, 8), (512, 1024), (2, 4, 8))):
+        configs = [(8, 256, 4)] if tiny else itertools.product((1, 2, 4, 8), (512, 1024), (2, 4, 8))
+        for block_n, block_k, warps in configs:
             found[f"triton {block_n}x{block_k} w{warps}"] = functools.partial(
                 triton_gemv, config=GemvConfig(block_n, block_k, warps), interpret=tiny)
     return found

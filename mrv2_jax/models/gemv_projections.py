@@ -31,16 +31,19 @@ def _kernel_takes(x, w) -> bool:
     if not isinstance(w, LayerWeight) or x.shape[0] != 1:
         return False
     n, k = w.stack.shape[-2:]
-    config = gemv_config(k)
+    config = gemv_config(n, k)
     return (x.dtype == w.stack.dtype == jnp.bfloat16 and k % config.block_k == 0 and n % (2 * config.block_n) == 0
             and w.stack.size < MAX_ELEMENTS)
 
 
-def gemv_config(k: int):
-    """The kernel's tile config for a projection over `k` inputs: four outputs a program (a 1024-wide
-    projection makes 256 programs), K in 512-wide chunks where it divides."""
+def gemv_config(n: int, k: int):
+    """The kernel's tile config for a projection of `n` outputs over `k` inputs: four outputs a program,
+    K in 512-wide chunks where it divides; narrow projections (o, down) one output a program over
+    1024-wide chunks, so that their few outputs still make many programs."""
     from pallas_kernels.gemv_triton import GemvConfig
 
+    if n <= 2048 and k % 1024 == 0:
+        return GemvConfig(block_n=1, block_k=1024, num_warps=8)
     return GemvConfig(block_n=4, block_k=512 if k % 512 == 0 else 256, num_warps=8)
 
 
@@ -49,7 +52,7 @@ def layer_gemv(x, w: LayerWeight, **kwargs):
     the kernel's norm_weight, eps, epilogue and residual."""
     from pallas_kernels.gemv_triton import gemv
 
-    config = gemv_config(w.stack.shape[-1])
+    config = gemv_config(*w.stack.shape[-2:])
     return gemv(x, w.stack, layer=w.layer, config=config, interpret=jax.default_backend() != "gpu", **kwargs)
 
 

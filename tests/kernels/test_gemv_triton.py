@@ -52,7 +52,8 @@ def numpy_layer_math(x, w, g, r, *, norm, epilogue, eps=1e-6):
 
 @pytest.mark.parametrize("norm,epilogue,block_n,block_k", [(False, None, 4, 256), (True, None, 8, 512),
                                                            (False, "residual", 4, 128), (True, "residual", 16, 256),
-                                                           (True, "swiglu", 4, 512), (True, "swiglu", 8, 128)])
+                                                           (True, "swiglu", 4, 512), (True, "swiglu", 8, 128),
+                                                           (False, "residual", 1, 256)])
 def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, block_n, block_k):
     """Each epilogue, with and without the norm, K in one chunk or several."""
     x, w, g, r = make(3, 512, 64)
@@ -132,7 +133,9 @@ def test_a_stack_too_large_for_int32_offsets_is_refused():
 def test_on_the_gpu_at_qwen3_shapes(name):
     k, n, norm, epilogue = QWEN3_06B[name]
     x, w, g, r = make(4, k, n)
-    y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=GemvConfig()), np.float32)
+    from mrv2_jax.models.gemv_projections import gemv_config  # the engine's config for the projection
+
+    y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=gemv_config(n, k)), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=3, norm_weight=g if norm else None, epilogue=epilogue,
                                     residual=r if epilogue == "residual" else None), np.float32)
     # A few bf16 steps: the kernel scales the sums by the norm where the reference rounds the normed x,
