@@ -28,7 +28,7 @@
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
 # fused GEMV kernels against XLA (decode-layer-gemv), a projection by form and the GEMV kernel by tile config
-# (projection-forms),
+# (projection-forms), fused decode's few-row buckets through the GEMV kernels against cuBLAS (gemv-few),
 # the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
@@ -458,6 +458,17 @@ for s in $sections; do case $s in
       run_section gemv-projections-$p-one-row-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
+    done; done ;;
+  # Issue 26: fused decode's buckets of up to 8 rows through the GEMV kernels (decode_projections=gemv_few)
+  # against cuBLAS there (gemv: the one-row bucket only), batches 4 and 8, ROUNDS rounds with the arms
+  # alternated, after the kernels' and the engine's GEMV tests on the GPU.
+  gemv-few)
+    run_section gemv-few-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+        tests/kernels/test_gemv_triton.py tests/models/test_gemv_projections.py tests/engine/test_engine.py -k "gemv"
+    for r in $(seq ${ROUNDS:-2}); do for p in gemv gemv_few; do
+      run_section gemv-few-$p-r$r timeout 150 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+          --batches 4 8 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
+          --output-json "$OUT/fused_decode_projections_${p}_b4_8_r$r.json"
     done; done ;;
   # Issue 26: a layer's projections at batch 1 as four fused GEMV kernels (gemv_triton) against XLA at
   # one row and padded to eight, after the kernel's GPU tests.

@@ -1,17 +1,17 @@
-"""A decoder layer's projections at one token as fused GEMV kernels (issue 26).
+"""A decoder layer's projections at one token (or a few) as fused GEMV kernels (issue 26).
 
 At batch 1 a projection streams its weight once for one row of x: bound by HBM, and by the small
 kernels around it (the RMSNorm before, the residual add or SwiGLU after).
 `pallas_kernels/gemv_triton.py` does the norm, the product and the add or SwiGLU in one kernel from the
 `[out, in]` weight.
 
-A program that wants it (fused decode's one-row bucket: `CausalLM.gemv_projections`) has the decoder
-hand the family's `ModelState.gemv_weights` (its projections and the norms before them) to the layer
-as `LayerWeight`s, which the kernel reads in place from their stacks. The functions below are what a
-family's layer calls for those steps: with LayerWeights and one token they run the kernel, otherwise
-the same math in XLA (plain arrays, more tokens), so one layer function serves every program.
-(Buckets of up to 8 rows through a few-row variant of the kernel measured slower than cuBLAS:
-docs/benchmarks.md, session 47.)
+A program that wants it (fused decode's one-row bucket, and with `decode_projections=gemv_few` its
+buckets of a few rows: `CausalLM.gemv_projections`) has the decoder hand the family's
+`ModelState.gemv_weights` (its projections and the norms before them) to the layer as `LayerWeight`s,
+which the kernel reads in place from their stacks. The functions below are what a family's layer
+calls for those steps: with LayerWeights and at most the kernel's `MAX_ROWS` tokens they run the
+kernel, otherwise the same math in XLA (plain arrays, more tokens), so one layer function serves
+every program.
 """
 
 from __future__ import annotations
@@ -24,24 +24,27 @@ from mrv2_jax.models.layers import linear, rms_norm
 
 
 def _kernel_takes(x, w) -> bool:
-    """Whether the GEMV kernel runs this product: x of one row, the weight a LayerWeight whose shapes and
+    """Whether the GEMV kernel runs this product: x of a few rows, the weight a LayerWeight whose shapes and
     dtypes the kernel tiles."""
-    from pallas_kernels.gemv_triton import MAX_ELEMENTS  # the kernels' module only where a program asks
+    from pallas_kernels.gemv_triton import MAX_ELEMENTS, MAX_ROWS  # the kernels' module only where asked
 
-    if not isinstance(w, LayerWeight) or x.shape[0] != 1:
+    if not isinstance(w, LayerWeight) or x.shape[0] > MAX_ROWS:
         return False
     n, k = w.stack.shape[-2:]
-    config = gemv_config(n, k)
+    config = gemv_config(n, k, x.shape[0])
     return (x.dtype == w.stack.dtype == jnp.bfloat16 and k % config.block_k == 0 and n % (2 * config.block_n) == 0
             and w.stack.size < MAX_ELEMENTS)
 
 
-def gemv_config(n: int, k: int):
-    """The kernel's tile config for a projection of `n` outputs over `k` inputs: four outputs a program,
-    K in 512-wide chunks where it divides; narrow projections (o, down) one output a program over
-    1024-wide chunks, so that their few outputs still make many programs."""
+def gemv_config(n: int, k: int, rows: int = 1):
+    """The kernel's tile config for `rows` rows of x by a projection of `n` outputs over `k` inputs. One row:
+    four outputs a program, K in 512-wide chunks where it divides; narrow projections (o, down) one output
+    a program over 1024-wide chunks, so that their few outputs still make many programs. More rows: one
+    output a program over 1024-wide chunks (every row's accumulator stays in registers)."""
     from pallas_kernels.gemv_triton import GemvConfig
 
+    if rows > 1:
+        return GemvConfig(block_n=1, block_k=1024 if k % 1024 == 0 else 512 if k % 512 == 0 else 256, num_warps=8)
     if n <= 2048 and k % 1024 == 0:
         return GemvConfig(block_n=1, block_k=1024, num_warps=8)
     return GemvConfig(block_n=4, block_k=512 if k % 512 == 0 else 256, num_warps=8)
@@ -52,7 +55,7 @@ def layer_gemv(x, w: LayerWeight, **kwargs):
     the kernel's norm_weight, eps, epilogue and residual."""
     from pallas_kernels.gemv_triton import gemv
 
-    config = gemv_config(*w.stack.shape[-2:])
+    config = gemv_config(*w.stack.shape[-2:], x.shape[0])
     return gemv(x, w.stack, layer=w.layer, config=config, interpret=jax.default_backend() != "gpu", **kwargs)
 
 

@@ -1,5 +1,5 @@
-"""gemv (the one-row GEMV over an [N, K] weight with RMSNorm before and a residual add or SwiGLU after,
-on Triton): in Pallas's interpreter on the CPU against the jnp reference and a numpy f64 computation of
+"""gemv (the GEMV of one row or a few over an [N, K] weight with RMSNorm before and a residual add or
+SwiGLU after, on Triton): in Pallas's interpreter on the CPU against the jnp reference and a numpy f64 computation of
 the layer's math; the fused gate/up against separate gate and up products; every projection of a
 Qwen3-0.6B layer lowered to Triton IR; bad input refused; on a GPU (`-m gpu`) the real kernel against
 the reference at the real shapes."""
@@ -21,12 +21,12 @@ QWEN3_06B = {"qkv_proj": (1024, 4096, True, None), "o_proj": (2048, 1024, False,
              "gate_up_proj": (1024, 6144, True, "swiglu"), "down_proj": (3072, 1024, False, "residual")}
 
 
-def make(layers, k, n, seed=0):
+def make(layers, k, n, seed=0, rows=1):
     keys = jax.random.split(jax.random.key(seed), 4)
-    x = jax.random.normal(keys[0], (1, k), jnp.bfloat16)
+    x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
     w = (jax.random.normal(keys[1], (layers, n, k), jnp.float32) * 0.05).astype(jnp.bfloat16)
     g = (1 + 0.2 * jax.random.normal(keys[2], (layers, k))).astype(jnp.bfloat16)
-    r = jax.random.normal(keys[3], (1, n), jnp.bfloat16)
+    r = jax.random.normal(keys[3], (rows, n), jnp.bfloat16)
     return x, w, g, r
 
 
@@ -50,19 +50,20 @@ def numpy_layer_math(x, w, g, r, *, norm, epilogue, eps=1e-6):
     return y
 
 
-@pytest.mark.parametrize("norm,epilogue,block_n,block_k", [(False, None, 4, 256), (True, None, 8, 512),
-                                                           (False, "residual", 4, 128), (True, "residual", 16, 256),
-                                                           (True, "swiglu", 4, 512), (True, "swiglu", 8, 128),
-                                                           (False, "residual", 1, 256)])
-def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, block_n, block_k):
-    """Each epilogue, with and without the norm, K in one chunk or several."""
-    x, w, g, r = make(3, 512, 64)
+@pytest.mark.parametrize("norm,epilogue,block_n,block_k,rows", [
+    (False, None, 4, 256, 1), (True, None, 8, 512, 1), (False, "residual", 4, 128, 1), (True, "residual", 16, 256, 1),
+    (True, "swiglu", 4, 512, 1), (True, "swiglu", 8, 128, 1), (False, "residual", 1, 256, 1),
+    (True, "residual", 2, 256, 3), (True, "swiglu", 4, 128, 8), (False, None, 1, 512, 5)])
+def test_every_variant_matches_the_reference_and_the_layer_math(norm, epilogue, block_n, block_k, rows):
+    """Each epilogue, with and without the norm, K in one chunk or several, one row of x or a few (each its
+    own norm and its own residual row)."""
+    x, w, g, r = make(3, 512, 64, rows=rows)
     config = GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
     y = np.asarray(run(x, w, 2, g, r, norm=norm, epilogue=epilogue, config=config), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=2, norm_weight=g if norm else None, epilogue=epilogue,
                                     residual=r if epilogue == "residual" else None), np.float32)
     exact = numpy_layer_math(x, w[2], g[2], r, norm=norm, epilogue=epilogue)
-    assert y.shape == ref.shape == exact.shape == (1, 32 if epilogue == "swiglu" else 64)
+    assert y.shape == ref.shape == exact.shape == (rows, 32 if epilogue == "swiglu" else 64)
     np.testing.assert_allclose(y, ref, rtol=2**-7, atol=2e-2)
     np.testing.assert_allclose(y, exact, rtol=2**-6, atol=3e-2)
 
@@ -93,17 +94,19 @@ def test_fused_gate_up_gives_silu_of_gate_times_up():
 @pytest.mark.parametrize("name", list(QWEN3_06B))
 def test_each_projection_of_a_layer_lowers_to_triton(triton_lowering_without_a_gpu, name):
     """Pallas's Triton lowering takes each projection with what surrounds it, from the 28 stacked layers
-    at a traced layer, at the engine's config and another."""
+    at a traced layer, at one row and at eight, for a few configs."""
     k, n, norm, epilogue = QWEN3_06B[name]
     S = jax.ShapeDtypeStruct
-    for config in (GemvConfig(), GemvConfig(block_n=16, block_k=256, num_warps=4)):
+    for rows, config in ((1, GemvConfig()), (1, GemvConfig(block_n=16, block_k=256, num_warps=4)),
+                         (8, GemvConfig(block_n=1, block_k=1024, num_warps=8))):
         fn = functools.partial(run, norm=norm, epilogue=epilogue, config=config, interpret=False)
-        jax.jit(fn).trace(S((1, k), jnp.bfloat16), S((28, n, k), jnp.bfloat16), S((), jnp.int32),
-                          S((28, k), jnp.bfloat16), S((1, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(S((rows, k), jnp.bfloat16), S((28, n, k), jnp.bfloat16), S((), jnp.int32),
+                          S((28, k), jnp.bfloat16), S((rows, n), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(x=(2, 256)), "one row"),
+    (dict(x=(33, 512)), "rows"),
+    (dict(x=(0, 512)), "rows"),
     (dict(k=384), "multiple of block_k"),
     (dict(n=62), "block_n"),
     (dict(config=GemvConfig(block_n=12)), "power of two"),
@@ -129,13 +132,14 @@ def test_a_stack_too_large_for_int32_offsets_is_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("name", list(QWEN3_06B))
-def test_on_the_gpu_at_qwen3_shapes(name):
+def test_on_the_gpu_at_qwen3_shapes(name, rows):
     k, n, norm, epilogue = QWEN3_06B[name]
-    x, w, g, r = make(4, k, n)
+    x, w, g, r = make(4, k, n, rows=rows)
     from mrv2_jax.models.gemv_projections import gemv_config  # the engine's config for the projection
 
-    y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=gemv_config(n, k)), np.float32)
+    y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=gemv_config(n, k, x.shape[0])), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=3, norm_weight=g if norm else None, epilogue=epilogue,
                                     residual=r if epilogue == "residual" else None), np.float32)
     # A few bf16 steps: the kernel scales the sums by the norm where the reference rounds the normed x,

@@ -1,7 +1,7 @@
-"""The GEMV path (models/gemv_projections.py): a one-token forward with `CausalLM.gemv_projections` runs
-every projection of Qwen3 and GLM-4 through the GEMV kernels (Pallas's interpreter on the CPU) and
-gives the logits of the plain XLA forward, which the Hugging Face parity tests cover; more tokens, or
-shapes the kernel does not tile, take the XLA math unchanged."""
+"""The GEMV path (models/gemv_projections.py): a forward of one token or a few with
+`CausalLM.gemv_projections` runs every projection of Qwen3 and GLM-4 through the GEMV kernels (Pallas's
+interpreter on the CPU) and gives the logits of the plain XLA forward, which the Hugging Face parity
+tests cover; more tokens than the kernel takes, or shapes it does not tile, take the XLA math unchanged."""
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +44,10 @@ def logits_and_jaxpr(lm, ids, gemv_projections, unroll):
     return np.asarray(jax.jit(forward)(ids)), str(jax.make_jaxpr(forward)(ids))
 
 
-@pytest.mark.parametrize("family,unroll", [("qwen3", True), ("glm4", 1)])
-def test_one_token_through_the_gemv_kernels_gives_the_xla_logits(family, unroll):
+@pytest.mark.parametrize("family,unroll,tokens", [("qwen3", True, 1), ("glm4", 1, 1), ("qwen3", True, 3)])
+def test_a_few_tokens_through_the_gemv_kernels_give_the_xla_logits(family, unroll, tokens):
     _, lm = model(family)
-    ids = jnp.asarray([17], jnp.int32)
+    ids = jnp.asarray([17, 4, 9][:tokens], jnp.int32)
     expected, _ = logits_and_jaxpr(lm, ids, False, unroll)
     got, jaxpr = logits_and_jaxpr(lm, ids, True, unroll)
     # Each kernel call is a pallas_call named gemv_triton: every projection of the layer
@@ -65,9 +65,9 @@ def test_one_token_through_the_gemv_kernels_gives_the_xla_logits(family, unroll)
 
 
 def test_more_tokens_or_untileable_shapes_take_the_xla_math_unchanged():
-    """Two tokens (the path is one token's), or a hidden size of 64 (not a multiple of the kernel's
+    """33 tokens (more rows than the kernel takes), or a hidden size of 64 (not a multiple of the kernel's
     256-wide K tiles): no kernel runs and the logits are exactly the plain forward's."""
-    for ids, overrides in ((jnp.asarray([17, 4], jnp.int32), {}),
+    for ids, overrides in ((jnp.arange(33, dtype=jnp.int32) * 7 % 512, {}),
                            (jnp.asarray([17], jnp.int32), dict(hidden_size=64, head_dim=16, intermediate_size=96))):
         _, lm = model("qwen3", **overrides)
         expected, _ = logits_and_jaxpr(lm, ids, False, True)
