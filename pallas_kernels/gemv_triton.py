@@ -119,12 +119,14 @@ def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n
     squares = [jnp.zeros((1, block_k), jnp.float32)] * rows
     for c in range(k // block_k):
         cols = pl.ds(c * block_k, block_k)
-        xs = []
+        xs, g = [], None
         for r in range(rows):
             x = x_ref[pl.ds(r, 1), cols].astype(jnp.float32)  # [1, block_k]
             if norm:
                 squares[r] = squares[r] + x * x
-                x = x * g_ref[pl.ds(layer, 1), cols].astype(jnp.float32)
+                if g is None:  # the norm weight's chunk, loaded once for every row
+                    g = g_ref[pl.ds(layer, 1), cols].astype(jnp.float32)
+                x = x * g
             xs.append(x)
         for t, start in enumerate(starts):
             w = w_ref[pl.ds(start, block_n), cols].astype(jnp.float32)
