@@ -62,6 +62,14 @@ def over_layers(form, x, w):
     return lax.scan(body, jnp.float32(0), jnp.arange(w.shape[0]), unroll=True)[0]
 
 
+def over_static_layers(form, x, w):
+    """The same with each layer a Python int (a kernel that takes one compiles it in)."""
+    total = jnp.float32(0)
+    for layer in range(w.shape[0]):
+        total = total + form(x, w, layer)[0, 0].astype(jnp.float32)
+    return total
+
+
 def forms(rows: int, tiny: bool) -> dict:
     found = {"dot": of_layer(dot), "reduce [R, N]": of_layer(reduce_row_major),
              "reduce [N, R]": of_layer(reduce_weight_major)}
@@ -74,7 +82,15 @@ def forms(rows: int, tiny: bool) -> dict:
         for block_n, block_k, warps in configs:
             found[f"triton {block_n}x{block_k} w{warps}"] = functools.partial(
                 triton_gemv, config=GemvConfig(block_n, block_k, warps), interpret=tiny)
+        # The engine's config with the layer compiled into each kernel (what the index's load costs).
+        from mrv2_jax.models.gemv_projections import gemv_config
+
+        found[STATIC_LAYER] = lambda x, stack, layer: triton_gemv(
+            x, stack, layer, config=gemv_config(*stack.shape[1:], rows), interpret=tiny)
     return found
+
+
+STATIC_LAYER = "triton engine, static layer"  # the form called with Python-int layers
 
 
 def main(argv=None) -> list[dict]:
@@ -88,32 +104,34 @@ def main(argv=None) -> list[dict]:
 
     layers = 2 if args.tiny else 28
     results = []
-    print(f"{'weight':>13} {'rows':>4} {'form':22} {'us/call':>8} {'GB/s':>6}", flush=True)
+    print(f"{'weight':>13} {'rows':>4} {'form':28} {'us/call':>8} {'GB/s':>6}", flush=True)
     for name, (n, k) in (TINY_SHAPES if args.tiny else SHAPES).items():
         w = (jax.random.normal(jax.random.key(0), (layers, n, k), jnp.float32) * 0.1).astype(jnp.bfloat16)
         for rows in args.rows:
             x = jax.random.normal(jax.random.key(1), (rows, k), jnp.float32).astype(jnp.bfloat16)
             want = np.asarray(x, np.float32) @ np.asarray(w[1], np.float32).T
             for form_name, form in forms(rows, args.tiny).items():
+                static = form_name == STATIC_LAYER
                 entry = {"weight": name, "shape": [n, k], "rows": rows, "form": form_name}
                 try:
-                    got = np.asarray(jax.jit(form)(x, w, 1), np.float32)
+                    check = jax.jit(lambda x, w, form=form: form(x, w, 1)) if static else jax.jit(form)
+                    got = np.asarray(check(x, w) if static else check(x, w, 1), np.float32)
                     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
                     seconds = None
                     if not args.tiny:
-                        call = jax.jit(functools.partial(over_layers, form))
+                        call = jax.jit(functools.partial(over_static_layers if static else over_layers, form))
                         seconds = min(back_to_back_seconds(call, (x, w), args.calls) for _ in range(3)) / layers
                 except Exception as exc:  # noqa: BLE001 - a config the GPU refuses (or gets wrong) is a result
                     entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     results.append(entry)
-                    print(f"{name:>13} {rows:>4} {form_name:22} {entry['error'][:120]}", flush=True)
+                    print(f"{name:>13} {rows:>4} {form_name:28} {entry['error'][:120]}", flush=True)
                     continue
                 entry |= {"us_per_call": None if seconds is None else seconds * 1e6,
                           "gb_per_s": None if seconds is None else n * k * 2 / seconds / 1e9}
                 results.append(entry)
                 us = "-" if seconds is None else f"{seconds * 1e6:.2f}"
                 gbs = "-" if seconds is None else f"{entry['gb_per_s']:.0f}"
-                print(f"{name:>13} {rows:>4} {form_name:22} {us:>8} {gbs:>6}", flush=True)
+                print(f"{name:>13} {rows:>4} {form_name:28} {us:>8} {gbs:>6}", flush=True)
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment, write_report
 

@@ -3,7 +3,8 @@ a residual add or SwiGLU after it (Pallas, Triton backend).
 
 Contract. ``gemv(x, w)`` takes ``x [R, K]`` bf16 (R tokens, 1 <= R <= ``MAX_ROWS``) and ``w [N, K]``
 bf16 (the Hugging Face layout: ``y = x @ w.T``), or a stack ``w [L, N, K]`` with ``layer=`` an int32
-scalar (may be traced; the stack is read in place). It accumulates in f32 and returns bf16:
+scalar (may be traced; the stack is read in place), or a Python int, compiled into the kernel (no load
+of the index before the weights', but a kernel per layer). It accumulates in f32 and returns bf16:
 
 * ``norm_weight`` (``[K]``, or ``[L, K]`` with a stacked ``w``): each row of ``x`` is first
   RMS-normalised over K in f32 and scaled by the weight, ``x * rsqrt(mean(x^2) + eps) * norm_weight``;
@@ -107,9 +108,11 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
         raise ValueError(f"residual must be [R, N] = {(x.shape[0], n)}, got {tuple(residual.shape)}")
 
 
-def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n, block_k, eps, norm, epilogue):
+def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n, block_k, eps, norm, epilogue,
+            static_layer):
     j = pl.program_id(0)
-    layer = layer_ref[0]
+    # A traced layer is read first and every weight address waits for it; a static one is compiled in.
+    layer = layer_ref[0] if static_layer is None else static_layer
     first = j * block_n
     num_out = n // 2 if epilogue == "swiglu" else n
     # Weight rows of the program's outputs in the [L * N, K] view: the gate's, then (SwiGLU) up's.
@@ -154,6 +157,9 @@ def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None
     if (w.ndim == 3) != (layer is not None):
         raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
                          f"and layer={layer!r}")
+    static_layer = layer if isinstance(layer, int) else None
+    if static_layer is not None and not 0 <= static_layer < w.shape[0]:
+        raise ValueError(f"layer = {layer} is outside the stack's {w.shape[0]} layers")
     config = config or GemvConfig()
     _check(x, w, norm_weight, epilogue, residual, config)
     if w.ndim == 2:  # free reshapes: one code path for a weight and a stack of them
@@ -165,7 +171,7 @@ def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None
     g = jnp.ones((1, k), jnp.bfloat16) if norm_weight is None else norm_weight.astype(jnp.bfloat16)
     r = jnp.zeros((1,), jnp.bfloat16) if residual is None else residual.astype(jnp.bfloat16).reshape(rows * n)
     kernel = functools.partial(_kernel, rows=rows, n=n, k=k, block_n=config.block_n, block_k=config.block_k,
-                               eps=eps, norm=norm_weight is not None, epilogue=epilogue)
+                               eps=eps, norm=norm_weight is not None, epilogue=epilogue, static_layer=static_layer)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((rows * num_out,), jnp.bfloat16),

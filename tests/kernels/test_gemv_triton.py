@@ -76,6 +76,18 @@ def test_a_single_weight():
     np.testing.assert_allclose(np.asarray(y, np.float32), exact, rtol=2**-7, atol=2e-2)
 
 
+def test_a_python_int_layer_is_compiled_in_and_gives_the_traced_layer_s_result():
+    """layer=2 (a Python int, in the kernel) and layer=int32 2 (an operand the kernel reads) agree."""
+    x, w, g, r = make(3, 512, 32, seed=4, rows=2)
+    kwargs = dict(norm_weight=g, epilogue="residual", residual=r, config=GemvConfig(block_n=4, block_k=256),
+                  interpret=not on_gpu)
+    static = jax.jit(lambda x, w: gemv(x, w, layer=2, **kwargs))(x, w)
+    traced = jax.jit(lambda x, w, layer: gemv(x, w, layer=layer, **kwargs))(x, w, jnp.int32(2))
+    np.testing.assert_array_equal(np.asarray(static, np.float32), np.asarray(traced, np.float32))
+    with pytest.raises(ValueError, match="outside the stack's 3 layers"):
+        gemv(x, w, layer=3, **kwargs)
+
+
 def test_fused_gate_up_gives_silu_of_gate_times_up():
     """The SwiGLU epilogue over gate's rows then up's == silu(x @ gate.T) * (x @ up.T) with separate
     weights, for more than one program (each pairs its gate rows with the up rows I rows further)."""
