@@ -6,7 +6,8 @@
   fused into it: output row-major `[R, N]` (each of the R output rows streams the weight again) and
   weight-major `[N, R]` (each weight row's R sums side by side, then transposed);
 - the GEMV kernel of the engine's one-row bucket (pallas_kernels/gemv_triton.py; a few rows: one
-  accumulator a row), by tile config (reading the stacked weight in place).
+  accumulator a row), by tile config (reading the stacked weight in place), and at one row the
+  engine's config with each layer a Python int compiled into its kernel (no index load first).
 Each runs once per layer of a 28-layer `[L, N, K]` stack (larger than L2, so the weight comes from
 HBM), 28 chained calls in one jitted program timed back to back, and is checked against numpy first.
 
@@ -76,13 +77,13 @@ def forms(rows: int, tiny: bool) -> dict:
     from pallas_kernels.gemv_triton import MAX_ROWS, GemvConfig
 
     if rows <= MAX_ROWS:
-        sweep = {1: ((1, 2, 4, 8), (512, 1024), (2, 4, 8)), 8: ((1, 2, 4), (256, 512), (4, 8))}.get(
+        sweep = {1: ((1, 2, 4), (512, 1024), (8,)), 8: ((1, 2, 4), (256, 512, 1024), (4, 8))}.get(
             rows, ((1, 2), (256, 512), (4, 8)))
         configs = [(8, 256, 4)] if tiny else itertools.product(*sweep)
         for block_n, block_k, warps in configs:
             found[f"triton {block_n}x{block_k} w{warps}"] = functools.partial(
                 triton_gemv, config=GemvConfig(block_n, block_k, warps), interpret=tiny)
-        # The engine's config with the layer compiled into each kernel (what the index's load costs).
+    if rows == 1:  # the engine's config with the layer compiled into each kernel (what the index's load costs)
         from mrv2_jax.models.gemv_projections import gemv_config
 
         found[STATIC_LAYER] = lambda x, stack, layer: triton_gemv(
