@@ -5,6 +5,7 @@
 - `reduce`: `sum(w * x, axis=K)` in float32, which XLA emits as a row reduction with the product
   fused into it: output row-major `[R, N]` (each of the R output rows streams the weight again) and
   weight-major `[N, R]` (each weight row's R sums side by side, then transposed);
+- at 16-64 rows, the tensor-core kernel (pallas_kernels/decode_gemm_triton.py) by tile config;
 - the GEMV kernel of the engine's one-row bucket (pallas_kernels/gemv_triton.py; a few rows: one
   accumulator a row), by tile config (reading the stacked weight in place), and at one row the
   engine's config with each layer a Python int compiled into its kernel (no index load first).
@@ -26,6 +27,8 @@ import numpy as np
 from jax import lax
 
 import mrv2_jax  # noqa: F401  (the engine's XLA flags)
+from mrv2_jax.models.gemv_projections import gemv_config
+from pallas_kernels import decode_gemm_triton, gemv_triton
 
 # Qwen3-0.6B's decode projections: (N, K).
 SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072)}
@@ -46,9 +49,11 @@ def reduce_weight_major(x, w):
 
 def triton_gemv(x, stack, layer, *, config, interpret):
     """The kernel reads layer `layer` of the stack in place (given a slice, XLA would copy it first)."""
-    from pallas_kernels.gemv_triton import gemv
+    return gemv_triton.gemv(x, stack, layer=layer, config=config, interpret=interpret)
 
-    return gemv(x, stack, layer=layer, config=config, interpret=interpret)
+
+def triton_decode_gemm(x, stack, layer, *, config, interpret):
+    return decode_gemm_triton.decode_gemm(x, stack, layer=layer, config=config, interpret=interpret)
 
 
 def of_layer(form):
@@ -72,20 +77,21 @@ def over_static_layers(form, x, w):
 
 
 def forms(rows: int, tiny: bool) -> dict:
+    """Name -> form(x, stack, layer) of every form at `rows` rows (tiny: one config a kernel)."""
     found = {"dot": of_layer(dot), "reduce [R, N]": of_layer(reduce_row_major),
              "reduce [N, R]": of_layer(reduce_weight_major)}
-    from pallas_kernels.gemv_triton import MAX_ROWS, GemvConfig
-
-    if rows <= MAX_ROWS:
-        sweep = {1: ((1, 2, 4), (512, 1024), (8,)), 8: ((1, 2, 4), (256, 512, 1024), (4, 8))}.get(
-            rows, ((1, 2), (256, 512), (4, 8)))
-        configs = [(8, 256, 4)] if tiny else itertools.product(*sweep)
-        for block_n, block_k, warps in configs:
+    if rows <= gemv_triton.MAX_ROWS:
+        sweep = {1: ((1, 2, 4), (512, 1024), (8,)), 8: ((1, 2), (512, 1024), (4, 8))}.get(
+            rows, ((1,), (256, 512), (4, 8)))
+        for block_n, block_k, warps in [(8, 256, 4)] if tiny else itertools.product(*sweep):
             found[f"triton {block_n}x{block_k} w{warps}"] = functools.partial(
-                triton_gemv, config=GemvConfig(block_n, block_k, warps), interpret=tiny)
+                triton_gemv, config=gemv_triton.GemvConfig(block_n, block_k, warps), interpret=tiny)
+    if rows % 16 == 0 and rows <= decode_gemm_triton.MAX_ROWS:
+        for block_n, block_k, stages in [(16, 64, 2)] if tiny else itertools.product((16, 32), (128, 256), (3, 5)):
+            found[f"triton dot {block_n}x{block_k} s{stages}"] = functools.partial(
+                triton_decode_gemm, config=decode_gemm_triton.DecodeGemmConfig(block_n, block_k, 4, stages),
+                interpret=tiny)
     if rows == 1:  # the engine's config with the layer compiled into each kernel (what the index's load costs)
-        from mrv2_jax.models.gemv_projections import gemv_config
-
         found[STATIC_LAYER] = lambda x, stack, layer: triton_gemv(
             x, stack, layer, config=gemv_config(*stack.shape[1:], rows), interpret=tiny)
     return found

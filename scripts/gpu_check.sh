@@ -493,8 +493,9 @@ for s in $sections; do case $s in
   weight-stream) run_section weight-stream timeout 400 python3 -m benchmarks.weight_stream \
       --output-json "$OUT/weight_stream.json" ;;
   # Issue 26: a projection of 1, 8 and 32 rows as XLA's dot, as a multiply fused into a row reduction,
-  # and (one row) as the GEMV kernel.
-  projection-forms) run_section projection-forms timeout 400 python3 -m benchmarks.projection_forms \
+  # as the GEMV kernel by config (one row also with the layer compiled in) and (32 rows) as the
+  # tensor-core kernel by config (~6-8 min).
+  projection-forms) run_section projection-forms timeout 540 python3 -m benchmarks.projection_forms \
       --output-json "$OUT/projection_forms.json" ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do

@@ -1,0 +1,151 @@
+"""Decode's projection of a few tens of rows on tensor cores, from a weight stored ``[N, K]``, with the
+layer's RMSNorm before it and a residual add or SwiGLU after it (Pallas, Triton backend).
+
+Contract: ``gemv_triton.gemv``'s (``x [R, K]``, a weight or a stack read in place at ``layer=``,
+``norm_weight``, ``epilogue`` ``None`` / ``"residual"`` / ``"swiglu"``; ``gemv_triton.gemv_reference`` is
+the reference), for ``R`` a multiple of 16 up to ``MAX_ROWS`` (pad x with zero rows).
+
+Why. At 8-32 rows cuBLAS streams decode's weights at 0.65-0.95 TB/s (docs/benchmarks.md, session 51)
+and the norm and the residual add or SwiGLU are kernels of their own. With a row count of 32 the
+CUDA-core GEMV (one accumulator a row) runs out of registers; here the product is ``tl.dot`` on
+tensor cores, and the weight streams through Triton's software pipeline (``num_stages`` loads in
+flight a program).
+
+Algorithm. Grid ``(N_out / block_n,)``: a program owns ``block_n`` outputs (with SwiGLU, their gate
+rows and the matching up rows) for all R rows. With a norm it first sums each row's squares over K
+(x is small and stays in L2) for its ``rsqrt(mean(x^2) + eps)``, then scales each chunk of x by it and
+the norm weight and rounds it to bf16, as the model does. A loop over K in ``block_k`` chunks adds
+``dot(x[:, chunk], w[outputs, chunk].T)`` into f32 ``[R, block_n]`` accumulators; the product is rounded
+to bf16, the epilogue applied, and the ``[R, block_n]`` tile stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.gemv_triton import EPILOGUES, MAX_ELEMENTS
+
+__all__ = ["MAX_ROWS", "DecodeGemmConfig", "decode_gemm"]
+
+MAX_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeGemmConfig:
+    """``block_n``: outputs a program; ``block_k``: K's chunk a step; ``num_warps``; ``num_stages``: chunks
+    of weight in flight a program (Triton's software pipeline)."""
+
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def _check(x, w, norm_weight, epilogue, residual, config: DecodeGemmConfig) -> None:
+    if x.ndim != 2 or x.shape[0] % 16 or not 16 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [R, K] with R a multiple of 16 up to {MAX_ROWS}, got {tuple(x.shape)}")
+    if w.ndim not in (2, 3) or w.shape[-1] != x.shape[1]:
+        raise ValueError(f"w must be [N, K] or [L, N, K] with x's K = {x.shape[1]}, got {tuple(w.shape)}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"x and w must be bfloat16, got x {x.dtype} and w {w.dtype}")
+    n, k = w.shape[-2:]
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    for name in ("block_n", "block_k"):
+        value = getattr(config, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} = {value} must be a power of two, at least 16 (tensor-core tiles)")
+    if w.size >= MAX_ELEMENTS:
+        raise ValueError(f"w has {w.size} elements, >= 2**31: the kernel's int32 offsets would overflow")
+    if k % config.block_k:
+        raise ValueError(f"K = {k} is not a multiple of block_k = {config.block_k}")
+    num_out = n // 2 if epilogue == "swiglu" else n
+    if n % (2 if epilogue == "swiglu" else 1) or num_out % config.block_n:
+        raise ValueError(f"N = {n} does not split into programs of block_n = {config.block_n} outputs"
+                         + (" (gate and up halves)" if epilogue == "swiglu" else ""))
+    if norm_weight is not None and norm_weight.shape != (*w.shape[:-2], k):
+        raise ValueError(f"norm_weight must be {(*w.shape[:-2], k)}, got {tuple(norm_weight.shape)}")
+    if (epilogue == "residual") != (residual is not None):
+        raise ValueError("residual= is needed by, and only by, epilogue='residual'")
+    if residual is not None and residual.shape != (x.shape[0], n):
+        raise ValueError(f"residual must be [R, N] = {(x.shape[0], n)}, got {tuple(residual.shape)}")
+
+
+def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n, block_k, eps, norm, epilogue):
+    j = pl.program_id(0)
+    layer = layer_ref[0]
+    first = j * block_n
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]  # [rows, 1]
+    outs = first + jnp.arange(block_n, dtype=jnp.int32)
+    # Weight rows of the program's outputs in the [L * N, K] view: the gate's, then (SwiGLU) up's.
+    w_rows = [layer * n + outs] + ([layer * n + n // 2 + outs] if epilogue == "swiglu" else [])
+    steps = k // block_k
+
+    def chunk(c):
+        return pl.multiple_of(c * block_k, block_k) + jnp.arange(block_k, dtype=jnp.int32)
+
+    scale = None
+    if norm:
+        def add_squares(c, squares):
+            x = pltriton.load(x_ref.at[r, chunk(c)[None, :]]).astype(jnp.float32)
+            return squares + x * x
+        squares = lax.fori_loop(0, steps, add_squares, jnp.zeros((rows, block_k), jnp.float32))
+        scale = lax.rsqrt(jnp.sum(squares, axis=1) / k + eps)[:, None]  # [rows, 1]
+
+    def step(c, accs):
+        cols = chunk(c)
+        x = pltriton.load(x_ref.at[r, cols[None, :]])  # [rows, block_k] bf16
+        if norm:  # the model's rounding: the normalised x in bf16, times the norm weight
+            weight = pltriton.load(g_ref.at[jnp.full((1, 1), layer, jnp.int32), cols[None, :]])
+            x = ((x.astype(jnp.float32) * scale).astype(jnp.bfloat16).astype(jnp.float32)
+                 * weight.astype(jnp.float32)).astype(jnp.bfloat16)
+        # [block_k, block_n]: the weight tile transposed by its indices, each output's K contiguous.
+        return tuple(acc + pltriton.dot(x, pltriton.load(w_ref.at[out_rows[None, :], cols[:, None]]))
+                     for acc, out_rows in zip(accs, w_rows))
+
+    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((rows, block_n), jnp.float32) for _ in w_rows))
+    sums = [acc.astype(jnp.bfloat16).astype(jnp.float32) for acc in accs]  # the product's bf16 result
+    if epilogue == "residual":
+        y = sums[0] + pltriton.load(r_ref.at[r, outs[None, :]]).astype(jnp.float32)
+    elif epilogue == "swiglu":
+        gate, up = sums
+        y = gate / (1 + jnp.exp(-gate)) * up
+    else:
+        y = sums[0]
+    pltriton.store(o_ref.at[r, outs[None, :]], y.astype(o_ref.dtype))
+
+
+def decode_gemm(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None,
+                config: DecodeGemmConfig | None = None, interpret=False):
+    """``x [R, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
+    with an RMSNorm of ``x`` before and a residual add or SwiGLU after (module docstring)."""
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
+                         f"and layer={layer!r}")
+    config = config or DecodeGemmConfig()
+    _check(x, w, norm_weight, epilogue, residual, config)
+    if w.ndim == 2:  # free reshapes: one code path for a weight and a stack of them
+        w = w[None]
+        norm_weight = None if norm_weight is None else norm_weight[None]
+    num_layers, n, k = w.shape
+    rows = x.shape[0]
+    num_out = n // 2 if epilogue == "swiglu" else n
+    g = jnp.ones((1, k), jnp.bfloat16) if norm_weight is None else norm_weight.astype(jnp.bfloat16)
+    res = jnp.zeros((rows, n), jnp.bfloat16) if residual is None else residual.astype(jnp.bfloat16)
+    kernel = functools.partial(_kernel, rows=rows, n=n, k=k, block_n=config.block_n, block_k=config.block_k,
+                               eps=eps, norm=norm_weight is not None, epilogue=epilogue)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, num_out), jnp.bfloat16),
+        grid=(num_out // config.block_n,),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        name="decode_gemm_triton",
+    )(jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1), x, w.reshape(num_layers * n, k), g, res)
