@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.gemv_triton import EPILOGUES, MAX_ELEMENTS
+from pallas_kernels.gemv_triton import as_stack, check_projection
 
 __all__ = ["MAX_ROWS", "DecodeGemmConfig", "decode_gemm"]
 
@@ -46,36 +46,6 @@ class DecodeGemmConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-
-
-def _check(x, w, norm_weight, epilogue, residual, config: DecodeGemmConfig) -> None:
-    if x.ndim != 2 or x.shape[0] % 16 or not 16 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x must be [R, K] with R a multiple of 16 up to {MAX_ROWS}, got {tuple(x.shape)}")
-    if w.ndim not in (2, 3) or w.shape[-1] != x.shape[1]:
-        raise ValueError(f"w must be [N, K] or [L, N, K] with x's K = {x.shape[1]}, got {tuple(w.shape)}")
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"x and w must be bfloat16, got x {x.dtype} and w {w.dtype}")
-    n, k = w.shape[-2:]
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-    for name in ("block_n", "block_k"):
-        value = getattr(config, name)
-        if value < 16 or value & (value - 1):
-            raise ValueError(f"{name} = {value} must be a power of two, at least 16 (tensor-core tiles)")
-    if w.size >= MAX_ELEMENTS:
-        raise ValueError(f"w has {w.size} elements, >= 2**31: the kernel's int32 offsets would overflow")
-    if k % config.block_k:
-        raise ValueError(f"K = {k} is not a multiple of block_k = {config.block_k}")
-    num_out = n // 2 if epilogue == "swiglu" else n
-    if n % (2 if epilogue == "swiglu" else 1) or num_out % config.block_n:
-        raise ValueError(f"N = {n} does not split into programs of block_n = {config.block_n} outputs"
-                         + (" (gate and up halves)" if epilogue == "swiglu" else ""))
-    if norm_weight is not None and norm_weight.shape != (*w.shape[:-2], k):
-        raise ValueError(f"norm_weight must be {(*w.shape[:-2], k)}, got {tuple(norm_weight.shape)}")
-    if (epilogue == "residual") != (residual is not None):
-        raise ValueError("residual= is needed by, and only by, epilogue='residual'")
-    if residual is not None and residual.shape != (x.shape[0], n):
-        raise ValueError(f"residual must be [R, N] = {(x.shape[0], n)}, got {tuple(residual.shape)}")
 
 
 def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n, block_k, eps, norm, epilogue):
@@ -126,14 +96,12 @@ def decode_gemm(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilog
                 config: DecodeGemmConfig | None = None, interpret=False):
     """``x [R, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
     with an RMSNorm of ``x`` before and a residual add or SwiGLU after (module docstring)."""
-    if (w.ndim == 3) != (layer is not None):
-        raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
-                         f"and layer={layer!r}")
+    if x.ndim != 2 or x.shape[0] % 16 or not 16 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [R, K] with R a multiple of 16 up to {MAX_ROWS}, got {tuple(x.shape)}")
     config = config or DecodeGemmConfig()
-    _check(x, w, norm_weight, epilogue, residual, config)
-    if w.ndim == 2:  # free reshapes: one code path for a weight and a stack of them
-        w = w[None]
-        norm_weight = None if norm_weight is None else norm_weight[None]
+    check_projection(x, w, layer, norm_weight, epilogue, residual, block_n=config.block_n, block_k=config.block_k,
+                     min_block=16)
+    w, norm_weight = as_stack(w, norm_weight)
     num_layers, n, k = w.shape
     rows = x.shape[0]
     num_out = n // 2 if epilogue == "swiglu" else n

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["MAX_ELEMENTS", "MAX_ROWS", "GemvConfig", "gemv", "gemv_reference"]
+__all__ = ["MAX_ELEMENTS", "MAX_ROWS", "GemvConfig", "as_stack", "check_projection", "gemv", "gemv_reference"]
 
 EPILOGUES = (None, "residual", "swiglu")
 MAX_ELEMENTS = 2**31  # a weight (stack) at least this large: int32 element offsets would overflow
@@ -78,9 +78,15 @@ def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epi
     return y.astype(jnp.bfloat16)
 
 
-def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
-    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x must be [R, K] with 1 <= R <= {MAX_ROWS} rows, got {tuple(x.shape)}")
+def check_projection(x, w, layer, norm_weight, epilogue, residual, *, block_n: int, block_k: int,
+                     min_block: int = 1) -> None:
+    """ValueError naming what of the projection contract (module docstring) the arguments break, all but
+    the row count of x, which each kernel bounds itself. Tiles: powers of two, at least `min_block`."""
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
+                         f"and layer={layer!r}")
+    if isinstance(layer, int) and not 0 <= layer < w.shape[0]:
+        raise ValueError(f"layer = {layer} is outside the stack's {w.shape[0]} layers")
     if w.ndim not in (2, 3) or w.shape[-1] != x.shape[1]:
         raise ValueError(f"w must be [N, K] or [L, N, K] with x's K = {x.shape[1]}, got {tuple(w.shape)}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
@@ -88,17 +94,17 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
     n, k = w.shape[-2:]
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-    for name in ("block_n", "block_k"):
-        value = getattr(config, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} = {value} must be a power of two")
+    for name, value in (("block_n", block_n), ("block_k", block_k)):
+        if value < min_block or value & (value - 1):
+            at_least = f", at least {min_block} (tensor-core tiles)" if min_block > 1 else ""
+            raise ValueError(f"{name} = {value} must be a power of two{at_least}")
     if w.size >= MAX_ELEMENTS:
         raise ValueError(f"w has {w.size} elements, >= 2**31: the kernel's int32 offsets would overflow")
-    if k % config.block_k:
-        raise ValueError(f"K = {k} is not a multiple of block_k = {config.block_k}")
+    if k % block_k:
+        raise ValueError(f"K = {k} is not a multiple of block_k = {block_k}")
     num_out = n // 2 if epilogue == "swiglu" else n
-    if n % (2 if epilogue == "swiglu" else 1) or num_out % config.block_n:
-        raise ValueError(f"N = {n} does not split into programs of block_n = {config.block_n} outputs"
+    if n % (2 if epilogue == "swiglu" else 1) or num_out % block_n:
+        raise ValueError(f"N = {n} does not split into programs of block_n = {block_n} outputs"
                          + (" (gate and up halves)" if epilogue == "swiglu" else ""))
     if norm_weight is not None and norm_weight.shape != (*w.shape[:-2], k):
         raise ValueError(f"norm_weight must be {(*w.shape[:-2], k)}, got {tuple(norm_weight.shape)}")
@@ -106,6 +112,14 @@ def _check(x, w, norm_weight, epilogue, residual, config: GemvConfig) -> None:
         raise ValueError("residual= is needed by, and only by, epilogue='residual'")
     if residual is not None and residual.shape != (x.shape[0], n):
         raise ValueError(f"residual must be [R, N] = {(x.shape[0], n)}, got {tuple(residual.shape)}")
+
+
+def as_stack(w, norm_weight):
+    """A weight `[N, K]` (and its norm weight) as a stack of one layer: free reshapes, so that one code
+    path serves a weight and a stack of them."""
+    if w.ndim == 2:
+        return w[None], None if norm_weight is None else norm_weight[None]
+    return w, norm_weight
 
 
 def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n, block_k, eps, norm, epilogue,
@@ -154,17 +168,12 @@ def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None
          config: GemvConfig | None = None, interpret=False):
     """``x [R, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
     with an RMSNorm of ``x`` before and a residual add or SwiGLU after (module docstring)."""
-    if (w.ndim == 3) != (layer is not None):
-        raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
-                         f"and layer={layer!r}")
-    static_layer = layer if isinstance(layer, int) else None
-    if static_layer is not None and not 0 <= static_layer < w.shape[0]:
-        raise ValueError(f"layer = {layer} is outside the stack's {w.shape[0]} layers")
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [R, K] with 1 <= R <= {MAX_ROWS} rows, got {tuple(x.shape)}")
     config = config or GemvConfig()
-    _check(x, w, norm_weight, epilogue, residual, config)
-    if w.ndim == 2:  # free reshapes: one code path for a weight and a stack of them
-        w = w[None]
-        norm_weight = None if norm_weight is None else norm_weight[None]
+    check_projection(x, w, layer, norm_weight, epilogue, residual, block_n=config.block_n, block_k=config.block_k)
+    static_layer = layer if isinstance(layer, int) else None
+    w, norm_weight = as_stack(w, norm_weight)
     num_layers, n, k = w.shape
     rows = x.shape[0]
     num_out = n // 2 if epilogue == "swiglu" else n

@@ -14,7 +14,7 @@ import pytest
 
 from pallas_kernels.decode_gemm_triton import DecodeGemmConfig, decode_gemm
 from pallas_kernels.gemv_triton import gemv_reference
-from tests.kernels.test_gemv_triton import QWEN3_06B, make, numpy_layer_math
+from tests.kernels.test_gemv_triton import QWEN3_06B, assert_refused, make, numpy_layer_math
 
 on_gpu = jax.default_backend() == "gpu"
 
@@ -62,12 +62,7 @@ def test_each_projection_of_a_layer_lowers_to_triton(triton_lowering_without_a_g
     (dict(stacked=False, layer=0), "needs layer="),
 ])
 def test_bad_input_is_refused(kwargs, message):
-    k, n = kwargs.get("k", 256), kwargs.get("n", 64)
-    x = jnp.zeros(kwargs.get("x", (16, k)), jnp.bfloat16)
-    w = jnp.zeros((2, n, k) if kwargs.get("stacked", True) else (n, k), jnp.bfloat16)
-    layer = kwargs.get("layer", 0 if kwargs.get("stacked", True) else None)
-    with pytest.raises(ValueError, match=message):
-        decode_gemm(x, w, layer=layer, epilogue=kwargs.get("epilogue"), config=kwargs.get("config"), interpret=True)
+    assert_refused(decode_gemm, kwargs, message, rows=16, k=256)
 
 
 @pytest.mark.gpu

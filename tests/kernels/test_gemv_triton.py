@@ -127,12 +127,18 @@ def test_each_projection_of_a_layer_lowers_to_triton(triton_lowering_without_a_g
     (dict(stacked=False, layer=0), "needs layer="),
 ])
 def test_bad_input_is_refused(kwargs, message):
-    k, n = kwargs.get("k", 512), kwargs.get("n", 64)
-    x = jnp.zeros(kwargs.get("x", (1, k)), jnp.bfloat16)
+    assert_refused(gemv, kwargs, message, rows=1, k=512)
+
+
+def assert_refused(kernel, kwargs, message, *, rows, k):
+    """`kernel` on zero inputs (x of `rows` rows, a 2-layer stack of [64, k]) with `kwargs`' overrides (x's
+    shape, k, n, an unstacked weight with a layer, epilogue, config) raises a ValueError matching `message`."""
+    k, n = kwargs.get("k", k), kwargs.get("n", 64)
+    x = jnp.zeros(kwargs.get("x", (rows, k)), jnp.bfloat16)
     w = jnp.zeros((2, n, k) if kwargs.get("stacked", True) else (n, k), jnp.bfloat16)
     layer = kwargs.get("layer", 0 if kwargs.get("stacked", True) else None)
     with pytest.raises(ValueError, match=message):
-        gemv(x, w, layer=layer, epilogue=kwargs.get("epilogue"), config=kwargs.get("config"), interpret=True)
+        kernel(x, w, layer=layer, epilogue=kwargs.get("epilogue"), config=kwargs.get("config"), interpret=True)
 
 
 def test_a_stack_too_large_for_int32_offsets_is_refused():
