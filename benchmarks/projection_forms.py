@@ -1,14 +1,16 @@
 """A decode projection of a few rows, by the form XLA is given (issue 26).
 
-`x [R, K] @ w.T` for a `[N, K]` weight at R = 1, 8 and 32 rows, as:
+`x [R, K] @ w.T` for a `[N, K]` weight at R = 1, 8 and 32 rows (`--rows`), as:
 - `dot`: the einsum the layers use (cuBLAS, or XLA's own GEMM emitter);
 - `reduce`: `sum(w * x, axis=K)` in float32, which XLA emits as a row reduction with the product
   fused into it: output row-major `[R, N]` (each of the R output rows streams the weight again) and
   weight-major `[N, R]` (each weight row's R sums side by side, then transposed);
-- at 16-64 rows, the tensor-core kernel (pallas_kernels/decode_gemm_triton.py) by tile config;
+- the tensor-core kernel (pallas_kernels/decode_gemm_triton.py; up to 64 rows) by tile config;
 - the GEMV kernel of the engine's one-row bucket (pallas_kernels/gemv_triton.py; a few rows: one
-  accumulator a row), by tile config (reading the stacked weight in place), and at one row the
-  engine's config with each layer a Python int compiled into its kernel (no index load first).
+  accumulator a row), by tile config (reading the stacked weight in place);
+- `triton engine`: the engine's kernel and config for the row count (models/gemv_projections.py), and
+  at one row the same with each layer a Python int compiled into its kernel (no index load first).
+`--forms` keeps the forms whose names contain one of its words.
 Each runs once per layer of a 28-layer `[L, N, K]` stack (larger than L2, so the weight comes from
 HBM), 28 chained calls in one jitted program timed back to back, and is checked against numpy first.
 
@@ -18,6 +20,7 @@ HBM), 28 chained calls in one jitted program timed back to back, and is checked 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 
@@ -27,7 +30,7 @@ import numpy as np
 from jax import lax
 
 import mrv2_jax  # noqa: F401  (the engine's XLA flags)
-from mrv2_jax.models.gemv_projections import gemv_config
+from mrv2_jax.models import gemv_projections
 from pallas_kernels import decode_gemm_triton, gemv_triton
 
 # Qwen3-0.6B's decode projections: (N, K).
@@ -65,7 +68,8 @@ def over_layers(form, x, w):
     """`form(x, w, layer)` once per layer, each call after the one before (a scan XLA unrolls)."""
     def body(carry, layer):
         return carry + form(x, w, layer)[0, 0].astype(jnp.float32), None
-    return lax.scan(body, jnp.float32(0), jnp.arange(w.shape[0]), unroll=True)[0]
+    # numpy indices, as the decoder's: unrolled, each folds to a literal (an iota would cost a slice kernel each)
+    return lax.scan(body, jnp.float32(0), np.arange(w.shape[0], dtype=np.int32), unroll=True)[0]
 
 
 def over_static_layers(form, x, w):
@@ -86,18 +90,32 @@ def forms(rows: int, tiny: bool) -> dict:
         for block_n, block_k, warps in [(8, 256, 4)] if tiny else itertools.product(*sweep):
             found[f"triton {block_n}x{block_k} w{warps}"] = functools.partial(
                 triton_gemv, config=gemv_triton.GemvConfig(block_n, block_k, warps), interpret=tiny)
-    if rows % 16 == 0 and rows <= decode_gemm_triton.MAX_ROWS:
-        for block_n, block_k, stages in [(16, 64, 2)] if tiny else itertools.product((16, 32), (128, 256), (3, 5)):
+    if rows <= decode_gemm_triton.MAX_ROWS:
+        sweep = [(16, 64, 2)] if tiny else [(16, 128, 3), (16, 128, 5), (16, 256, 3), (16, 256, 5), (32, 256, 5)]
+        for block_n, block_k, stages in sweep:
             found[f"triton dot {block_n}x{block_k} s{stages}"] = functools.partial(
                 triton_decode_gemm, config=decode_gemm_triton.DecodeGemmConfig(block_n, block_k, 4, stages),
                 interpret=tiny)
-    if rows == 1:  # the engine's config with the layer compiled into each kernel (what the index's load costs)
-        found[STATIC_LAYER] = lambda x, stack, layer: triton_gemv(
-            x, stack, layer, config=gemv_config(*stack.shape[1:], rows), interpret=tiny)
+        found[ENGINE] = engine_kernel(rows, tiny)
+    if rows == 1:  # the same with the layer compiled into each kernel (what the index's load costs)
+        found[STATIC_LAYER] = engine_kernel(rows, tiny)
     return found
 
 
+ENGINE = "triton engine"
 STATIC_LAYER = "triton engine, static layer"  # the form called with Python-int layers
+
+
+def engine_kernel(rows: int, tiny: bool):
+    """The engine's kernel and config for `rows` rows, as a form (tiny: the configs of a wide shape)."""
+    def form(x, stack, layer):
+        n, k = (4096, 1024) if tiny else stack.shape[1:]
+        config = gemv_projections.kernel_config(n, k, rows)
+        if tiny:
+            config = dataclasses.replace(config, block_n=min(config.block_n, 16), block_k=min(config.block_k, 256))
+        kernel = triton_gemv if rows == 1 else triton_decode_gemm
+        return kernel(x, stack, layer, config=config, interpret=tiny)
+    return form
 
 
 def main(argv=None) -> list[dict]:
@@ -105,6 +123,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tiny", action="store_true", help="one small shape, 2 layers, no timing (CPU tests)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--forms", nargs="+", default=None, help="only the forms whose names contain one of these")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     from benchmarks.decode_layer_gemv import back_to_back_seconds
@@ -118,6 +137,8 @@ def main(argv=None) -> list[dict]:
             x = jax.random.normal(jax.random.key(1), (rows, k), jnp.float32).astype(jnp.bfloat16)
             want = np.asarray(x, np.float32) @ np.asarray(w[1], np.float32).T
             for form_name, form in forms(rows, args.tiny).items():
+                if args.forms and not any(word in form_name for word in args.forms):
+                    continue
                 static = form_name == STATIC_LAYER
                 entry = {"weight": name, "shape": [n, k], "rows": rows, "form": form_name}
                 try:

@@ -3,7 +3,7 @@ layer's RMSNorm before it and a residual add or SwiGLU after it (Pallas, Triton 
 
 Contract: ``gemv_triton.gemv``'s (``x [R, K]``, a weight or a stack read in place at ``layer=``,
 ``norm_weight``, ``epilogue`` ``None`` / ``"residual"`` / ``"swiglu"``; ``gemv_triton.gemv_reference`` is
-the reference), for ``R`` a multiple of 16 up to ``MAX_ROWS`` (pad x with zero rows).
+the reference), for ``R`` from 1 to ``MAX_ROWS``.
 
 Why. At 8-32 rows cuBLAS streams decode's weights at 0.65-0.95 TB/s (docs/benchmarks.md, session 51)
 and the norm and the residual add or SwiGLU are kernels of their own. With a row count of 32 the
@@ -12,7 +12,9 @@ tensor cores, and the weight streams through Triton's software pipeline (``num_s
 flight a program).
 
 Algorithm. Grid ``(N_out / block_n,)``: a program owns ``block_n`` outputs (with SwiGLU, their gate
-rows and the matching up rows) for all R rows. With a norm it first sums each row's squares over K
+rows and the matching up rows) for all R rows, as a tile of ``tile_rows(R)`` rows (a power of two, at
+least 16, tensor cores' smallest M): the rows past R repeat x's last row and are not stored. With a
+norm it first sums each row's squares over K
 (x is small and stays in L2) for its ``rsqrt(mean(x^2) + eps)``, then scales each chunk of x by it and
 the norm weight and rounds it to bf16, as the model does. A loop over K in ``block_k`` chunks adds
 ``dot(x[:, chunk], w[outputs, chunk].T)`` into f32 ``[R, block_n]`` accumulators; the product is rounded
@@ -32,7 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.gemv_triton import as_stack, check_projection
 
-__all__ = ["MAX_ROWS", "DecodeGemmConfig", "decode_gemm"]
+__all__ = ["MAX_ROWS", "DecodeGemmConfig", "decode_gemm", "tile_rows"]
 
 MAX_ROWS = 64
 
@@ -48,11 +50,17 @@ class DecodeGemmConfig:
     num_stages: int = 4
 
 
+def tile_rows(rows: int) -> int:
+    """The row count of a program's tiles for `rows` rows of x: the next power of two, at least 16."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
 def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n, block_k, eps, norm, epilogue):
     j = pl.program_id(0)
     layer = layer_ref[0]
     first = j * block_n
-    r = jnp.arange(rows, dtype=jnp.int32)[:, None]  # [rows, 1]
+    tile = jnp.arange(tile_rows(rows), dtype=jnp.int32)[:, None]  # [tile_rows, 1]
+    r = jnp.minimum(tile, rows - 1)  # x's row of each tile row: the rows past R read the last one
     outs = first + jnp.arange(block_n, dtype=jnp.int32)
     # Weight rows of the program's outputs in the [L * N, K] view: the gate's, then (SwiGLU) up's.
     w_rows = [layer * n + outs] + ([layer * n + n // 2 + outs] if epilogue == "swiglu" else [])
@@ -66,12 +74,12 @@ def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n
         def add_squares(c, squares):
             x = pltriton.load(x_ref.at[r, chunk(c)[None, :]]).astype(jnp.float32)
             return squares + x * x
-        squares = lax.fori_loop(0, steps, add_squares, jnp.zeros((rows, block_k), jnp.float32))
-        scale = lax.rsqrt(jnp.sum(squares, axis=1) / k + eps)[:, None]  # [rows, 1]
+        squares = lax.fori_loop(0, steps, add_squares, jnp.zeros((tile.shape[0], block_k), jnp.float32))
+        scale = lax.rsqrt(jnp.sum(squares, axis=1) / k + eps)[:, None]  # [tile_rows, 1]
 
     def step(c, accs):
         cols = chunk(c)
-        x = pltriton.load(x_ref.at[r, cols[None, :]])  # [rows, block_k] bf16
+        x = pltriton.load(x_ref.at[r, cols[None, :]])  # [tile_rows, block_k] bf16
         if norm:  # the model's rounding: the normalised x in bf16, times the norm weight
             weight = pltriton.load(g_ref.at[jnp.full((1, 1), layer, jnp.int32), cols[None, :]])
             x = ((x.astype(jnp.float32) * scale).astype(jnp.bfloat16).astype(jnp.float32)
@@ -80,7 +88,7 @@ def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n
         return tuple(acc + pltriton.dot(x, pltriton.load(w_ref.at[out_rows[None, :], cols[:, None]]))
                      for acc, out_rows in zip(accs, w_rows))
 
-    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((rows, block_n), jnp.float32) for _ in w_rows))
+    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((tile.shape[0], block_n), jnp.float32) for _ in w_rows))
     sums = [acc.astype(jnp.bfloat16).astype(jnp.float32) for acc in accs]  # the product's bf16 result
     if epilogue == "residual":
         y = sums[0] + pltriton.load(r_ref.at[r, outs[None, :]]).astype(jnp.float32)
@@ -89,15 +97,16 @@ def _kernel(layer_ref, x_ref, w_ref, g_ref, r_ref, o_ref, *, rows, n, k, block_n
         y = gate / (1 + jnp.exp(-gate)) * up
     else:
         y = sums[0]
-    pltriton.store(o_ref.at[r, outs[None, :]], y.astype(o_ref.dtype))
+    stored = None if tile.shape[0] == rows else jnp.broadcast_to(tile < rows, y.shape)
+    pltriton.store(o_ref.at[tile, outs[None, :]], y.astype(o_ref.dtype), mask=stored)
 
 
 def decode_gemm(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None, residual=None,
                 config: DecodeGemmConfig | None = None, interpret=False):
     """``x [R, K] @ w.T`` (``w [N, K]``, or ``w[layer]`` of ``[L, N, K]``) in bf16 with f32 accumulation,
     with an RMSNorm of ``x`` before and a residual add or SwiGLU after (module docstring)."""
-    if x.ndim != 2 or x.shape[0] % 16 or not 16 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x must be [R, K] with R a multiple of 16 up to {MAX_ROWS}, got {tuple(x.shape)}")
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [R, K] with 1 <= R <= {MAX_ROWS} rows, got {tuple(x.shape)}")
     config = config or DecodeGemmConfig()
     check_projection(x, w, layer, norm_weight, epilogue, residual, block_n=config.block_n, block_k=config.block_k,
                      min_block=16)
@@ -106,7 +115,7 @@ def decode_gemm(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilog
     rows = x.shape[0]
     num_out = n // 2 if epilogue == "swiglu" else n
     g = jnp.ones((1, k), jnp.bfloat16) if norm_weight is None else norm_weight.astype(jnp.bfloat16)
-    res = jnp.zeros((rows, n), jnp.bfloat16) if residual is None else residual.astype(jnp.bfloat16)
+    res = jnp.zeros((1, 1), jnp.bfloat16) if residual is None else residual.astype(jnp.bfloat16)  # read with it only
     kernel = functools.partial(_kernel, rows=rows, n=n, k=k, block_n=config.block_n, block_k=config.block_k,
                                eps=eps, norm=norm_weight is not None, epilogue=epilogue)
     return pl.pallas_call(

@@ -28,7 +28,8 @@
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
 # fused GEMV kernels against XLA (decode-layer-gemv), a projection by form and the GEMV kernel by tile config
-# (projection-forms), fused decode's few-row buckets through the GEMV kernels against cuBLAS (gemv-few),
+# (projection-forms), fused decode's few-row buckets through the tensor-core kernel against cuBLAS
+# (projection-kernels),
 # the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
@@ -459,16 +460,17 @@ for s in $sections; do case $s in
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
     done; done ;;
-  # Issue 26: fused decode's buckets of up to 8 rows through the GEMV kernels (decode_projections=gemv_few)
-  # against cuBLAS there (gemv: the one-row bucket only), batches 4 and 8, ROUNDS rounds with the arms
-  # alternated, after the kernels' and the engine's GEMV tests on the GPU.
-  gemv-few)
-    run_section gemv-few-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
-        tests/kernels/test_gemv_triton.py tests/models/test_gemv_projections.py tests/engine/test_engine.py -k "gemv"
-    for r in $(seq ${ROUNDS:-2}); do for p in gemv gemv_few; do
-      run_section gemv-few-$p-r$r timeout 150 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --batches 4 8 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
-          --output-json "$OUT/fused_decode_projections_${p}_b4_8_r$r.json"
+  # Issue 26: fused decode's buckets of 2-64 rows through the tensor-core projection kernel
+  # (decode_projections=triton) against cuBLAS there (gemv: the one-row bucket only), batches 4 to 64,
+  # ROUNDS rounds with the arms alternated, after the kernel's and the engine's tests on the GPU.
+  projection-kernels)
+    run_section projection-kernels-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
+        tests/kernels/test_decode_gemm_triton.py tests/models/test_gemv_projections.py \
+        tests/engine/test_engine.py -k "decode_gemm or gemv_projections or gemv_kernels"
+    for r in $(seq ${ROUNDS:-2}); do for p in gemv triton; do
+      run_section projection-kernels-$p-r$r timeout 200 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+          --batches ${PROJECTION_BATCHES:-4 8 16 32 64} --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
+          --output-json "$OUT/fused_decode_projections_${p}_r$r.json"
     done; done ;;
   # Issue 26: a layer's projections at batch 1 as four fused GEMV kernels (gemv_triton) against XLA at
   # one row and padded to eight, after the kernel's GPU tests.
@@ -496,7 +498,7 @@ for s in $sections; do case $s in
   # as the GEMV kernel by config (one row also with the layer compiled in) and (32 rows) as the
   # tensor-core kernel by config (~6-8 min).
   projection-forms) run_section projection-forms timeout 540 python3 -m benchmarks.projection_forms \
-      --output-json "$OUT/projection_forms.json" ;;
+      ${PROJECTION_FORMS_ARGS:-} --output-json "$OUT/projection_forms.json" ;;
   fused-layer-unroll)
     for u in ${LAYER_UNROLL_ARMS:-0 128}; do
       run_section fused-layer-unroll-$u timeout 240 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
