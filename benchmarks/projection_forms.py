@@ -5,11 +5,10 @@
 - `reduce`: `sum(w * x, axis=K)` in float32, which XLA emits as a row reduction with the product
   fused into it: output row-major `[R, N]` (each of the R output rows streams the weight again) and
   weight-major `[N, R]` (each weight row's R sums side by side, then transposed);
-- the tensor-core kernel (pallas_kernels/decode_gemm_triton.py; up to 64 rows) by tile config;
 - the GEMV kernel of the engine's one-row bucket (pallas_kernels/gemv_triton.py; a few rows: one
   accumulator a row), by tile config (reading the stacked weight in place);
-- `triton engine`: the engine's kernel and config for the row count (models/gemv_projections.py), and
-  at one row the same with each layer a Python int compiled into its kernel (no index load first).
+- `triton engine`: the engine's config for the projection (models/gemv_projections.py), and at one
+  row the same with each layer a Python int compiled into its kernel (no index load first).
 `--forms` keeps the forms whose names contain one of its words.
 Each runs once per layer of a 28-layer `[L, N, K]` stack (larger than L2, so the weight comes from
 HBM), 28 chained calls in one jitted program timed back to back, and is checked against numpy first.
@@ -31,7 +30,7 @@ from jax import lax
 
 import mrv2_jax  # noqa: F401  (the engine's XLA flags)
 from mrv2_jax.models import gemv_projections
-from pallas_kernels import decode_gemm_triton, gemv_triton
+from pallas_kernels import gemv_triton
 
 # Qwen3-0.6B's decode projections: (N, K).
 SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072)}
@@ -53,10 +52,6 @@ def reduce_weight_major(x, w):
 def triton_gemv(x, stack, layer, *, config, interpret):
     """The kernel reads layer `layer` of the stack in place (given a slice, XLA would copy it first)."""
     return gemv_triton.gemv(x, stack, layer=layer, config=config, interpret=interpret)
-
-
-def triton_decode_gemm(x, stack, layer, *, config, interpret):
-    return decode_gemm_triton.decode_gemm(x, stack, layer=layer, config=config, interpret=interpret)
 
 
 def of_layer(form):
@@ -90,15 +85,9 @@ def forms(rows: int, tiny: bool) -> dict:
         for block_n, block_k, warps in [(8, 256, 4)] if tiny else itertools.product(*sweep):
             found[f"triton {block_n}x{block_k} w{warps}"] = functools.partial(
                 triton_gemv, config=gemv_triton.GemvConfig(block_n, block_k, warps), interpret=tiny)
-    if rows <= decode_gemm_triton.MAX_ROWS:
-        sweep = [(16, 64, 2)] if tiny else [(16, 128, 3), (16, 128, 5), (16, 256, 3), (16, 256, 5), (32, 256, 5)]
-        for block_n, block_k, stages in sweep:
-            found[f"triton dot {block_n}x{block_k} s{stages}"] = functools.partial(
-                triton_decode_gemm, config=decode_gemm_triton.DecodeGemmConfig(block_n, block_k, 4, stages),
-                interpret=tiny)
-        found[ENGINE] = engine_kernel(rows, tiny)
+        found[ENGINE] = engine_kernel(tiny)
     if rows == 1:  # the same with the layer compiled into each kernel (what the index's load costs)
-        found[STATIC_LAYER] = engine_kernel(rows, tiny)
+        found[STATIC_LAYER] = engine_kernel(tiny)
     return found
 
 
@@ -106,15 +95,14 @@ ENGINE = "triton engine"
 STATIC_LAYER = "triton engine, static layer"  # the form called with Python-int layers
 
 
-def engine_kernel(rows: int, tiny: bool):
-    """The engine's kernel and config for `rows` rows, as a form (tiny: the configs of a wide shape)."""
+def engine_kernel(tiny: bool):
+    """The GEMV kernel with the engine's config for the projection, as a form (tiny: a wide shape's config
+    with K in 256-wide chunks)."""
     def form(x, stack, layer):
-        n, k = (4096, 1024) if tiny else stack.shape[1:]
-        config = gemv_projections.kernel_config(n, k, rows)
+        config = gemv_projections.gemv_config(*((4096, 1024) if tiny else stack.shape[1:]))
         if tiny:
-            config = dataclasses.replace(config, block_n=min(config.block_n, 16), block_k=min(config.block_k, 256))
-        kernel = triton_gemv if rows == 1 else triton_decode_gemm
-        return kernel(x, stack, layer, config=config, interpret=tiny)
+            config = dataclasses.replace(config, block_k=min(config.block_k, 256))
+        return triton_gemv(x, stack, layer, config=config, interpret=tiny)
     return form
 
 

@@ -183,9 +183,7 @@ class KernelConfig:
     norms, residual adds and SwiGLU fused in, the bucket as one token ("gemv":
     models/gemv_projections.py, pallas_kernels/gemv_triton.py; Triton, or its interpreter elsewhere;
     families with ``gemv_weights``, one device), or cuBLAS's GEMMs with the one-row bucket padded to 8
-    tokens ("xla"); "triton": that, and fused decode's buckets of 2 to ``TRITON_PROJECTION_MAX_ROWS``
-    (runner/v2.py) rows through a tensor-core Triton kernel of the same contract
-    (pallas_kernels/decode_gemm_triton.py). "auto": "gemv" on Hopper-class GPUs, "xla" elsewhere.
+    tokens ("xla"). "auto": "gemv" on Hopper-class GPUs, "xla" elsewhere.
     """
 
     attention: str = "auto"
@@ -208,7 +206,7 @@ class KernelConfig:
         "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
         "sampler_truncation": (None, ("auto", "threshold", "sort")),
-        "decode_projections": (None, ("auto", "xla", "gemv", "triton")),
+        "decode_projections": (None, ("auto", "xla", "gemv")),
     }
 
     def __post_init__(self) -> None:

@@ -13,10 +13,7 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
 - ``gemv_triton``: ``gemv`` / ``gemv_reference`` (decode's projection of one row, or up to 32, from an
   ``[N, K]`` weight with the RMSNorm before it and a residual add or SwiGLU after it in the same kernel,
   no split of K; Triton, issue 26; fused decode's one-row bucket with ``--kernels
-  decode_projections=gemv``, its buckets of up to 8 rows with ``gemv_few``, through
-  mrv2_jax/models/gemv_projections.py).
-- ``decode_gemm_triton``: ``decode_gemm``, the same contract for 16-64 rows on tensor cores (Triton;
-  measured by ``benchmarks.projection_forms``, not yet used by the engine).
+  decode_projections=gemv``, through mrv2_jax/models/gemv_projections.py).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``ragged_paged_attention_mgpu``: ``ragged_paged_attention_mgpu``, the same attention on Mosaic GPU

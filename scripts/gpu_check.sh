@@ -28,8 +28,7 @@
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
 # fused GEMV kernels against XLA (decode-layer-gemv), a projection by form and the GEMV kernel by tile config
-# (projection-forms), fused decode's few-row buckets through the tensor-core kernel against cuBLAS
-# (projection-kernels),
+# (projection-forms),
 # the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
@@ -459,18 +458,6 @@ for s in $sections; do case $s in
       run_section gemv-projections-$p-one-row-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
           --output-json "$OUT/fused_decode_projections_${p}_one_row_r$r.json"
-    done; done ;;
-  # Issue 26: fused decode's buckets of 2-64 rows through the tensor-core projection kernel
-  # (decode_projections=triton) against cuBLAS there (gemv: the one-row bucket only), batches 4 to 64,
-  # ROUNDS rounds with the arms alternated, after the kernel's and the engine's tests on the GPU.
-  projection-kernels)
-    run_section projection-kernels-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
-        tests/kernels/test_decode_gemm_triton.py tests/models/test_gemv_projections.py \
-        tests/engine/test_engine.py -k "decode_gemm or gemv_projections or gemv_kernels"
-    for r in $(seq ${ROUNDS:-2}); do for p in gemv triton; do
-      run_section projection-kernels-$p-r$r timeout 200 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --batches ${PROJECTION_BATCHES:-4 8 16 32 64} --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
-          --output-json "$OUT/fused_decode_projections_${p}_r$r.json"
     done; done ;;
   # Issue 26: a layer's projections at batch 1 as four fused GEMV kernels (gemv_triton) against XLA at
   # one row and padded to eight, after the kernel's GPU tests.

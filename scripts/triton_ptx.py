@@ -8,7 +8,6 @@ A kernel's tiling can then be checked (vectorised loads? spills? tensor cores?) 
                                 # not a dependency of the project
     python scripts/triton_ptx.py gemv --n 1024 --k 2048 --rows 1 --block-n 1 --block-k 1024 --warps 8 \
         --epilogue residual
-    python scripts/triton_ptx.py decode_gemm --n 6144 --k 1024 --rows 32 --norm --epilogue swiglu
 
 From Python: `triton_modules(fn, *args)` -> the Triton IR (text) of every Pallas Triton kernel that
 `jax.jit(fn)` lowers to for CUDA (args: arrays or `jax.ShapeDtypeStruct`s); `ptx_facts(module, num_warps,
@@ -101,14 +100,9 @@ def _projection(args):
     """The projection kernel the arguments name, as fn and its args over a 28-layer stack."""
     S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
     residual = args.epilogue == "residual"
-    if args.kernel == "gemv":
-        from pallas_kernels.gemv_triton import GemvConfig
-        from pallas_kernels.gemv_triton import gemv as kernel
-        config = GemvConfig(args.block_n, args.block_k, args.warps)
-    else:
-        from pallas_kernels.decode_gemm_triton import DecodeGemmConfig
-        from pallas_kernels.decode_gemm_triton import decode_gemm as kernel
-        config = DecodeGemmConfig(args.block_n, args.block_k, args.warps, args.stages)
+    from pallas_kernels.gemv_triton import GemvConfig
+    from pallas_kernels.gemv_triton import gemv as kernel
+    config = GemvConfig(args.block_n, args.block_k, args.warps)
 
     def fn(x, w, layer, norm_weight, r):
         return kernel(x, w, layer=layer, norm_weight=norm_weight if args.norm else None, epilogue=args.epilogue,
@@ -121,23 +115,18 @@ def _projection(args):
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kernel", choices=("gemv", "decode_gemm"), help="pallas_kernels/gemv_triton or decode_gemm_triton")
+    p.add_argument("kernel", choices=("gemv",), help="pallas_kernels/gemv_triton")
     p.add_argument("--n", type=int, required=True, help="the weight's rows (outputs)")
     p.add_argument("--k", type=int, required=True, help="the weight's columns (inputs)")
     p.add_argument("--rows", type=int, default=1, help="rows of x")
-    p.add_argument("--block-n", type=int, default=None)
-    p.add_argument("--block-k", type=int, default=None)
-    p.add_argument("--warps", type=int, default=None)
-    p.add_argument("--stages", type=int, default=None, help="decode_gemm's pipeline depth")
+    p.add_argument("--block-n", type=int, default=4)
+    p.add_argument("--block-k", type=int, default=512)
+    p.add_argument("--warps", type=int, default=8)
     p.add_argument("--norm", action="store_true", help="the RMSNorm before the product")
     p.add_argument("--epilogue", choices=("residual", "swiglu"), default=None)
     args = p.parse_args(argv)
-    defaults = {"gemv": (4, 512, 8, 1), "decode_gemm": (32, 128, 4, 4)}[args.kernel]
-    for name, default in zip(("block_n", "block_k", "warps", "stages"), defaults):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
     fn, shapes = _projection(args)
-    facts = [ptx_facts(module, args.warps, args.stages) for module in triton_modules(fn, *shapes)]
+    facts = [ptx_facts(module, args.warps, 1) for module in triton_modules(fn, *shapes)]
     for f in facts:
         print(" ".join(f"{key} {value}" for key, value in f.items()), flush=True)
     return facts

@@ -48,7 +48,6 @@ OVERFLOW_CHUNK = 512  # block-table writes per extra dispatch when a step's buff
 
 _CALL_TAGS = 1 << 30  # a fused call's tag (int32 in the packed input) wraps around
 _CALLS_REMEMBERED = 8  # calls whose rows stay known: more than can be in flight at once
-TRITON_PROJECTION_MAX_ROWS = 64  # with decode_projections "triton": fused buckets up to this many rows use the kernels
 
 
 class PendingStep:
@@ -161,9 +160,7 @@ class ModelRunnerV2(RunnerBase):
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
         projections of fused decode's one-row bucket as the GEMV kernels, one token (the family's
         `gemv_weights`; models/gemv_projections.py); "xla" leaves them to cuBLAS and pads that bucket to
-        fused.ONE_ROW_TOKENS; "triton" runs the projections of fused decode's buckets of up to
-        TRITON_PROJECTION_MAX_ROWS rows as Triton kernels too (tensor cores past one row). Larger buckets
-        keep cuBLAS. One device only."""
+        fused.ONE_ROW_TOKENS. Buckets of more rows keep cuBLAS. One device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -204,10 +201,10 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
-        # Fused decode's buckets of up to this many rows run their projections as Triton kernels.
+        # Fused decode's buckets of up to this many rows (the one-row one or none) run their projections
+        # as the GEMV kernels.
         gemv_ok = tensor_parallel is None and bool(model_state.gemv_weights)
-        kernel_rows = {"gemv": 1, "triton": TRITON_PROJECTION_MAX_ROWS}.get(decode_projections, 0)
-        self.gemv_max_rows = kernel_rows if gemv_ok else 0
+        self.gemv_max_rows = int(decode_projections == "gemv" and gemv_ok)
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}

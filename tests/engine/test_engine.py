@@ -246,21 +246,19 @@ def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
     assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
-def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
+def gemv_projections_against_gemms(monkeypatch, model, rows):
     """Greedy tokens of `model` (bf16, engines of `rows` rows, 3 prompts) with --kernels
-    decode_projections=`value` against cuBLAS's GEMMs (a one-row bucket padded to 8 tokens) -> whether each
+    decode_projections=gemv against cuBLAS's GEMMs (a one-row bucket padded to 8 tokens) -> whether each
     projection of the fused program took the GEMV kernel.
 
-    The one-row bucket's program ("gemv"; buckets of up to TRITON_PROJECTION_MAX_ROWS rows with "triton") must
-    compute its own tokens (no padding) with the family's GEMV weights handed on
-    (CausalLM.gemv_projections); a bucket of more rows keeps the GEMMs (no GEMV weights). Both
-    must give the GEMM path's tokens up to the first
+    The one-row bucket's program must compute its own tokens (no padding) with the family's GEMV
+    weights handed on (CausalLM.gemv_projections); a bucket of more rows keeps the GEMMs (no GEMV
+    weights). Both must give the GEMM path's tokens up to the first
     step whose top two candidates are within a few bf16 steps of each other: the paths round
     differently, such a near-tie may go either way, and the sequences may part there."""
     from mrv2_jax.models import gemv_projections
     from mrv2_jax.models.layer_weight import LayerWeight
     from mrv2_jax.runner import fused
-    from mrv2_jax.runner.v2 import TRITON_PROJECTION_MAX_ROWS
 
     prompts = random_prompts(3, seed=13)
     # Lazy compiles (the CPU's default) on a GPU too: the reference engine's background compiles would
@@ -285,10 +283,9 @@ def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
         return took
 
     monkeypatch.setattr(gemv_projections, "_kernel_takes", spy)
-    llm = make_llm(**config, kernels=f"decode_projections={value}")
+    llm = make_llm(**config, kernels="decode_projections=gemv")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    gemv_rows = 1 if value == "gemv" else TRITON_PROJECTION_MAX_ROWS
-    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, rows <= gemv_rows)}
+    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, rows == 1)}
     compared = 0
     for want, out in zip(reference, got):
         for step, (token, candidates) in enumerate(zip(want.token_ids, want.logprobs)):
@@ -301,23 +298,20 @@ def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
     return kernel_calls
 
 
-@pytest.mark.parametrize("rows,value", [(1, "gemv"), (4, "gemv"), (4, "triton")])
-def test_fused_decode_through_the_gemv_path(monkeypatch, rows, value):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_decode_through_the_gemv_path(monkeypatch, rows):
     """--kernels decode_projections=gemv with the tiny model, whose shapes the GEMV kernel does not
     tile (K = 64): one row computes one token with the GEMV weights handed on and the XLA math; four
-    rows keep the GEMMs, unless "triton" hands them the kernels' weights too (the kernels in the engine
-    is the GPU test below; on a CPU its interpreter takes minutes there, and
-    tests/models/test_gemv_projections.py checks it in the layer)."""
-    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows, value)
-    assert kernel_calls == ([False] * 4 if rows == 1 or value == "triton" else [])
+    rows keep the GEMMs (the kernel in the engine is the GPU test below; on a CPU its interpreter
+    takes minutes there, and tests/models/test_gemv_projections.py checks it in the layer)."""
+    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows)
+    assert kernel_calls == ([False] * 4 if rows == 1 else [])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,value", [(1, "gemv"), (4, "triton")])
-def test_fused_decode_through_the_gemv_kernels(monkeypatch, rows, value):
-    """The same with the demo model, whose projections the kernels tile: all four take one (the GEMV at
-    one row, the tensor-core kernel at four)."""
-    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), rows, value) == [True] * 4
+def test_fused_decode_through_the_gemv_kernels(monkeypatch):
+    """The same with the demo model, whose projections the kernel tiles: all four take it."""
+    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1) == [True] * 4
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():

@@ -155,9 +155,9 @@ def test_a_stack_too_large_for_int32_offsets_is_refused():
 def test_on_the_gpu_at_qwen3_shapes(name, rows):
     k, n, norm, epilogue = QWEN3_06B[name]
     x, w, g, r = make(4, k, n, rows=rows)
-    from mrv2_jax.models.gemv_projections import kernel_config  # the engine's (one-row) config for the projection
+    from mrv2_jax.models.gemv_projections import gemv_config  # the engine's config for the projection
 
-    y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=kernel_config(n, k, 1)), np.float32)
+    y = np.asarray(run(x, w, 3, g, r, norm=norm, epilogue=epilogue, config=gemv_config(n, k)), np.float32)
     ref = np.asarray(gemv_reference(x, w, layer=3, norm_weight=g if norm else None, epilogue=epilogue,
                                     residual=r if epilogue == "residual" else None), np.float32)
     # A few bf16 steps: the kernel scales the sums by the norm where the reference rounds the normed x,
