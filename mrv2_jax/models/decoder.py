@@ -99,10 +99,10 @@ class CausalLM(nnx.Module):
     def __init__(self, spec, dtype, rngs: nnx.Rngs, layer_unroll: int | bool = 1):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
-        # A one-token program (fused decode's one-row bucket) sets this on the module it traces: the
-        # family's `gemv_weights` reach its layer as LayerWeights, for the GEMV kernel
-        # (models/gemv_projections.py).
-        self.gemv_projections = False
+        # A one-token program (fused decode's one-row bucket) sets this on the module it traces to the
+        # GEMV kernel's name ("triton" or "mgpu_pdl"): the family's `gemv_weights` reach its layer as
+        # LayerWeights for that kernel (models/gemv_projections.py). None: plain arrays.
+        self.gemv_projections = None
         # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
         # split over, set when the weights are placed there; None: all layers on every device.
         self.pipeline_mesh = None
@@ -153,7 +153,7 @@ class CausalLM(nnx.Module):
         wrapped = in_place & set(stack) if self.pipeline_mesh is None else set()
 
         def wrap(j):
-            return {k: LayerWeight(stack[k], j) for k in wrapped}
+            return {k: LayerWeight(stack[k], j, self.gemv_projections) for k in wrapped}
 
         if indices is None and not wrapped:
             xs, take = (stack, layer_ids), lambda params: params

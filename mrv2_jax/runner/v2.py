@@ -160,7 +160,9 @@ class ModelRunnerV2(RunnerBase):
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
         projections of fused decode's one-row bucket as the GEMV kernels, one token (the family's
         `gemv_weights`; models/gemv_projections.py); "xla" leaves them to cuBLAS and pads that bucket to
-        fused.ONE_ROW_TOKENS. Buckets of more rows keep cuBLAS. One device only."""
+        fused.ONE_ROW_TOKENS; "gemv_pdl" the same with the Mosaic GPU GEMV that loads its weights while
+        the kernel before it runs (pallas_kernels/gemv_pdl_mgpu.py). Buckets of more rows keep cuBLAS.
+        One device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -201,10 +203,9 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
-        # Fused decode's buckets of up to this many rows (the one-row one or none) run their projections
-        # as the GEMV kernels.
+        # The GEMV kernel of fused decode's one-row bucket's projections (CausalLM.gemv_projections), or None.
         gemv_ok = tensor_parallel is None and bool(model_state.gemv_weights)
-        self.gemv_max_rows = int(decode_projections == "gemv" and gemv_ok)
+        self.gemv_kernel = {"gemv": "triton", "gemv_pdl": "mgpu_pdl"}.get(decode_projections) if gemv_ok else None
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -299,7 +300,7 @@ class ModelRunnerV2(RunnerBase):
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
                                   unroll_layers=self.unrolls_layers(bucket),
-                                  gemv_projections=bucket.num_reqs <= self.gemv_max_rows)
+                                  gemv_projections=self.gemv_kernel if bucket.num_reqs == 1 else None)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec

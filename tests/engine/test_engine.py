@@ -246,10 +246,10 @@ def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
     assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
-def gemv_projections_against_gemms(monkeypatch, model, rows):
+def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
     """Greedy tokens of `model` (bf16, engines of `rows` rows, 3 prompts) with --kernels
-    decode_projections=gemv against cuBLAS's GEMMs (a one-row bucket padded to 8 tokens) -> whether each
-    projection of the fused program took the GEMV kernel.
+    decode_projections=`value` (gemv or gemv_pdl) against cuBLAS's GEMMs (a one-row bucket padded to 8
+    tokens) -> whether each projection of the fused program took the GEMV kernel.
 
     The one-row bucket's program must compute its own tokens (no padding) with the family's GEMV
     weights handed on (CausalLM.gemv_projections); a bucket of more rows keeps the GEMMs (no GEMV
@@ -283,9 +283,10 @@ def gemv_projections_against_gemms(monkeypatch, model, rows):
         return took
 
     monkeypatch.setattr(gemv_projections, "_kernel_takes", spy)
-    llm = make_llm(**config, kernels="decode_projections=gemv")
+    llm = make_llm(**config, kernels=f"decode_projections={value}")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, rows == 1)}
+    kernel = {"gemv": "triton", "gemv_pdl": "mgpu_pdl"}[value]
+    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, kernel if rows == 1 else None)}
     compared = 0
     for want, out in zip(reference, got):
         for step, (token, candidates) in enumerate(zip(want.token_ids, want.logprobs)):
@@ -298,20 +299,21 @@ def gemv_projections_against_gemms(monkeypatch, model, rows):
     return kernel_calls
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_fused_decode_through_the_gemv_path(monkeypatch, rows):
+@pytest.mark.parametrize("rows,value", [(1, "gemv"), (4, "gemv"), (1, "gemv_pdl")])
+def test_fused_decode_through_the_gemv_path(monkeypatch, rows, value):
     """--kernels decode_projections=gemv with the tiny model, whose shapes the GEMV kernel does not
     tile (K = 64): one row computes one token with the GEMV weights handed on and the XLA math; four
     rows keep the GEMMs (the kernel in the engine is the GPU test below; on a CPU its interpreter
     takes minutes there, and tests/models/test_gemv_projections.py checks it in the layer)."""
-    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows)
+    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows, value)
     assert kernel_calls == ([False] * 4 if rows == 1 else [])
 
 
 @pytest.mark.gpu
-def test_fused_decode_through_the_gemv_kernels(monkeypatch):
-    """The same with the demo model, whose projections the kernel tiles: all four take it."""
-    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1) == [True] * 4
+@pytest.mark.parametrize("value", ["gemv", "gemv_pdl"])
+def test_fused_decode_through_the_gemv_kernels(monkeypatch, value):
+    """The same with the demo model, whose projections the kernels tile: all four take one."""
+    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1, value) == [True] * 4
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
