@@ -1,6 +1,8 @@
 """`mrv2-jax` command line: generate, serve, convert, bench."""
 
 import argparse
+import atexit
+import os
 import sys
 
 from mrv2_jax import envs
@@ -346,10 +348,21 @@ def main(argv=None) -> int:
 
 def run_as_program() -> int:
     """`mrv2-jax ...` run as a command: a `serve` process never uses torch, so transformers is kept
-    from importing it (mrv2_jax/without_torch.py); `main` itself leaves the caller's process as is."""
+    from importing it (mrv2_jax/without_torch.py); `main` itself leaves the caller's process as is.
+
+    `generate` runs its exit handlers (background compiles stopped and waited for) and then leaves
+    without the interpreter's teardown: rarely, a C++ runtime thread still joinable while static
+    destructors run aborts the process after the command has finished ("terminate called without an
+    active exception"), which would turn its exit status 0 into a crash. It starts no other process."""
     if sys.argv[1:2] == ["serve"]:
         keep_torch_out()
-    return main()
+    code = main()
+    if sys.argv[1:2] == ["generate"]:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
