@@ -11,7 +11,10 @@
   row the same with each layer a Python int compiled into its kernel (no index load first).
 `--forms` keeps the forms whose names contain one of its words.
 Each runs once per layer of a 28-layer `[L, N, K]` stack (larger than L2, so the weight comes from
-HBM), 28 chained calls in one jitted program timed back to back, and is checked against numpy first.
+HBM), 28 calls in one jitted program timed back to back, and is checked against numpy first. The calls
+share x and depend on nothing but their layer, unlike the engine's chain of projections: past one row
+the figures did not carry over to the engine (docs/benchmarks.md, session 52), where
+benchmarks.decode_layer_gemv (a dependent chain) and the engine's own benchmarks decide.
 
     python -m benchmarks.projection_forms --output-json projection_forms.json
 """
