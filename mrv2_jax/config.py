@@ -185,7 +185,8 @@ class KernelConfig:
     families with ``gemv_weights``, one device), or cuBLAS's GEMMs with the one-row bucket padded to 8
     tokens ("xla"); "gemv_pdl": the one-row bucket on a Mosaic GPU GEMV of the same contract that copies
     its weights into shared memory while the kernel before it still runs (programmatic dependent
-    launch; pallas_kernels/gemv_pdl_mgpu.py; not yet measured in the engine). "auto": "gemv" on
+    launch; pallas_kernels/gemv_pdl_mgpu.py; needs that bucket's layers unrolled; not yet measured in
+    the engine). "auto": "gemv" on
     Hopper-class GPUs, "xla" elsewhere.
     """
 

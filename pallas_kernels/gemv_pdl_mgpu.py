@@ -5,6 +5,9 @@ SwiGLU after it.
 Contract: ``gemv_triton.gemv``'s for one row of x (``x [1, K]``, a weight ``[N, K]`` or a stack read in
 place at ``layer=``, ``norm_weight``, ``epilogue`` ``None`` / ``"residual"`` / ``"swiglu"``;
 ``gemv_triton.gemv_reference`` is the reference), with K a multiple of 256 and ``block_n`` outputs a CTA.
+With PDL the kernel reads ``layer`` before it waits, so the index must not be written by another kernel
+of the program: a literal (an unrolled scan over numpy indices folds to one) or a parameter, not a
+loop's counter.
 
 Why. At batch 1 a projection streams its weight once: 4-12 MB for Qwen3-0.6B, a few microseconds at
 HBM speed, so the time a kernel takes to start and to reach full bandwidth is a large part of it, and

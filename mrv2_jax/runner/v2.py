@@ -169,6 +169,11 @@ class ModelRunnerV2(RunnerBase):
             raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
         if stream_in_call and tensor_parallel is not None:
             raise ValueError("stream_in_call cannot run with tensor parallelism yet")
+        if decode_projections == "gemv_pdl" and (unrolled_layers_max_tokens < 1 or unrolled_layers_max_rows == 0):
+            # Its kernel reads the layer index before waiting for the kernel before it: only a literal
+            # index (an unrolled layer) is safe there, never one a loop's kernels compute.
+            raise ValueError("decode_projections=gemv_pdl needs fused decode's one-row bucket to unroll its layers "
+                             "(unrolled_layers_max_tokens >= 1, unrolled_layers_max_rows None or >= 1)")
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
         few_rows = () if not tokens or max_rows is None else few_row_buckets(

@@ -264,8 +264,9 @@ def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
     # Lazy compiles (the CPU's default) on a GPU too: the reference engine's background compiles would
     # trace its programs after the spy below is in place. No program store (a GPU's default): a program
     # loaded from it is not traced, and the spy would see nothing.
+    # Unrolled layers (a GPU's default; on a CPU not): the PDL kernel takes only literal layer indices.
     config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=4, compile_mode="lazy",
-                  program_store=False)
+                  program_store=False, unrolled_layers_max_tokens=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
     # The reference names cuBLAS's GEMMs: "auto" is the GEMV path itself on Hopper-class GPUs.
     reference = [o.outputs[0] for o in make_llm(**config, kernels="decode_projections=xla")
@@ -307,6 +308,14 @@ def test_fused_decode_through_the_gemv_path(monkeypatch, rows, value):
     takes minutes there, and tests/models/test_gemv_projections.py checks it in the layer)."""
     kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows, value)
     assert kernel_calls == ([False] * 4 if rows == 1 else [])
+
+
+def test_the_pdl_gemv_without_unrolled_layers_is_refused():
+    """decode_projections=gemv_pdl reads each layer's index before waiting for the kernel before it: with
+    the one-row bucket's layers in a loop (a computed index) the engine refuses to start, naming why."""
+    with pytest.raises(ValueError, match="gemv_pdl needs fused decode's one-row bucket to unroll its layers"):
+        make_llm(model=str(MODEL), runner="v2", max_num_seqs=1, max_fused_steps=4, compile_mode="lazy",
+                 unrolled_layers_max_tokens=0, kernels="decode_projections=gemv_pdl")
 
 
 @pytest.mark.gpu
