@@ -149,11 +149,11 @@ class CausalLM(nnx.Module):
         # Weights handed on with their stack and layer (LayerWeight); the others sliced per layer,
         # by the scan itself where it walks the whole stack (the weights' GEMMs read those slices in
         # place through XLA's dynamic-slice fusion).
-        in_place = set(self.spec.in_place_weights) | (set(self.spec.gemv_weights) if self.gemv_projections else set())
-        wrapped = in_place & set(stack) if self.pipeline_mesh is None else set()
+        gemv = set(self.spec.gemv_weights) if self.gemv_projections else set()
+        wrapped = (set(self.spec.in_place_weights) | gemv) & set(stack) if self.pipeline_mesh is None else set()
 
-        def wrap(j):
-            return {k: LayerWeight(stack[k], j, self.gemv_projections) for k in wrapped}
+        def wrap(j):  # the GEMV kernel named on its weights only (the q/k norms' reader is the attention)
+            return {k: LayerWeight(stack[k], j, self.gemv_projections if k in gemv else None) for k in wrapped}
 
         if indices is None and not wrapped:
             xs, take = (stack, layer_ids), lambda params: params
