@@ -16,9 +16,6 @@ Ways:
   gemv       the engine's GEMV path (mrv2_jax/models/gemv_projections.py: pallas_kernels/gemv_triton over
              [N, K] weights), four kernels a layer: norm + qkv, o + residual, norm + gate/up + SwiGLU,
              down + residual; the `a` slice is the only other op
-  mgpu_pdl   the same four kernels as pallas_kernels/gemv_pdl_mgpu (Mosaic GPU): each copies its weights
-             into shared memory before waiting for the kernel before it (programmatic dependent launch)
-  mgpu       that kernel launched the usual way (GemvPdlConfig.pdl=False): what PDL itself gives
 `--ways` keeps some of them.
 
 Reported per way: the kernels' device time per layer (profiler), their launches per layer, the wall
@@ -113,28 +110,10 @@ def gemv_layers(h, nk):
     attn = nk["o"].shape[2]
     for layer in range(nk["qkv"].shape[0]):
         # A numpy index, as the engine's unrolled layers have: an operand of the kernel, not compiled in.
-        w = {name: LayerWeight(stack, np.int32(layer), "triton") for name, stack in nk.items()}
+        w = {name: LayerWeight(stack, np.int32(layer)) for name, stack in nk.items()}
         qkv = gp.norm_linear(h, w["g1"], w["qkv"], EPS)
         h = gp.linear_add(qkv[:, :attn], w["o"], h)
         h = gp.linear_add(gp.norm_swiglu(h, w["g2"], w["gate_up"], EPS), w["down"], h)
-    return h
-
-
-def pdl_layers(h, nk, *, pdl: bool):
-    """The same four fused projections a layer as pallas_kernels/gemv_pdl_mgpu kernels, with or without
-    programmatic dependent launch."""
-    import jax
-    import numpy as np
-
-    from pallas_kernels.gemv_pdl_mgpu import GemvPdlConfig, gemv
-
-    project = functools.partial(gemv, eps=EPS, config=GemvPdlConfig(pdl=pdl), interpret=jax.default_backend() != "gpu")
-    attn = nk["o"].shape[2]
-    for layer in map(np.int32, range(nk["qkv"].shape[0])):
-        qkv = project(h, nk["qkv"], layer=layer, norm_weight=nk["g1"])
-        h = project(qkv[:, :attn], nk["o"], layer=layer, epilogue="residual", residual=h)
-        m = project(h, nk["gate_up"], layer=layer, norm_weight=nk["g2"], epilogue="swiglu")
-        h = project(m, nk["down"], layer=layer, epilogue="residual", residual=h)
     return h
 
 
@@ -174,8 +153,7 @@ def main(argv=None) -> list[dict]:
             "xla_8row": (functools.partial(xla_layers, rows=8), kn),
             "nk_1row": (functools.partial(nk_layers, rows=1), kn_t),
             "nk_8row": (functools.partial(nk_layers, rows=8), kn_t),
-            "gemv": (gemv_layers, nk), "mgpu_pdl": (functools.partial(pdl_layers, pdl=True), nk),
-            "mgpu": (functools.partial(pdl_layers, pdl=False), nk)}
+            "gemv": (gemv_layers, nk)}
     ways = {way: ways[way] for way in args.ways or ways}
     layers = dims["layers"]
     reference, results = None, []

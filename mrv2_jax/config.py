@@ -183,11 +183,7 @@ class KernelConfig:
     norms, residual adds and SwiGLU fused in, the bucket as one token ("gemv":
     models/gemv_projections.py, pallas_kernels/gemv_triton.py; Triton, or its interpreter elsewhere;
     families with ``gemv_weights``, one device), or cuBLAS's GEMMs with the one-row bucket padded to 8
-    tokens ("xla"); "gemv_pdl": the one-row bucket on a Mosaic GPU GEMV of the same contract that copies
-    its weights into shared memory while the kernel before it still runs (programmatic dependent
-    launch; pallas_kernels/gemv_pdl_mgpu.py; needs that bucket's layers unrolled; not yet measured in
-    the engine). "auto": "gemv" on
-    Hopper-class GPUs, "xla" elsewhere.
+    tokens ("xla"). "auto": "gemv" on Hopper-class GPUs, "xla" elsewhere.
     """
 
     attention: str = "auto"
@@ -210,7 +206,7 @@ class KernelConfig:
         "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
         "sampler_truncation": (None, ("auto", "threshold", "sort")),
-        "decode_projections": (None, ("auto", "xla", "gemv", "gemv_pdl")),
+        "decode_projections": (None, ("auto", "xla", "gemv")),
     }
 
     def __post_init__(self) -> None:

@@ -14,9 +14,6 @@ their kernels take arrays and return arrays; mrv2_jax adapts its own types to th
   ``[N, K]`` weight with the RMSNorm before it and a residual add or SwiGLU after it in the same kernel,
   no split of K; Triton, issue 26; fused decode's one-row bucket with ``--kernels
   decode_projections=gemv``, through mrv2_jax/models/gemv_projections.py).
-- ``gemv_pdl_mgpu``: ``gemv``, the same contract for one row on Mosaic GPU, its weights copied into
-  shared memory before it waits for the kernel before it (programmatic dependent launch; issue 26;
-  ``--kernels decode_projections=gemv_pdl``, not yet measured in the engine).
 - ``ragged_paged_attention``: ``ragged_paged_attention`` / ``ragged_paged_attention_reference``
   (mixed prefill/decode attention over the paged cache).
 - ``ragged_paged_attention_mgpu``: ``ragged_paged_attention_mgpu``, the same attention on Mosaic GPU

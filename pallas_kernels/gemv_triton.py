@@ -80,8 +80,7 @@ def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epi
 
 def check_projection(x, w, layer, norm_weight, epilogue, residual, *, block_n: int, block_k: int) -> None:
     """ValueError naming what of the projection contract (module docstring) the arguments break, all but
-    the row count of x, which each kernel bounds itself (gemv_triton's and gemv_pdl_mgpu's). Tiles: powers
-    of two."""
+    the row count of x, which the kernel bounds itself. Tiles: powers of two."""
     if (w.ndim == 3) != (layer is not None):
         raise ValueError(f"a stacked w [L, N, K] needs layer= and a w [N, K] takes none; got w{tuple(w.shape)} "
                          f"and layer={layer!r}")

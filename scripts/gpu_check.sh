@@ -28,9 +28,7 @@
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
 # one-row bucket and in an 8-row one (fused-one-row), and a layer's four projections at batch 1 as
 # fused GEMV kernels against XLA (decode-layer-gemv), a projection by form and the GEMV kernel by tile config
-# (projection-forms), the Mosaic GPU GEMV with programmatic dependent launch in a chain and in the engine
-# (gemv-pdl),
-# the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
+# (projection-forms), the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), and fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
@@ -466,21 +464,6 @@ for s in $sections; do case $s in
     run_section gemv-tests timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gemv_triton.py
     run_section decode-layer-gemv timeout 300 python3 -m benchmarks.decode_layer_gemv \
         --output-json "$OUT/decode_layer_gemv.json" ;;
-  # Issue 26: the one-row GEMV on Mosaic GPU with programmatic dependent launch (gemv_pdl_mgpu): its GPU
-  # tests and the engine's with it, the 28-layer projection chain with it, without PDL, on the Triton GEMV
-  # and on XLA, then batch 1 in fused decode's one-row bucket with decode_projections gemv vs gemv_pdl,
-  # ROUNDS rounds alternated.
-  gemv-pdl)
-    run_section gemv-pdl-tests timeout 300 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" \
-        tests/kernels/test_gemv_pdl_mgpu.py tests/models/test_gemv_projections.py tests/engine/test_engine.py \
-        -k "pdl or gemv_kernels or gemv_projections"
-    run_section gemv-pdl-chain timeout 240 python3 -m benchmarks.decode_layer_gemv --ways nk_1row gemv mgpu_pdl mgpu \
-        --output-json "$OUT/decode_layer_gemv_pdl.json"
-    for r in $(seq ${ROUNDS:-2}); do for p in gemv gemv_pdl; do
-      run_section gemv-pdl-$p-r$r timeout 100 python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
-          --batches 1 --max-num-seqs 1 --fused-steps 16 --compile-mode lazy --kernels decode_projections=$p \
-          --output-json "$OUT/fused_decode_${p}_one_row_r$r.json"
-    done; done ;;
   # Issue 26: small one-block XLA kernels in the one-row fused program (loop_slice_fusion and
   # loop_broadcast_fusion; two a layer until the layer indices became constants): its optimized HLO
   # dumped, those fusions' instructions, bodies and readers printed, then every computation's launching

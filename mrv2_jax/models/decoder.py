@@ -99,10 +99,10 @@ class CausalLM(nnx.Module):
     def __init__(self, spec, dtype, rngs: nnx.Rngs, layer_unroll: int | bool = 1):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
-        # A one-token program (fused decode's one-row bucket) sets this on the module it traces to the
-        # GEMV kernel's name ("triton" or "mgpu_pdl"): the family's `gemv_weights` reach its layer as
-        # LayerWeights for that kernel (models/gemv_projections.py). None: plain arrays.
-        self.gemv_projections = None
+        # A one-token program (fused decode's one-row bucket) sets this on the module it traces: the
+        # family's `gemv_weights` reach its layer as LayerWeights, for the GEMV kernel
+        # (models/gemv_projections.py).
+        self.gemv_projections = False
         # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
         # split over, set when the weights are placed there; None: all layers on every device.
         self.pipeline_mesh = None
@@ -149,11 +149,11 @@ class CausalLM(nnx.Module):
         # Weights handed on with their stack and layer (LayerWeight); the others sliced per layer,
         # by the scan itself where it walks the whole stack (the weights' GEMMs read those slices in
         # place through XLA's dynamic-slice fusion).
-        gemv = set(self.spec.gemv_weights) if self.gemv_projections else set()
-        wrapped = (set(self.spec.in_place_weights) | gemv) & set(stack) if self.pipeline_mesh is None else set()
+        in_place = set(self.spec.in_place_weights) | (set(self.spec.gemv_weights) if self.gemv_projections else set())
+        wrapped = in_place & set(stack) if self.pipeline_mesh is None else set()
 
-        def wrap(j):  # the GEMV kernel named on its weights only (the q/k norms' reader is the attention)
-            return {k: LayerWeight(stack[k], j, self.gemv_projections if k in gemv else None) for k in wrapped}
+        def wrap(j):
+            return {k: LayerWeight(stack[k], j) for k in wrapped}
 
         if indices is None and not wrapped:
             xs, take = (stack, layer_ids), lambda params: params

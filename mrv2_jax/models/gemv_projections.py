@@ -3,8 +3,7 @@
 At batch 1 a projection streams its weight once for one row of x: bound by HBM, and by the small
 kernels around it (the RMSNorm before, the residual add or SwiGLU after).
 `pallas_kernels/gemv_triton.py` does the norm, the product and the add or SwiGLU in one kernel from the
-`[out, in]` weight; `pallas_kernels/gemv_pdl_mgpu.py` (one row, Mosaic GPU) does the same and loads its
-weights while the kernel before it still runs. A LayerWeight names the kernel that is to read it.
+`[out, in]` weight.
 
 A program that wants it (fused decode's one-row bucket: `CausalLM.gemv_projections`) has the decoder
 hand the family's `ModelState.gemv_weights` (its projections and the norms before them) to the layer
@@ -24,22 +23,16 @@ from mrv2_jax.models.layers import linear, rms_norm
 
 
 def _kernel_takes(x, w) -> bool:
-    """Whether a GEMV kernel runs this product: the weight a LayerWeight for one (`w.kernel`), x of the rows
-    it takes, the shapes and dtypes it tiles."""
-    from pallas_kernels import gemv_triton  # the kernels' modules only where asked
+    """Whether the GEMV kernel runs this product: x of a few rows, the weight a LayerWeight whose shapes and
+    dtypes the kernel tiles."""
+    from pallas_kernels.gemv_triton import MAX_ELEMENTS, MAX_ROWS  # the kernels' module only where asked
 
-    if not isinstance(w, LayerWeight) or w.kernel is None or x.dtype != w.stack.dtype or x.dtype != jnp.bfloat16:
+    if not isinstance(w, LayerWeight) or x.shape[0] > MAX_ROWS:
         return False
     n, k = w.stack.shape[-2:]
-    if w.kernel == "mgpu_pdl":
-        from pallas_kernels import gemv_pdl_mgpu
-
-        block_n = gemv_pdl_mgpu.GemvPdlConfig().block_n
-        return (x.shape[0] == 1 and k % gemv_pdl_mgpu.CHUNK == 0 and n % (2 * block_n) == 0
-                and 2 * block_n * k * 2 <= gemv_pdl_mgpu.SMEM_BYTES and w.stack.size < gemv_triton.MAX_ELEMENTS)
     config = gemv_config(n, k)
-    return (x.shape[0] <= gemv_triton.MAX_ROWS and k % config.block_k == 0 and n % (2 * config.block_n) == 0
-            and w.stack.size < gemv_triton.MAX_ELEMENTS)
+    return (x.dtype == w.stack.dtype == jnp.bfloat16 and k % config.block_k == 0 and n % (2 * config.block_n) == 0
+            and w.stack.size < MAX_ELEMENTS)
 
 
 def gemv_config(n: int, k: int):
@@ -54,16 +47,12 @@ def gemv_config(n: int, k: int):
 
 
 def layer_gemv(x, w: LayerWeight, **kwargs):
-    """`w.kernel`'s GEMV of `x` by `w`'s layer of its stack: gemv_triton.gemv with the config for the shape,
-    or gemv_pdl_mgpu.gemv; `kwargs`: the kernels' norm_weight, eps, epilogue and residual."""
-    interpret = jax.default_backend() != "gpu"
-    if w.kernel == "mgpu_pdl":
-        from pallas_kernels.gemv_pdl_mgpu import gemv as gemv_pdl
-
-        return gemv_pdl(x, w.stack, layer=w.layer, interpret=interpret, **kwargs)
+    """gemv_triton.gemv of `x` by `w`'s layer of its stack with the kernel config for the shape; `kwargs`:
+    the kernel's norm_weight, eps, epilogue and residual."""
     from pallas_kernels.gemv_triton import gemv
 
-    return gemv(x, w.stack, layer=w.layer, config=gemv_config(*w.stack.shape[-2:]), interpret=interpret, **kwargs)
+    config = gemv_config(*w.stack.shape[-2:])
+    return gemv(x, w.stack, layer=w.layer, config=config, interpret=jax.default_backend() != "gpu", **kwargs)
 
 
 def project(x, w):

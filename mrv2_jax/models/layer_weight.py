@@ -15,12 +15,10 @@ import jax
 
 @dataclass(frozen=True)
 class LayerWeight:
-    """Layer `layer` of the stacked weight `stack`; `kernel`: the projection kernel that is to read it
-    (models/gemv_projections.py), None where another reader takes it."""
+    """Layer `layer` of the stacked weight `stack`."""
 
     stack: jax.Array
     layer: jax.Array
-    kernel: str | None = None
 
     @property
     def array(self) -> jax.Array:

@@ -95,7 +95,7 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
 def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params: FlatParams,
                       block_size: int, use_kernels: bool, max_steps: int, unroll: int = 1, eos_for_masks: int = 0,
                       mesh=None, on_step=None, decode_kernel: str = "pallas", ragged_kernel: str = "pallas",
-                      unroll_layers: bool = False, gemv_projections: str | None = None):
+                      unroll_layers: bool = False, gemv_projections: bool = False):
     """-> fused(param_leaves, kv_cache, state, sampler_state, packed)
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields).
     `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None.
@@ -103,9 +103,9 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
     `decode_kernel`: the attention kernel of its steps, "pallas" or "mgpu" (models/attention.py);
     `ragged_kernel`: the one used where `decode_kernel` is "pallas".
     `unroll_layers`: every decoder layer unrolled in the step's body (else the model's `layer_unroll`).
-    `gemv_projections` (the one-row bucket): the GEMV kernel ("triton" or "mgpu_pdl") the family's layer
-    runs its projections through (CausalLM.gemv_projections), and the bucket computes its one token
-    instead of padding to ONE_ROW_TOKENS; None: cuBLAS."""
+    `gemv_projections` (the one-row bucket): the family's layer runs its projections through the GEMV
+    kernel (CausalLM.gemv_projections), and the bucket computes its one token instead of padding to
+    ONE_ROW_TOKENS."""
 
     def fused(param_leaves, kv_cache, state, sampler_state, packed):
         x = layout.unpack(packed)

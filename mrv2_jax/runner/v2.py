@@ -160,20 +160,13 @@ class ModelRunnerV2(RunnerBase):
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
         projections of fused decode's one-row bucket as the GEMV kernels, one token (the family's
         `gemv_weights`; models/gemv_projections.py); "xla" leaves them to cuBLAS and pads that bucket to
-        fused.ONE_ROW_TOKENS; "gemv_pdl" the same with the Mosaic GPU GEMV that loads its weights while
-        the kernel before it runs (pallas_kernels/gemv_pdl_mgpu.py). Buckets of more rows keep cuBLAS.
-        One device only."""
+        fused.ONE_ROW_TOKENS. Buckets of more rows keep cuBLAS. One device only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
         if stream_in_call and tensor_parallel is not None:
             raise ValueError("stream_in_call cannot run with tensor parallelism yet")
-        if decode_projections == "gemv_pdl" and (unrolled_layers_max_tokens < 1 or unrolled_layers_max_rows == 0):
-            # Its kernel reads the layer index before waiting for the kernel before it: only a literal
-            # index (an unrolled layer) is safe there, never one a loop's kernels compute.
-            raise ValueError("decode_projections=gemv_pdl needs fused decode's one-row bucket to unroll its layers "
-                             "(unrolled_layers_max_tokens >= 1, unrolled_layers_max_rows None or >= 1)")
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
         few_rows = () if not tokens or max_rows is None else few_row_buckets(
@@ -208,9 +201,9 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
-        # The GEMV kernel of fused decode's one-row bucket's projections (CausalLM.gemv_projections), or None.
-        gemv_ok = tensor_parallel is None and bool(model_state.gemv_weights)
-        self.gemv_kernel = {"gemv": "triton", "gemv_pdl": "mgpu_pdl"}.get(decode_projections) if gemv_ok else None
+        # Whether fused decode's one-row bucket runs its projections as the GEMV kernel (CausalLM.gemv_projections).
+        self.gemv_one_row = (decode_projections == "gemv" and tensor_parallel is None
+                             and bool(model_state.gemv_weights))
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -305,7 +298,7 @@ class ModelRunnerV2(RunnerBase):
                                   on_step=self._on_fused_step if self.stream_in_call else None,
                                   decode_kernel=self.decode_attention, ragged_kernel=self.ragged_attention,
                                   unroll_layers=self.unrolls_layers(bucket),
-                                  gemv_projections=self.gemv_kernel if bucket.num_reqs == 1 else None)
+                                  gemv_projections=self.gemv_one_row and bucket.num_reqs == 1)
 
         # The step's calling convention (spec params and state in, spec state out), so that
         # one dispatch serves both; fused decode never runs with a spec decoder, so the spec

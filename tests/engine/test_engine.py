@@ -246,10 +246,10 @@ def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
     assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
-def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
+def gemv_projections_against_gemms(monkeypatch, model, rows):
     """Greedy tokens of `model` (bf16, engines of `rows` rows, 3 prompts) with --kernels
-    decode_projections=`value` (gemv or gemv_pdl) against cuBLAS's GEMMs (a one-row bucket padded to 8
-    tokens) -> whether each projection of the fused program took the GEMV kernel.
+    decode_projections=gemv against cuBLAS's GEMMs (a one-row bucket padded to 8 tokens) -> whether each
+    projection of the fused program took the GEMV kernel.
 
     The one-row bucket's program must compute its own tokens (no padding) with the family's GEMV
     weights handed on (CausalLM.gemv_projections); a bucket of more rows keeps the GEMMs (no GEMV
@@ -264,9 +264,8 @@ def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
     # Lazy compiles (the CPU's default) on a GPU too: the reference engine's background compiles would
     # trace its programs after the spy below is in place. No program store (a GPU's default): a program
     # loaded from it is not traced, and the spy would see nothing.
-    # Unrolled layers (a GPU's default; on a CPU not): the PDL kernel takes only literal layer indices.
     config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=4, compile_mode="lazy",
-                  program_store=False, unrolled_layers_max_tokens=8)
+                  program_store=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
     # The reference names cuBLAS's GEMMs: "auto" is the GEMV path itself on Hopper-class GPUs.
     reference = [o.outputs[0] for o in make_llm(**config, kernels="decode_projections=xla")
@@ -284,10 +283,9 @@ def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
         return took
 
     monkeypatch.setattr(gemv_projections, "_kernel_takes", spy)
-    llm = make_llm(**config, kernels=f"decode_projections={value}")
+    llm = make_llm(**config, kernels="decode_projections=gemv")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    kernel = {"gemv": "triton", "gemv_pdl": "mgpu_pdl"}[value]
-    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, kernel if rows == 1 else None)}
+    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, rows == 1)}
     compared = 0
     for want, out in zip(reference, got):
         for step, (token, candidates) in enumerate(zip(want.token_ids, want.logprobs)):
@@ -300,29 +298,20 @@ def gemv_projections_against_gemms(monkeypatch, model, rows, value="gemv"):
     return kernel_calls
 
 
-@pytest.mark.parametrize("rows,value", [(1, "gemv"), (4, "gemv"), (1, "gemv_pdl")])
-def test_fused_decode_through_the_gemv_path(monkeypatch, rows, value):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fused_decode_through_the_gemv_path(monkeypatch, rows):
     """--kernels decode_projections=gemv with the tiny model, whose shapes the GEMV kernel does not
     tile (K = 64): one row computes one token with the GEMV weights handed on and the XLA math; four
     rows keep the GEMMs (the kernel in the engine is the GPU test below; on a CPU its interpreter
     takes minutes there, and tests/models/test_gemv_projections.py checks it in the layer)."""
-    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows, value)
+    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows)
     assert kernel_calls == ([False] * 4 if rows == 1 else [])
 
 
-def test_the_pdl_gemv_without_unrolled_layers_is_refused():
-    """decode_projections=gemv_pdl reads each layer's index before waiting for the kernel before it: with
-    the one-row bucket's layers in a loop (a computed index) the engine refuses to start, naming why."""
-    with pytest.raises(ValueError, match="gemv_pdl needs fused decode's one-row bucket to unroll its layers"):
-        make_llm(model=str(MODEL), runner="v2", max_num_seqs=1, max_fused_steps=4, compile_mode="lazy",
-                 unrolled_layers_max_tokens=0, kernels="decode_projections=gemv_pdl")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("value", ["gemv", "gemv_pdl"])
-def test_fused_decode_through_the_gemv_kernels(monkeypatch, value):
-    """The same with the demo model, whose projections the kernels tile: all four take one."""
-    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1, value) == [True] * 4
+def test_fused_decode_through_the_gemv_kernels(monkeypatch):
+    """The same with the demo model, whose projections the kernel tiles: all four take it."""
+    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1) == [True] * 4
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():

@@ -44,20 +44,16 @@ def logits_and_jaxpr(lm, ids, gemv_projections, unroll):
     return np.asarray(jax.jit(forward)(ids)), str(jax.make_jaxpr(forward)(ids))
 
 
-@pytest.mark.parametrize("family,unroll,tokens,kernel", [
-    ("qwen3", True, 1, "triton"), ("glm4", 1, 1, "triton"), ("qwen3", True, 3, "triton"),
-    ("qwen3", True, 1, "mgpu_pdl")])
-def test_a_few_tokens_through_the_gemv_kernels_give_the_xla_logits(family, unroll, tokens, kernel):
+@pytest.mark.parametrize("family,unroll,tokens", [("qwen3", True, 1), ("glm4", 1, 1), ("qwen3", True, 3)])
+def test_a_few_tokens_through_the_gemv_kernels_give_the_xla_logits(family, unroll, tokens):
     _, lm = model(family)
     ids = jnp.asarray([17, 4, 9][:tokens], jnp.int32)
-    expected, _ = logits_and_jaxpr(lm, ids, None, unroll)
-    got, jaxpr = logits_and_jaxpr(lm, ids, kernel, unroll)
-    # Each kernel call is a pallas_call named for its kernel: every projection of the layer
+    expected, _ = logits_and_jaxpr(lm, ids, False, unroll)
+    got, jaxpr = logits_and_jaxpr(lm, ids, True, unroll)
+    # Each kernel call is a pallas_call named gemv_triton: every projection of the layer
     # (Qwen3: norm + qkv, o + residual, norm + gate/up + SwiGLU, down + residual; GLM-4 the same with
     # its o and down plain), in the layer scan's one body (XLA unrolls it later).
-    names = {"triton": "gemv_triton", "mgpu_pdl": "gemv_pdl_mgpu"}
-    assert jaxpr.count(f"name={names[kernel]}") == 4
-    assert all(f"name={name}" not in jaxpr for other, name in names.items() if other != kernel)
+    assert jaxpr.count("name=gemv_triton") == 4
     # The SwiGLU is the kernel's (exp-based), not XLA's (jax.nn.silu: a `logistic`).
     assert "logistic" not in jaxpr
     # The kernel rounds once where XLA rounds the norm's output and each product: a few bf16 steps.
@@ -74,8 +70,8 @@ def test_more_tokens_or_untileable_shapes_take_the_xla_math_unchanged():
     for ids, overrides in ((jnp.arange(33, dtype=jnp.int32) * 7 % 512, {}),
                            (jnp.asarray([17], jnp.int32), dict(hidden_size=64, head_dim=16, intermediate_size=96))):
         _, lm = model("qwen3", **overrides)
-        expected, _ = logits_and_jaxpr(lm, ids, None, True)
-        got, jaxpr = logits_and_jaxpr(lm, ids, "triton", True)
+        expected, _ = logits_and_jaxpr(lm, ids, False, True)
+        got, jaxpr = logits_and_jaxpr(lm, ids, True, True)
         assert "name=gemv_triton" not in jaxpr
         np.testing.assert_array_equal(got, expected)
 
@@ -86,7 +82,5 @@ def test_a_stack_past_int32_offsets_takes_the_xla_math():
     from mrv2_jax.models.layer_weight import LayerWeight
 
     S, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-    for kernel in ("triton", "mgpu_pdl"):
-        assert _kernel_takes(S((1, 1024), bf16), LayerWeight(S((28, 6144, 1024), bf16), 0, kernel))
-        assert not _kernel_takes(S((1, 4096), bf16), LayerWeight(S((36, 24576, 4096), bf16), 0, kernel))
-    assert not _kernel_takes(S((1, 1024), bf16), LayerWeight(S((28, 6144, 1024), bf16), 0))  # for no kernel
+    assert _kernel_takes(S((1, 1024), bf16), LayerWeight(S((28, 6144, 1024), bf16), 0))
+    assert not _kernel_takes(S((1, 4096), bf16), LayerWeight(S((36, 24576, 4096), bf16), 0))
