@@ -1,7 +1,10 @@
 """The sampler's whole-row noise pass as a Pallas kernel (Triton backend) whose rows can be
 skipped one by one, next to its pure-jnp reference; mrv2_jax/sample/noise_pass.py says why.
 
-Why the Triton backend: not ported to Mosaic GPU yet (issue 27).
+Why the Triton backend: a streaming pass over each row with no matrix product, whose speed is the
+rate of its loads. Mosaic GPU reaches global memory through TMA copies into shared memory, which
+streamed one-row weights at 0.8-1.6 TB/s where plain wide loads into registers did better
+(docs/benchmarks.md, sessions 50 and 51); a Mosaic GPU port of this pass is not measured.
 
 The pass: argmax over each row of (processed / divisor, cut below keep_from, plus the row's
 Gumbel noise); greedy rows take the argmax of the processed logits.
