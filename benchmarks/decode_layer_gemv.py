@@ -157,6 +157,9 @@ def main(argv=None) -> list[dict]:
     ways = {way: ways[way] for way in args.ways or ways}
     layers = dims["layers"]
     reference, results = None, []
+    # Each way's row is printed as soon as it is measured, so that a run cut short keeps what it had.
+    print(f"{'way':>14} {'wall us/layer':>14} {'GB/s':>6} {'kernel us/layer':>16} {'launches/layer':>15} "
+          f"{'max err':>8}", flush=True)
     for way, (fn, weights) in ways.items():
         call = jax.jit(fn)
         t0 = time.perf_counter()
@@ -164,6 +167,7 @@ def main(argv=None) -> list[dict]:
             out = np.asarray(call(h, weights), np.float32)
         except Exception as exc:  # noqa: BLE001 - a way the GPU refuses is a result, reported
             results.append({"way": way, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            print(f"{way:>14}  {results[-1]['error']}", flush=True)
             continue
         reference = out if reference is None else reference
         # Without a GPU (the kernels interpreted) one call, its compile included, is figure enough.
@@ -175,16 +179,10 @@ def main(argv=None) -> list[dict]:
                  "launches_per_layer": sum(k["launches_per_step"] for k in kernels) / layers if kernels else None,
                  "kernels": [(k["kernel"], round(k["ms_per_step"] * 1e3 / layers, 2)) for k in kernels[:8]]}
         results.append(entry)
-    print(f"{'way':>14} {'wall us/layer':>14} {'GB/s':>6} {'kernel us/layer':>16} {'launches/layer':>15} "
-          f"{'max err':>8}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['way']:>14}  {r['error']}")
-            continue
-        kernel = "-" if r["kernel_us_per_layer"] is None else f"{r['kernel_us_per_layer']:.1f}"
-        launches = "-" if r["launches_per_layer"] is None else f"{r['launches_per_layer']:.1f}"
-        print(f"{r['way']:>14} {r['wall_us_per_layer']:14.1f} {r['gb_per_s']:6.0f} {kernel:>16} {launches:>15} "
-              f"{r['max_abs_error']:8.3g}")
+        kernel = "-" if entry["kernel_us_per_layer"] is None else f"{entry['kernel_us_per_layer']:.1f}"
+        launches = "-" if entry["launches_per_layer"] is None else f"{entry['launches_per_layer']:.1f}"
+        print(f"{way:>14} {entry['wall_us_per_layer']:14.1f} {entry['gb_per_s']:6.0f} {kernel:>16} {launches:>15} "
+              f"{entry['max_abs_error']:8.3g}", flush=True)
     if args.output_json:
         from mrv2_jax.bench.environment import describe_environment, write_report
 
