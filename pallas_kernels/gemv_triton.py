@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-__all__ = ["MAX_ELEMENTS", "MAX_ROWS", "GemvConfig", "as_stack", "check_projection", "gemv", "gemv_reference"]
+__all__ = ["MAX_ELEMENTS", "MAX_ROWS", "GemvConfig", "gemv", "gemv_reference"]
 
 EPILOGUES = (None, "residual", "swiglu")
 MAX_ELEMENTS = 2**31  # a weight (stack) at least this large: int32 element offsets would overflow
@@ -78,7 +78,7 @@ def gemv_reference(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epi
     return y.astype(jnp.bfloat16)
 
 
-def check_projection(x, w, layer, norm_weight, epilogue, residual, *, block_n: int, block_k: int) -> None:
+def _check_projection(x, w, layer, norm_weight, epilogue, residual, *, block_n: int, block_k: int) -> None:
     """ValueError naming what of the projection contract (module docstring) the arguments break, all but
     the row count of x, which the kernel bounds itself. Tiles: powers of two."""
     if (w.ndim == 3) != (layer is not None):
@@ -112,7 +112,7 @@ def check_projection(x, w, layer, norm_weight, epilogue, residual, *, block_n: i
         raise ValueError(f"residual must be [R, N] = {(x.shape[0], n)}, got {tuple(residual.shape)}")
 
 
-def as_stack(w, norm_weight):
+def _as_stack(w, norm_weight):
     """A weight `[N, K]` (and its norm weight) as a stack of one layer: free reshapes, so that one code
     path serves a weight and a stack of them."""
     if w.ndim == 2:
@@ -169,9 +169,9 @@ def gemv(x, w, *, layer=None, norm_weight=None, eps: float = 1e-6, epilogue=None
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [R, K] with 1 <= R <= {MAX_ROWS} rows, got {tuple(x.shape)}")
     config = config or GemvConfig()
-    check_projection(x, w, layer, norm_weight, epilogue, residual, block_n=config.block_n, block_k=config.block_k)
+    _check_projection(x, w, layer, norm_weight, epilogue, residual, block_n=config.block_n, block_k=config.block_k)
     static_layer = layer if isinstance(layer, int) else None
-    w, norm_weight = as_stack(w, norm_weight)
+    w, norm_weight = _as_stack(w, norm_weight)
     num_layers, n, k = w.shape
     rows = x.shape[0]
     num_out = n // 2 if epilogue == "swiglu" else n
