@@ -179,11 +179,12 @@ class KernelConfig:
     above for the rows they do not settle) or "sort" (one sort of every row). "auto": threshold on GPUs
     and where a sampler piece runs in the Pallas interpreter, sort elsewhere: with every piece in jnp
     the threshold method searches every row anyway and compiles to a larger program.
-    ``decode_projections``: the projections of fused decode's one-row bucket as GEMV kernels with the
-    norms, residual adds and SwiGLU fused in, the bucket as one token ("gemv":
-    models/gemv_projections.py, pallas_kernels/gemv_triton.py; Triton, or its interpreter elsewhere;
-    families with ``gemv_weights``, one device), or cuBLAS's GEMMs with the one-row bucket padded to 8
-    tokens ("xla"). "auto": "gemv" on Hopper-class GPUs, "xla" elsewhere.
+    ``decode_projections``: the projections of one request decoding alone (fused decode's one-row
+    bucket, and the step program of a one-token, one-row bucket the runner adds for it) as GEMV kernels
+    with the norms, residual adds and SwiGLU fused in, one token ("gemv": models/gemv_projections.py,
+    pallas_kernels/gemv_triton.py; Triton, or its interpreter elsewhere; families with
+    ``gemv_weights``, one device, no speculative decoding), or cuBLAS's GEMMs with the one-row bucket
+    padded to 8 tokens ("xla"). "auto": "gemv" on Hopper-class GPUs, "xla" elsewhere.
     """
 
     attention: str = "auto"

@@ -159,8 +159,10 @@ class ModelRunnerV2(RunnerBase):
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
         rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
         projections of fused decode's one-row bucket as the GEMV kernels, one token (the family's
-        `gemv_weights`; models/gemv_projections.py); "xla" leaves them to cuBLAS and pads that bucket to
-        fused.ONE_ROW_TOKENS. Buckets of more rows keep cuBLAS. One device only."""
+        `gemv_weights`; models/gemv_projections.py), and adds a one-token, one-row bucket whose step
+        program runs them too (a lone decode row without fused decode, e.g. one stream); "xla" leaves
+        them to cuBLAS and pads that bucket to fused.ONE_ROW_TOKENS. Buckets of more rows keep cuBLAS.
+        One device, no speculative decoding."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
@@ -171,6 +173,12 @@ class ModelRunnerV2(RunnerBase):
         tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
         few_rows = () if not tokens or max_rows is None else few_row_buckets(
             max_num_batched_tokens, max_num_seqs, tokens, max_rows, bucket_token_sizes)
+        # Whether one-row programs run their projections as the GEMV kernel (CausalLM.gemv_projections):
+        # fused decode's one-row bucket, and the step program of a one-token bucket added for it.
+        self.gemv_one_row = (decode_projections == "gemv" and tensor_parallel is None and spec_decoder is None
+                             and lm.pipeline_mesh is None and bool(model_state.gemv_weights))
+        if self.gemv_one_row:
+            few_rows += (Bucket(1, 1),)
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
@@ -201,9 +209,6 @@ class ModelRunnerV2(RunnerBase):
         self.max_fused_steps = max_fused_steps
         self.fused_unroll = fused_unroll
         self.decode_attention = decode_attention
-        # Whether fused decode's one-row bucket runs its projections as the GEMV kernel (CausalLM.gemv_projections).
-        self.gemv_one_row = (decode_projections == "gemv" and tensor_parallel is None
-                             and bool(model_state.gemv_weights))
         self.unrolled_layers_max_tokens = unrolled_layers_max_tokens
         self.unrolled_layers_max_rows = unrolled_layers_max_rows
         by_rows = {}
@@ -240,14 +245,16 @@ class ModelRunnerV2(RunnerBase):
              **({"next_prompt": (r,)} if self.spec else {})},
             float_fields=frozenset(f"new_{name}" for name in FLOAT_SCALAR_FIELDS))
 
-    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False):
+    def _step_fn(self, layout: PackedLayout, features: SamplerFeatures, unroll_layers: bool = False,
+                 gemv_projections: bool = False):
         block_size, use_kernels = self.block_size, self.use_kernels
         mesh = None if self.tp is None else self.tp.attention_mesh
 
         def model(param_leaves):
-            lm = self.params.merge(param_leaves)
+            lm = self.params.merge(param_leaves)  # a fresh module per trace: the other programs keep theirs
             if unroll_layers:
-                lm.layer_unroll = True  # a fresh module per trace: the other programs keep the loop
+                lm.layer_unroll = True
+            lm.gemv_projections = gemv_projections
             return lm
 
         def step(param_leaves, kv_cache, state, sampler_state, packed, spec_params, spec_state):
@@ -311,8 +318,11 @@ class ModelRunnerV2(RunnerBase):
     def _compile_all(self, show_progress: bool):
         """Every (kind, bucket) x sampler variant: kind "step" is one step of any batch, "fused"
         K decode steps (the buckets in `fused_buckets`)."""
-        steps = {("step", b): (self._layout(b), functools.partial(self._step_fn, unroll_layers=self.unrolls_layers(b)))
-                 for b in self.buckets}
+        def step_fn(b):
+            return functools.partial(self._step_fn, unroll_layers=self.unrolls_layers(b),
+                                     gemv_projections=self.gemv_one_row and b.num_tokens == 1)
+
+        steps = {("step", b): (self._layout(b), step_fn(b)) for b in self.buckets}
         steps |= {("fused", b): (fused_layout(b, self.block_size, self.max_fused_steps),
                                  lambda layout, features, b=b: self._fused_fn(b, layout, features))
                   for b in self.fused_buckets}

@@ -246,35 +246,37 @@ def test_fused_decode_of_one_row_pads_to_eight_tokens(monkeypatch):
     assert tokens and set(tokens) == {fused.ONE_ROW_TOKENS} and fused.ONE_ROW_TOKENS > 1
 
 
-def gemv_projections_against_gemms(monkeypatch, model, rows):
-    """Greedy tokens of `model` (bf16, engines of `rows` rows, 3 prompts) with --kernels
-    decode_projections=gemv against cuBLAS's GEMMs (a one-row bucket padded to 8 tokens) -> whether each
-    projection of the fused program took the GEMV kernel.
+def gemv_projections_against_gemms(monkeypatch, model, rows, max_fused_steps=4, num_prompts=3):
+    """Greedy tokens of `model` (bf16, engines of `rows` rows and `max_fused_steps`, `num_prompts` prompts)
+    with --kernels decode_projections=gemv against cuBLAS's GEMMs (one row padded to 8 tokens) ->
+    (whether each projection handed on as a LayerWeight took the GEMV kernel, and per traced forward
+    its program's kind ("fused" or "step"), token count and CausalLM.gemv_projections).
 
-    The one-row bucket's program must compute its own tokens (no padding) with the family's GEMV
-    weights handed on (CausalLM.gemv_projections); a bucket of more rows keeps the GEMMs (no GEMV
-    weights). Both must give the GEMM path's tokens up to the first
-    step whose top two candidates are within a few bf16 steps of each other: the paths round
-    differently, such a near-tie may go either way, and the sequences may part there."""
+    Both must give the GEMM path's tokens up to the first step whose top two candidates are within a
+    few bf16 steps of each other: the paths round differently, such a near-tie may go either way, and
+    the sequences may part there."""
     from mrv2_jax.models import gemv_projections
     from mrv2_jax.models.layer_weight import LayerWeight
-    from mrv2_jax.runner import fused
+    from mrv2_jax.runner import fused, v2
 
-    prompts = random_prompts(3, seed=13)
+    prompts = random_prompts(num_prompts, seed=13)
     # Lazy compiles (the CPU's default) on a GPU too: the reference engine's background compiles would
     # trace its programs after the spy below is in place. No program store (a GPU's default): a program
     # loaded from it is not traced, and the spy would see nothing.
-    config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=4, compile_mode="lazy",
-                  program_store=False)
+    config = dict(model=model, runner="v2", dtype="bfloat16", max_num_seqs=rows, max_fused_steps=max_fused_steps,
+                  compile_mode="lazy", program_store=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
     # The reference names cuBLAS's GEMMs: "auto" is the GEMV path itself on Hopper-class GPUs.
     reference = [o.outputs[0] for o in make_llm(**config, kernels="decode_projections=xla")
                  .generate(prompts, params, use_tqdm=False)]
-    tokens, forward = [], fused.forward_and_sample
-    monkeypatch.setattr(fused, "forward_and_sample",
-                        lambda lm, *a, **kw: tokens.append((kw["input_ids"].shape[0], lm.gemv_projections))
-                        or forward(lm, *a, **kw))
-    kernel_calls, takes = [], gemv_projections._kernel_takes  # per projection handed on as a LayerWeight
+    calls = []
+    for kind, module in (("fused", fused), ("step", v2)):
+        def traced(lm, *a, kind=kind, forward=module.forward_and_sample, **kw):
+            calls.append((kind, kw["input_ids"].shape[0], lm.gemv_projections))
+            return forward(lm, *a, **kw)
+
+        monkeypatch.setattr(module, "forward_and_sample", traced)
+    kernel_calls, takes = [], gemv_projections._kernel_takes
 
     def spy(x, w):
         took = takes(x, w)
@@ -285,7 +287,6 @@ def gemv_projections_against_gemms(monkeypatch, model, rows):
     monkeypatch.setattr(gemv_projections, "_kernel_takes", spy)
     llm = make_llm(**config, kernels="decode_projections=gemv")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.runner.num_fused_calls > 0 and set(tokens) == {(rows, rows == 1)}
     compared = 0
     for want, out in zip(reference, got):
         for step, (token, candidates) in enumerate(zip(want.token_ids, want.logprobs)):
@@ -294,24 +295,42 @@ def gemv_projections_against_gemms(monkeypatch, model, rows):
             top = sorted((c.logprob for c in candidates.values()), reverse=True)
             if top[0] - top[1] < 0.25:  # a near-tie: what follows may part
                 break
-    assert compared >= 8  # most steps are clear
-    return kernel_calls
+    assert compared >= 8 * num_prompts // 3  # most steps are clear
+    return kernel_calls, calls
 
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_fused_decode_through_the_gemv_path(monkeypatch, rows):
     """--kernels decode_projections=gemv with the tiny model, whose shapes the GEMV kernel does not
-    tile (K = 64): one row computes one token with the GEMV weights handed on and the XLA math; four
-    rows keep the GEMMs (the kernel in the engine is the GPU test below; on a CPU its interpreter
-    takes minutes there, and tests/models/test_gemv_projections.py checks it in the layer)."""
-    kernel_calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows)
+    tile (K = 64): fused decode's one-row bucket computes one token with the GEMV weights handed on
+    and the XLA math; four rows keep the GEMMs (the kernel in the engine is the GPU test below; on a
+    CPU its interpreter takes minutes there, and tests/models/test_gemv_projections.py checks it in
+    the layer)."""
+    kernel_calls, calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows)
+    assert {call for call in calls if call[0] == "fused"} == {("fused", rows, rows == 1)}
     assert kernel_calls == ([False] * 4 if rows == 1 else [])
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_one_step_per_call_of_a_lone_row_takes_the_one_token_bucket(monkeypatch, rows):
+    """Without fused decode, one request decoding alone (an engine of one row, or of four with one
+    request in it) runs the one-token, one-row bucket's step program, its projections on the GEMV path;
+    the prompt's step keeps the GEMMs."""
+    kernel_calls, calls = gemv_projections_against_gemms(monkeypatch, str(MODEL), rows, max_fused_steps=1,
+                                                         num_prompts=1)
+    assert {call for call in calls if call[1] == 1} == {("step", 1, True)}
+    assert all(kind == "step" and not gemv for kind, tokens, gemv in calls if tokens > 1) and len(calls) > 1
+    assert kernel_calls == [False] * 4
+
+
 @pytest.mark.gpu
-def test_fused_decode_through_the_gemv_kernels(monkeypatch):
-    """The same with the demo model, whose projections the kernel tiles: all four take it."""
-    assert gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1) == [True] * 4
+@pytest.mark.parametrize("max_fused_steps", [4, 1])
+def test_one_row_through_the_gemv_kernels(monkeypatch, max_fused_steps):
+    """The same with the demo model, whose projections the kernel tiles: all four take it, in fused
+    decode's one-row program and in the one-token step program."""
+    kernel_calls, _ = gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1,
+                                                     max_fused_steps=max_fused_steps, num_prompts=3)
+    assert kernel_calls == [True] * 4
 
 
 def test_unrolled_layers_by_rows_add_buckets_of_few_rows():
