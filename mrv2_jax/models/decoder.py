@@ -99,9 +99,9 @@ class CausalLM(nnx.Module):
     def __init__(self, spec, dtype, rngs: nnx.Rngs, layer_unroll: int | bool = 1):
         self.spec = spec  # the ModelState; static, not a parameter
         self.layer_unroll = layer_unroll
-        # A one-token program (fused decode's one-row bucket) sets this on the module it traces: the
-        # family's `gemv_weights` reach its layer as LayerWeights, for the GEMV kernel
-        # (models/gemv_projections.py).
+        # A one-token program (fused decode's one-row bucket, the one-token step bucket) sets this on
+        # the module it traces: the family's `gemv_weights` reach its layer as LayerWeights, for the
+        # GEMV kernel (models/gemv_projections.py).
         self.gemv_projections = False
         # Pipeline parallelism (models/pipeline_parallel.py): the mesh whose PP_AXIS the layers are
         # split over, set when the weights are placed there; None: all layers on every device.

@@ -5,12 +5,12 @@ kernels around it (the RMSNorm before, the residual add or SwiGLU after).
 `pallas_kernels/gemv_triton.py` does the norm, the product and the add or SwiGLU in one kernel from the
 `[out, in]` weight.
 
-A program that wants it (fused decode's one-row bucket: `CausalLM.gemv_projections`) has the decoder
-hand the family's `ModelState.gemv_weights` (its projections and the norms before them) to the layer
-as `LayerWeight`s, which the kernel reads in place from their stacks. The functions below are what a
-family's layer calls for those steps: with LayerWeights and at most the kernel's `MAX_ROWS` tokens
-they run the kernel, otherwise the same math in XLA (plain arrays, more tokens), so one layer function
-serves every program.
+A program that wants it (fused decode's one-row bucket, the one-token step bucket:
+`CausalLM.gemv_projections`) has the decoder hand the family's `ModelState.gemv_weights` (its
+projections and the norms before them) to the layer as `LayerWeight`s, which the kernel reads in
+place from their stacks. The functions below are what a family's layer calls for those steps: with
+LayerWeights and at most the kernel's `MAX_ROWS` tokens they run the kernel, otherwise the same math
+in XLA (plain arrays, more tokens), so one layer function serves every program.
 """
 
 from __future__ import annotations
