@@ -342,7 +342,7 @@ def bench_write(case, opts):
 
 def sweep_configs(case):
     if case["q_len"] == 1:  # decode: small query tiles; vary the KV tile and the split
-        grid = itertools.product([16], [32, 64, 128], [1, 2, 4, 8], [4, 8], [2, 3])
+        grid = itertools.product([16], [32, 64, 128], [1, 2, 4, 8, 16], [4, 8], [2, 3])
     else:  # prefill: query/key tile sizes and launch shape
         grid = itertools.product([32, 64, 128], [32, 64, 128], [1], [4, 8], [2, 3])
     for m, n, s, w, st in grid:
