@@ -171,19 +171,20 @@ class ModelRunnerV2(RunnerBase):
             raise ValueError("stream_in_call cannot run with tensor parallelism yet")
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
-        few_rows = () if not tokens or max_rows is None else few_row_buckets(
+        # Buckets besides the plan's: unrolled ones of few rows, and the GEMV path's one-token bucket.
+        extra = () if not tokens or max_rows is None else few_row_buckets(
             max_num_batched_tokens, max_num_seqs, tokens, max_rows, bucket_token_sizes)
         # Whether one-row programs run their projections as the GEMV kernel (CausalLM.gemv_projections):
         # fused decode's one-row bucket, and the step program of a one-token bucket added for it.
         self.gemv_one_row = (decode_projections == "gemv" and tensor_parallel is None and spec_decoder is None
                              and lm.pipeline_mesh is None and bool(model_state.gemv_weights))
         if self.gemv_one_row:
-            few_rows += (Bucket(1, 1),)
+            extra += (Bucket(1, 1),)
         super().__init__(model_state, lm, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                          kv_dtype=kv_dtype, use_kernels=use_kernels, sampler_variants=sampler_variants,
                          spec_decoder=spec_decoder, automaton_pool=pool,
-                         compile_mode=compile_mode, tensor_parallel=tensor_parallel, extra_buckets=few_rows,
+                         compile_mode=compile_mode, tensor_parallel=tensor_parallel, extra_buckets=extra,
                          program_store=program_store, bucket_token_sizes=bucket_token_sizes,
                          ragged_attention=ragged_attention)
         # Structured outputs: the automata in the device pool, the writer that copies one in, and
