@@ -328,8 +328,10 @@ def test_one_step_per_call_of_a_lone_row_takes_the_one_token_bucket(monkeypatch,
 def test_one_row_through_the_gemv_kernels(monkeypatch, max_fused_steps):
     """The same with the demo model, whose projections the kernel tiles: all four take it, in fused
     decode's one-row program and in the one-token step program."""
-    kernel_calls, _ = gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1,
-                                                     max_fused_steps=max_fused_steps, num_prompts=3)
+    kernel_calls, calls = gemv_projections_against_gemms(monkeypatch, str(CHECKPOINTS_DIR / "demo-qwen3"), 1,
+                                                         max_fused_steps=max_fused_steps, num_prompts=3)
+    kind = "fused" if max_fused_steps > 1 else "step"
+    assert (kind, 1, True) in calls  # the decode ran in that program
     assert kernel_calls == [True] * 4
 
 
