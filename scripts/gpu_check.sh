@@ -30,7 +30,7 @@
 # fused GEMV kernels against XLA (decode-layer-gemv), a projection by form and the GEMV kernel by tile config
 # (projection-forms), the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections),
-# and the 256-row step's device time traced with command buffers on and untraced with them off (step-256-gap).
+# and the 256-row step's call in the engine's loop: the GEMM-chain probe, a native profile, another allocator (call-256).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -405,16 +405,26 @@ for s in $sections; do case $s in
   timeline-b1) run_section timeline-b1 python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 \
       --num-prompts 1 --disable-tqdm ${TIMELINE_B1_ARGS:-} --output-json "$OUT/timeline_b1${TAG:-}.json" ;;
-  # Issue 25: the 256-row step at one step per call (the S1@256 shape) spends ~2 ms more on the device
-  # than its traced kernels (session 54). Traced with command buffers kept on under the profiler
-  # (cb-traced), and with command buffers off (cb-off: its untraced wall against the defaults').
-  step-256-gap)
-    for arm in cb-traced cb-off; do
-      flag=--xla_enable_command_buffers_during_profiling=true; [ $arm = cb-off ] && flag=--xla_gpu_enable_command_buffer=
-      run_section step-256-$arm env XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flag" python3 -m mrv2_jax.bench.timeline \
-          --model qwen3-0.6b --load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
-          --input-len 128 --output-len 512 --num-prompts 256 --disable-tqdm --output-json "$OUT/step_256_$arm.json"
-    done ;;
+  # Issue 25: the 256-row step's call costs ~1.4 ms in the engine's loop (the previous step still
+  # running) against ~0.7 ms waited for (session 55). The GEMM-chain probe (benchmarks.stacked_weight_call),
+  # then the timeline at the S1@256 shape (1024 prompts: ~12 s of steady steps) with the default
+  # allocator, sampled by py-spy --native (carry .pyspy; shares of the call, not times), and with
+  # CUDA's stream-ordered allocator.
+  call-256)
+    run_section stacked-weight-call python3 -m benchmarks.stacked_weight_call --rows 1 32 256 \
+        --output-json "$OUT/stacked_weight_call.json"
+    t256=(python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --max-num-seqs 256
+          --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1024
+          --disable-tqdm --window 0)
+    "${t256[@]}" --output-json "$OUT/call_256_pyspy.json" > "$OUT/call-256-pyspy.log" 2>&1 &
+    loop=$!
+    .pyspy/py-spy record --native --rate 200 --duration ${PYSPY_SECONDS:-90} --format raw -o "$OUT/call_256_native.txt" \
+        --pid $loop > "$OUT/py-spy.log" 2>&1
+    wait $loop; grep -E "runner|steady" "$OUT/call-256-pyspy.log"
+    python3 -m benchmarks.pyspy_tree "$OUT/call_256_native.txt" --root ModelRunnerV2.call_step --flat 30 \
+        --output-json "$OUT/call_256_native.json"
+    run_section call-256-cuda-async env XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async "${t256[@]}" \
+        --output-json "$OUT/call_256_cuda_async.json" ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
