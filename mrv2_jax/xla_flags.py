@@ -12,6 +12,14 @@ GEMMs cannot take a sliced operand, so with them every layer's weights were copi
 stack each step. The throughput each flag gained is in docs/benchmarks.md (runner A/B, and
 "cuBLAS GEMMs on the stacked weights").
 
+`--xla_cmd_buffer_trace_cache_size=64` lets XLA keep 64 recorded variants of each traced command
+(a cuBLAS GEMM, recorded by stream capture, keyed by its buffers' addresses) instead of 16. In a
+looped program a GEMM that reads one layer's weights in place has a different address set for
+every layer, so with the default 16 each call of a 28-layer loop records every GEMM again; with 64
+the recordings are reused and the host's call of a looped program costs about half
+(docs/benchmarks.md, "Where a looped step's call goes"). The flag is read from XLA_FLAGS only,
+not from per-compile options. Models of more than ~60 layers need a larger value.
+
 `--xla_gpu_memory_limit_slop_factor=10000` is for correctness, not speed, and stays on with
 `MRV2_DEFAULT_XLA_FLAGS=0`. XLA:GPU's estimate of a step program's peak memory counts the donated
 KV cache, updated in place, several times over; once the KV cache is a large share of the GPU's
@@ -29,7 +37,8 @@ starts: importing mrv2_jax after JAX has already run a computation leaves the fl
 
 from mrv2_jax import envs
 
-DEFAULT_FLAGS = {"--xla_gpu_enable_command_buffer": "+WHILE", "--xla_gpu_enable_dynamic_slice_fusion": "true"}
+DEFAULT_FLAGS = {"--xla_gpu_enable_command_buffer": "+WHILE", "--xla_gpu_enable_dynamic_slice_fusion": "true",
+                 "--xla_cmd_buffer_trace_cache_size": "64"}
 REQUIRED_FLAGS = {"--xla_gpu_memory_limit_slop_factor": "10000"}
 
 

@@ -11,11 +11,13 @@ def test_default_flags_are_added_only_when_absent(monkeypatch):
 
     assert os.environ["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x --xla_gpu_memory_limit_slop_factor=10000 "
                                        "--xla_gpu_enable_command_buffer=+WHILE "
-                                       "--xla_gpu_enable_dynamic_slice_fusion=true")
+                                       "--xla_gpu_enable_dynamic_slice_fusion=true "
+                                       "--xla_cmd_buffer_trace_cache_size=64")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")  # the user turned them off
     apply_default_xla_flags()
     assert os.environ["XLA_FLAGS"] == ("--xla_gpu_enable_command_buffer= --xla_gpu_memory_limit_slop_factor=10000 "
-                                       "--xla_gpu_enable_dynamic_slice_fusion=true")
+                                       "--xla_gpu_enable_dynamic_slice_fusion=true "
+                                       "--xla_cmd_buffer_trace_cache_size=64")
     # MRV2_DEFAULT_XLA_FLAGS=0 leaves out the performance flags, not the correctness one ...
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("MRV2_DEFAULT_XLA_FLAGS", "0")
