@@ -30,7 +30,8 @@
 # fused GEMV kernels against XLA (decode-layer-gemv), a projection by form and the GEMV kernel by tile config
 # (projection-forms), the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections),
-# and the 256-row step's call in the engine's loop: the GEMM-chain probe, a native profile, another allocator (call-256).
+# and the 256-row step's call in the engine's loop: the GEMM-chain probe, a native profile, another allocator (call-256),
+# and that allocator end to end (alloc-ab).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -425,6 +426,25 @@ for s in $sections; do case $s in
         --output-json "$OUT/call_256_native.json"
     run_section call-256-cuda-async env XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async "${t256[@]}" \
         --output-json "$OUT/call_256_cuda_async.json" ;;
+  # Issue 25: CUDA's stream-ordered allocator (a freed buffer's address is given to the next call in
+  # stream order, so XLA's recorded GEMMs find their addresses again) against the default, end to
+  # end: the 256-row timeline (its call), S1@256 (v2-async) and fused decode at batch 1 / 8 / 32.
+  # ALLOC_AB_ARMS: lines "name|environment|engine arguments".
+  alloc-ab)
+    while IFS='|' read -r name environment extra; do
+      [ -z "$name" ] && continue
+      run_section alloc-$name-timeline env $environment python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b \
+          --load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 \
+          --output-len 512 --num-prompts 256 --disable-tqdm --window 0 --compile-mode lazy $extra \
+          --output-json "$OUT/alloc_${name}_timeline.json"
+      run_section alloc-$name-s1 env $environment python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
+          --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
+          --max-num-batched-tokens 8192 --max-model-len 1024 $extra --output-json "$OUT/alloc_${name}_s1.json"
+      run_section alloc-$name-fused env $environment python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
+          --max-num-seqs 32 --fused-steps 1 16 --compile-mode lazy $extra --output-json "$OUT/alloc_${name}_fused.json"
+    done <<< "${ALLOC_AB_ARMS:-default||
+cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|
+cuda-async-unrolled-256|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|--unrolled-layers-max-tokens 256}" ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
