@@ -138,7 +138,7 @@ def main(argv=None):
     p.add_argument("--ways", default=",".join(WAYS), help="comma-separated, of: " + ", ".join(WAYS))
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
-    from mrv2_jax.bench.environment import describe_environment, write_report
+    from mrv2_jax.bench.environment import flag_probe_report
 
     ways = [w.strip() for w in args.ways.split(",")]
     unknown = set(ways) - set(WAYS)
@@ -152,10 +152,7 @@ def main(argv=None):
             r = measure(way, weights, rows, args.calls, args.hidden) | {"rows": rows, "way": way}
             results.append(r)
             print(f"{rows:5d} {way:<20} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
-    report = describe_environment() | {"settings": vars(args), "results": results}
-    if args.output_json:
-        write_report(report, args.output_json)
-    return report
+    return flag_probe_report(args, results, args.output_json)
 
 
 if __name__ == "__main__":
