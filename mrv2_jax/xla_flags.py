@@ -16,9 +16,11 @@ stack each step. The throughput each flag gained is in docs/benchmarks.md (runne
 (a cuBLAS GEMM, recorded by stream capture, keyed by its buffers' addresses) instead of 16. In a
 looped program a GEMM that reads one layer's weights in place has a different address set for
 every layer, so with the default 16 each call of a 28-layer loop records every GEMM again; with 64
-the recordings are reused and the host's call of a looped program costs about half
-(docs/benchmarks.md, "Where a looped step's call goes"). The flag is read from XLA_FLAGS only,
-not from per-compile options. Models of more than ~60 layers need a larger value.
+the recordings are reused wherever the other buffers keep their addresses between calls, and the
+host's call of a looped program on an idle device costs about half (in the engine's back-to-back
+loop the default allocator still moves them; docs/benchmarks.md, "Where a looped step's call
+goes"). The flag is read from XLA_FLAGS only, not from per-compile options. Models of more than ~60
+layers need a larger value.
 
 `--xla_gpu_memory_limit_slop_factor=10000` is for correctness, not speed, and stays on with
 `MRV2_DEFAULT_XLA_FLAGS=0`. XLA:GPU's estimate of a step program's peak memory counts the donated
