@@ -30,8 +30,9 @@ def test_every_way_computes_the_plain_loop():
     tokens = np.arange(5, dtype=np.int32) * 3
     expected = numpy_chain(weights, carry, tokens)
     for way in WAYS:
-        got = step_fn(way, 3)(weights_for(way, weights), jnp.asarray(carry, jnp.bfloat16), tokens)
+        got, marker = step_fn(way, 3)(weights_for(way, weights), jnp.asarray(carry, jnp.bfloat16), tokens)
         np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=0.08, rtol=0.05, err_msg=way)
+        assert np.asarray(marker).tolist() == np.asarray(got)[:1, :1].tolist()
 
 
 def test_the_report_has_every_way_at_every_row_count(tmp_path):
@@ -39,5 +40,5 @@ def test_the_report_has_every_way_at_every_row_count(tmp_path):
                    "--output-json", str(tmp_path / "r.json")])
     assert sorted((r["rows"], r["way"]) for r in report["results"]) == sorted(
         (rows, way) for rows in (2, 4) for way in WAYS)
-    assert all(r["call_ms"] > 0 and r["pipelined_ms"] > 0 for r in report["results"])
+    assert all(r["call_ms"] > 0 and r["busy_call_ms"] > 0 and r["pipelined_ms"] > 0 for r in report["results"])
     assert (tmp_path / "r.json").exists()
