@@ -67,34 +67,28 @@ def layer(h, w):
     return norm(h + mm(jax.nn.silu(gate) * up, w["down"]))
 
 
-def step_fn(way: str, layers: int):
-    """(weights, carry, tokens) -> (carry, a [1, 1] slice of it to wait on), for `way`."""
+def step_fn(way: str):
+    """(weights, carry, tokens) -> (carry, a [1, 1] slice of it to wait on), for `way`; compiled
+    with the engine's step options (cuBLAS for every GEMM), and dynamic-slice fusion off for the
+    copied ways."""
     import jax
+    import jax.numpy as jnp
 
-    def embed(carry, tokens):
-        return carry + (tokens[:, None] % 7).astype(carry.dtype)
+    from mrv2_jax.xla_flags import step_compiler_options
 
-    if way.startswith("scan"):
-        def step(weights, carry, tokens):
-            h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), embed(carry, tokens), weights)
-            return h, h[:1, :1]
-    elif way.startswith("unrolled"):
-        def step(weights, carry, tokens):
-            h = embed(carry, tokens)
-            for i in range(layers):
-                h = layer(h, {k: v[i] for k, v in weights.items()})
-            return h, h[:1, :1]
-    else:
-        def step(weights, carry, tokens):
-            h = embed(carry, tokens)
-            for w in weights:
+    def step(weights, carry, tokens):
+        h = carry + (tokens[:, None] % 7).astype(carry.dtype)
+        if way.startswith("scan"):
+            h, _ = jax.lax.scan(lambda h, w: (layer(h, w), None), h, weights)
+        else:  # unrolled: each layer's static slice of the stack, taken inside the program
+            for w in weights if way == "per-layer" else weights_for("per-layer", weights):
                 h = layer(h, w)
-            return h, h[:1, :1]
-    # cuBLAS for every GEMM, as the engine compiles its steps (xla_flags.step_compiler_options).
-    options = {"xla_gpu_enable_triton_gemm": False}
+        return h, h[:1, :1]
+
+    options = step_compiler_options([jax.ShapeDtypeStruct((), jnp.bfloat16)])  # the weights' dtype
     if way.endswith("copied"):
         options["xla_gpu_enable_dynamic_slice_fusion"] = False
-    return jax.jit(step, donate_argnums=1, compiler_options=options)
+    return jax.jit(step, donate_argnums=1, compiler_options=options or None)
 
 
 def weights_for(way: str, weights):
@@ -109,7 +103,7 @@ def measure(way: str, weights, rows: int, calls: int, hidden: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    step = step_fn(way, next(iter(weights.values())).shape[0])
+    step = step_fn(way)
     weights = weights_for(way, weights)
     tokens = [np.arange(rows, dtype=np.int32) + i for i in range(calls)]
     carry = jnp.zeros((rows, hidden), jnp.bfloat16)

@@ -407,10 +407,11 @@ for s in $sections; do case $s in
       --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 \
       --num-prompts 1 --disable-tqdm ${TIMELINE_B1_ARGS:-} --output-json "$OUT/timeline_b1${TAG:-}.json" ;;
   # Issue 25: the 256-row step's call costs ~1.4 ms in the engine's loop (the previous step still
-  # running) against ~0.7 ms waited for (session 55). The GEMM-chain probe (benchmarks.stacked_weight_call:
-  # its `busy call ms` is a call made while the previous runs) with each allocator, then the timeline at the S1@256 shape (1024 prompts: ~12 s of steady steps) with the default
-  # allocator, sampled by py-spy --native (carry .pyspy; shares of the call, not times), and with
-  # CUDA's stream-ordered allocator.
+  # running) against ~0.7 ms waited for (session 55). The GEMM-chain probe (benchmarks.stacked_weight_call;
+  # its `busy call ms` is a call made while the previous one runs) with each allocator, then the
+  # timeline at the S1@256 shape (1024 prompts: ~12 s of steady steps) with the default allocator,
+  # sampled by py-spy --native (carry .pyspy; shares of the call, not times), and with CUDA's
+  # stream-ordered allocator.
   call-256)
     run_section stacked-weight-call python3 -m benchmarks.stacked_weight_call --rows 1 32 256 \
         --output-json "$OUT/stacked_weight_call.json"

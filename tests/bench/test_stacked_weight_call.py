@@ -30,7 +30,7 @@ def test_every_way_computes_the_plain_loop():
     tokens = np.arange(5, dtype=np.int32) * 3
     expected = numpy_chain(weights, carry, tokens)
     for way in WAYS:
-        got, marker = step_fn(way, 3)(weights_for(way, weights), jnp.asarray(carry, jnp.bfloat16), tokens)
+        got, marker = step_fn(way)(weights_for(way, weights), jnp.asarray(carry, jnp.bfloat16), tokens)
         np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=0.08, rtol=0.05, err_msg=way)
         assert np.asarray(marker).tolist() == np.asarray(got)[:1, :1].tolist()
 
