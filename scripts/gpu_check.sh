@@ -63,6 +63,11 @@ FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 
 # The server's prompt step offline (issue 24): 10 prompts of 128 tokens admitted beside 118 decoding rows.
 PROMPT_DISPATCH_ARGS="--model qwen3-0.6b --load-format dummy --rows 118 --admit 10 --input-len 128 --output-len 64 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --compile-mode lazy"
+# Arms of the unrolled-256 sections: the defaults, the 256-token buckets unrolled, and that with CUDA's
+# stream-ordered allocator (docs/benchmarks.md, session 56).
+UNROLLED_ARMS="default||
+unrolled-256||--unrolled-layers-max-tokens 256
+both|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|--unrolled-layers-max-tokens 256"
 # serve-compare on the serving workload (issue 24), with extra arguments after the common ones.
 serve_compare() {
   env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
@@ -78,6 +83,12 @@ updates_per_phase() {  # log file
        match($0, /updated_allocs=[0-9]+/) {n[phase]++; a[phase]+=substr($0, RSTART+15, RLENGTH-15)}
        /force=true/ {f[phase]++}
        END {for (p in n) print "updates in phase " p ": " n[p] ", allocations moved " a[p] ", forced " f[p]+0}' "$1"
+}
+
+# Every *.json in a folder merged into one file, keyed by file name (the device returns only a few files).
+merge_json() {  # folder, output file
+  python3 -c 'import json, pathlib, sys
+print(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}))' "$1" > "$2"
 }
 
 run_section() {  # name, command...
@@ -448,6 +459,41 @@ for s in $sections; do case $s in
     done <<< "${ALLOC_AB_ARMS:-default||
 cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|
 cuda-async-unrolled-256|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|--unrolled-layers-max-tokens 256}" ;;
+  # Issue 25 / offline S1: the 256-token buckets unrolled (and CUDA's stream-ordered allocator) where
+  # session 56 left them unmeasured: `bench throughput` S1@256 (fused decode at 256 rows whenever
+  # nothing waits) and fused decode at 256 rows, UA_ROUNDS rounds (default 2) of the arms in turn.
+  # UA_ARMS: lines "name|environment|engine arguments". Every run's JSON is merged into one file
+  # (the device returns only a few files); the logs stay on the machine under /tmp/ua.
+  unrolled-256-ab)
+    saved_out=$OUT; OUT=/tmp/ua; mkdir -p $OUT
+    for round in $(seq ${UA_ROUNDS:-2}); do
+      while IFS='|' read -r name environment extra; do
+        [ -z "$name" ] && continue
+        run_section ua-$name-s1-$round env $environment python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b \
+            --load-format dummy --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
+            --max-num-batched-tokens 8192 --max-model-len 1024 $extra --output-json "$OUT/s1_${name}_$round.json"
+        run_section ua-$name-fused256-$round env $environment python3 -m mrv2_jax.bench.fused_decode --model qwen3-0.6b \
+            --load-format dummy --batches 256 --input-len 128 --output-len 512 --max-model-len 1024 \
+            --max-num-batched-tokens 8192 --max-num-seqs 256 --fused-steps 1 16 $extra \
+            --output-json "$OUT/fused256_${name}_$round.json"
+      done <<< "${UA_ARMS:-$UNROLLED_ARMS}"
+    done
+    OUT=$saved_out; merge_json /tmp/ua "$OUT/unrolled_256_ab.json" ;;
+  # The same arms served (our own client, `bench serve --launch-server`; needs `wheels`): 32 and 256
+  # streams, one JSON back as above (logs under /tmp/ua_serve).
+  unrolled-256-serve)
+    saved_out=$OUT; OUT=/tmp/ua_serve; mkdir -p $OUT
+    while IFS='|' read -r name environment extra; do
+      [ -z "$name" ] && continue
+      for c in ${UA_STREAMS:-32 256}; do
+        run_section ua-serve-$name-c$c env $environment PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve \
+            --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 \
+            --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+            --num-prompts $(( c * 4 )) --max-concurrency $c --ignore-eos --num-warmups 8 $extra --disable-tqdm \
+            --server-log "$OUT/server_${name}_c$c.log" --output-json "$OUT/serve_${name}_c$c.json"
+      done
+    done <<< "${UA_ARMS:-$UNROLLED_ARMS}"
+    OUT=$saved_out; merge_json /tmp/ua_serve "$OUT/unrolled_256_serve.json" ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
