@@ -91,6 +91,9 @@ class Request:
         self.max_output_tokens: int | None = sampling_params.max_tokens
         # The token id or stop string that ended the request, when it stopped on one.
         self.stop_reason: int | str | None = None
+        # Token ids that may stop it (its stop_token_ids, and EOS unless ignored): set by the
+        # scheduler when the request is added, so that most sampled tokens need no stop check.
+        self.stop_ids: frozenset[int] = frozenset()
         # A client reads its tokens as they come: fused decode is capped by the stream interval,
         # unless the request streams from inside fused calls (set by EngineCore.add_request).
         self.streaming = streaming

@@ -147,6 +147,8 @@ class Scheduler:
         room_left = self.max_model_len - request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         request.max_output_tokens = room_left if max_tokens is None else min(max_tokens, room_left)
+        params = request.sampling_params
+        request.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -216,12 +218,21 @@ class Scheduler:
         running, speculate = self.running, self.config.num_speculative_tokens > 0
         allocate = self.kv_cache_manager.allocate_slots
         lookahead = self.config.num_lookahead_tokens
+        chunked = self.config.enable_chunked_prefill
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
             index += 1
-            num_new = self._num_running_tokens_to_schedule(request, budget)
-            if num_new == 0:
+            # The tokens to compute: all that remain, a prefill chunk of them (it samples nothing, so
+            # no output limit applies), or none while the tokens in flight reach the output limit.
+            placeholders = request.num_output_placeholders
+            num_known = len(request.all_token_ids)
+            num_new = num_known + placeholders - request.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    continue
+                num_new = budget
+            elif len(request.output_token_ids) + placeholders >= request.max_output_tokens:
                 continue
             num_draft = self._num_drafts(request, num_new, budget) if speculate else 0
             num_new += num_draft
@@ -239,7 +250,7 @@ class Scheduler:
             scheduled[req_id] = request
             budget -= num_new
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders + num_draft:
+            if request.num_computed_tokens == num_known + placeholders + num_draft:
                 request.num_output_placeholders += 1 + num_draft
                 sampling_req_ids.add(req_id)
 
@@ -336,18 +347,6 @@ class Scheduler:
                 and any(r.num_computed_tokens >= r.num_prefill_tokens for r in self.running)):
             budget = min(budget, cap)
         return budget
-
-    def _num_running_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        """Tokens to compute for a running request this step (0: skip it this step)."""
-        placeholders = request.num_output_placeholders
-        num_remaining = len(request.all_token_ids) + placeholders - request.num_computed_tokens
-        if num_remaining > budget:
-            # A prefill chunk: samples nothing, so no output limit applies.
-            return budget if self.config.enable_chunked_prefill else 0
-        # This step would sample; not if the tokens already in flight reach the limit.
-        if len(request.output_token_ids) + placeholders >= request.max_output_tokens:
-            return 0
-        return num_remaining
 
     def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
         """Draft tokens to add to a running request's ``num_new`` tokens this step."""
@@ -509,15 +508,25 @@ class Scheduler:
                     request.num_computed_tokens -= num_draft - (len(token_ids) - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
-            finish_status, grammar = None, request.grammar
-            for num_accepted, token_id in enumerate(token_ids, 1):  # tokens after a stop are dropped
-                request.append_output_token(token_id)
-                finish_status = self._check_stop(request, token_id)
-                if grammar is not None:
-                    finish_status = self._check_grammar(request, token_id, finish_status)
-                if finish_status is not None:
-                    break
-            accepted = token_ids if num_accepted == len(token_ids) else token_ids[:num_accepted]
+            grammar = request.grammar
+            if len(token_ids) == 1 and grammar is None:  # a plain step's token, the common case, inlined
+                token_id = token_ids[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                accepted = token_ids
+                # Only a stop id or the length limit can stop it (_check_stop says which, and when).
+                finish_status = (self._check_stop(request, token_id) if token_id in request.stop_ids
+                                 or len(request.output_token_ids) >= request.max_output_tokens else None)
+            else:
+                finish_status = None
+                for num_accepted, token_id in enumerate(token_ids, 1):  # tokens after a stop are dropped
+                    request.append_output_token(token_id)
+                    finish_status = self._check_stop(request, token_id)
+                    if grammar is not None:
+                        finish_status = self._check_grammar(request, token_id, finish_status)
+                    if finish_status is not None:
+                        break
+                accepted = token_ids if num_accepted == len(token_ids) else token_ids[:num_accepted]
             if finish_status is not None:
                 self._finish(request, finish_status)
                 finish_reason = finish_status.finish_reason
