@@ -144,10 +144,9 @@ class Scheduler:
                 f"tokens; it must be shorter than max_model_len ({self.max_model_len}) to "
                 "leave room for at least one output token"
             )
-        room_left = self.max_model_len - request.num_prompt_tokens
-        max_tokens = request.sampling_params.max_tokens
-        request.max_output_tokens = room_left if max_tokens is None else min(max_tokens, room_left)
         params = request.sampling_params
+        room_left = self.max_model_len - request.num_prompt_tokens
+        request.max_output_tokens = room_left if params.max_tokens is None else min(params.max_tokens, room_left)
         request.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
