@@ -35,6 +35,7 @@ from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.scheduler import Scheduler
+from mrv2_jax.gc_heap import relaxed_collection
 from mrv2_jax.runner.step_result import StepResult
 from mrv2_jax.runner.v2 import PendingStep
 from mrv2_jax.sample.sampler import SamplerOutput
@@ -89,13 +90,14 @@ def run_case(tokenizer, *, rows: int, steps: int, final_only: bool, prompt_len: 
         processor.add(request, final_only=final_only)
     recorder = StepRecorder(engine, rows, skip=0, window=0, trace_dir=None)
     process_us = []
-    while engine.has_work():  # LLM.step
-        outputs = engine.step()
-        t0 = time.perf_counter()
-        _, stopped = processor.process(outputs)
-        process_us.append(1e6 * (time.perf_counter() - t0))
-        if stopped:
-            engine.finish_requests(stopped)
+    with relaxed_collection():  # as LLM.generate runs its steps (mrv2_jax/gc_heap.py)
+        while engine.has_work():  # LLM.step
+            outputs = engine.step()
+            t0 = time.perf_counter()
+            _, stopped = processor.process(outputs)
+            process_us.append(1e6 * (time.perf_counter() - t0))
+            if stopped:
+                engine.finish_requests(stopped)
     records = recorder.finish()
     steady = []
     for record, process in zip(records, process_us):

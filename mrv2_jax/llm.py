@@ -11,6 +11,7 @@ from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.request_checks import check_request_fits
+from mrv2_jax.gc_heap import relaxed_collection
 from mrv2_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -104,14 +105,15 @@ class LLM:
 
     def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.request_id in pending:
-                    if out.finished:
-                        pending.discard(out.request_id)
-                    yield out
-            if pending and not self.engine.has_work():
-                raise RuntimeError(f"engine went idle with {len(pending)} request(s) unfinished")
+        with relaxed_collection():  # no collection in nearly every step (gc_heap.py)
+            while pending:
+                for out in self.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+                if pending and not self.engine.has_work():
+                    raise RuntimeError(f"engine went idle with {len(pending)} request(s) unfinished")
 
     def _add_all(self, prompts, sampling_params, final_only: bool = False) -> list[str]:
         """Add a batch of requests: all of them, or (on a bad one) none."""

@@ -19,6 +19,7 @@ after a step raises (it reports the error first: the scheduler and device state 
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -35,7 +36,7 @@ from mrv2_jax.engine.engine_config import EngineConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.request_checks import check_request_fits
-from mrv2_jax.gc_heap import freeze_startup_heap
+from mrv2_jax.gc_heap import prepare_serving_heap
 
 # A message the engine sent just before it exits still reaches the API process.
 _LINGER_MS = 5000
@@ -80,7 +81,7 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
                 sock.connect(addr)
                 stream_outs.append(sock)
         proc = EngineCoreProc(engine, model_state, inp, outs, stream_outs)
-        frozen = freeze_startup_heap()
+        frozen = prepare_serving_heap()
         send_all(M.Ready(
             pid=os.getpid(), tokenizer_path=None if tokenizer_path is None else str(tokenizer_path),
             max_model_len=engine.scheduler.max_model_len, vocab_size=model_state.vocab_size,
@@ -88,7 +89,7 @@ def run_engine_core(engine_args: dict, input_addrs: list[str], output_addrs: lis
             supports_prompt_logprobs=engine.runner.supports_prompt_logprobs, stats=proc.stats(),
             eos_token_ids=list(model_state.eos_token_ids or ()),
             automaton_capacity=tuple(engine.runner.automaton_capacity),
-            startup=engine.startup.as_dict() | {"gc_frozen_objects": frozen}))
+            startup=engine.startup.as_dict() | {"gc_frozen_objects": frozen, "gc_thresholds": gc.get_threshold()}))
         code = proc.run()
         proc.close_streams()
     inp.close()

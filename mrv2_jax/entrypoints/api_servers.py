@@ -164,7 +164,7 @@ def run_attached_api_server(index: int, pairs: list[tuple[str, str]], host: str,
     from mrv2_jax.core_client import AttachedCoreClient
     from mrv2_jax.data_parallel import AttachedReplicas
     from mrv2_jax.entrypoints.openai_server import import_lazy_modules, run_http_server
-    from mrv2_jax.gc_heap import freeze_startup_heap
+    from mrv2_jax.gc_heap import prepare_serving_heap
 
     logging.basicConfig(level=server_kwargs["log_level"].upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -176,7 +176,7 @@ def run_attached_api_server(index: int, pairs: list[tuple[str, str]], host: str,
         report.send(f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
     import_lazy_modules()
-    freeze_startup_heap()
+    prepare_serving_heap()
     report.send("listening")
     report.close()
 

@@ -176,7 +176,7 @@ def cmd_serve(args) -> int:
     from mrv2_jax.async_llm import AsyncLLM
     from mrv2_jax.engine.distributed import refuse_serving
     from mrv2_jax.entrypoints.api_servers import default_api_server_count
-    from mrv2_jax.gc_heap import freeze_startup_heap
+    from mrv2_jax.gc_heap import prepare_serving_heap
     from mrv2_jax.process_clock import process_age_s
 
     refuse_serving(args.num_processes)  # before any process or thread starts
@@ -216,7 +216,7 @@ def cmd_serve(args) -> int:
     from mrv2_jax.entrypoints.openai_server import serve
 
     startup["server_imports_done_s"] = process_age_s()
-    startup["gc_frozen_objects"] = freeze_startup_heap()
+    startup["gc_frozen_objects"] = prepare_serving_heap()
     logging.getLogger("mrv2_jax.serve").info("API process start-up: %s", json.dumps(startup))
 
     processes = f" ({args.api_server_count} API server processes)" if args.api_server_count > 1 else ""

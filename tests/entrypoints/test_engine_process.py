@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.bench.serve_compare import STEP_DISPATCH, STEP_INTERVAL
+from mrv2_jax.gc_heap import ENGINE_GEN0_THRESHOLD
 from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
@@ -109,8 +110,10 @@ def test_the_engine_runs_in_another_process(server):
     engine = server.engine
     assert engine.engine_pid not in (None, os.getpid())
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "api_server": 0}
-    # The engine process froze its start-up heap (modules, model, programs) for the garbage collector.
+    # The engine process froze its start-up heap (modules, model, programs) for the garbage collector,
+    # and relaxed generation 0 so that its steps trigger no collection.
     assert engine._client.ready.startup["gc_frozen_objects"] > 10_000
+    assert engine._client.ready.startup["gc_thresholds"][0] == ENGINE_GEN0_THRESHOLD
 
 
 def test_64_concurrent_streams_match_offline(server, reference):
