@@ -25,7 +25,8 @@ ENGINE_GEN0_THRESHOLD = 50_000
 
 def _relax() -> tuple[int, int, int]:
     previous = gc.get_threshold()
-    gc.set_threshold(max(previous[0], ENGINE_GEN0_THRESHOLD), *previous[1:])
+    if previous[0]:  # (0: automatic collection is off, and stays off)
+        gc.set_threshold(max(previous[0], ENGINE_GEN0_THRESHOLD), *previous[1:])
     return previous
 
 

@@ -33,6 +33,9 @@ def test_relaxed_collection_raises_generation_0_only_and_restores(default_thresh
     gc.set_threshold(10 * ENGINE_GEN0_THRESHOLD, 5, 5)  # a caller's own, higher threshold stays
     with relaxed_collection():
         assert gc.get_threshold() == (10 * ENGINE_GEN0_THRESHOLD, 5, 5)
+    gc.set_threshold(0, 10, 10)  # automatic collection turned off by the caller stays off
+    with relaxed_collection():
+        assert gc.get_threshold() == (0, 10, 10)
 
 
 def _collections_in_steady_decode(rows: int, relaxed: bool) -> int:
