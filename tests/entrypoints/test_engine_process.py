@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.async_llm import AsyncLLM
 from mrv2_jax.bench.serve_compare import STEP_DISPATCH, STEP_INTERVAL
-from mrv2_jax.gc_heap import ENGINE_GEN0_THRESHOLD
 from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
+from mrv2_jax.gc_heap import ENGINE_GEN0_THRESHOLD
 from mrv2_jax.sampling_params import SamplingParams
 from tests.server_harness import (
     ENGINE_ARGS,
