@@ -51,6 +51,7 @@ from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.request_checks import check_automaton_fits, check_request, check_request_fits
+from mrv2_jax.gc_heap import relaxed_collection
 from mrv2_jax.request_stream import RequestStream, Sink
 from mrv2_jax.sampling_params import SamplingParams
 from mrv2_jax.spec_decode.metrics import SpecDecodeStats
@@ -353,16 +354,17 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self._llm.engine
         try:
-            while True:
-                if not self._drain_inbox(block=not engine.has_work()):
-                    break
-                if engine.has_work():
-                    outputs = self._llm.step()
-                    self._num_steps += 1
-                    self._note_step(engine.has_work(), engine.outputs_prefill_tokens)
-                    self._note_dispatch(engine.dispatched)
-                    self._deliver(outputs)
-                self._publish_stats()
+            with relaxed_collection():  # no collection in nearly every step (gc_heap.py)
+                while True:
+                    if not self._drain_inbox(block=not engine.has_work()):
+                        break
+                    if engine.has_work():
+                        outputs = self._llm.step()
+                        self._num_steps += 1
+                        self._note_step(engine.has_work(), engine.outputs_prefill_tokens)
+                        self._note_dispatch(engine.dispatched)
+                        self._deliver(outputs)
+                    self._publish_stats()
         except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
             logger.exception("engine step failed; the engine is stopping")
             with self._lock:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 
 # Generation 0's threshold while an engine runs (net allocations of tracked objects between two
 # collections); generations 1 and 2 keep theirs. Above the live objects of a step of a few
@@ -30,15 +31,28 @@ def _relax() -> tuple[int, int, int]:
     return previous
 
 
+_lock = threading.Lock()
+_holders = 0  # blocks inside relaxed_collection now, in any thread
+_saved: tuple[int, int, int] | None = None  # the thresholds from before the first of them
+
+
 @contextlib.contextmanager
 def relaxed_collection():
-    """Generation 0 at ENGINE_GEN0_THRESHOLD inside the block (an offline engine's run in the
-    caller's process), the caller's thresholds again after it."""
-    previous = _relax()
+    """Generation 0 at ENGINE_GEN0_THRESHOLD inside the block (an engine's run in the caller's
+    process: `LLM.generate`, an in-process `AsyncLLM`'s engine thread), the caller's thresholds
+    again once the last such block in any thread has ended (the thresholds are the process's)."""
+    global _holders, _saved
+    with _lock:
+        if _holders == 0:
+            _saved = _relax()
+        _holders += 1
     try:
         yield
     finally:
-        gc.set_threshold(*previous)
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                gc.set_threshold(*_saved)
 
 
 def prepare_serving_heap() -> int:

@@ -3,6 +3,7 @@ engine runs, so that steady decode steps trigger no collection, and the caller's
 
 import contextlib
 import gc
+import threading
 
 import pytest
 
@@ -36,6 +37,27 @@ def test_relaxed_collection_raises_generation_0_only_and_restores(default_thresh
     gc.set_threshold(0, 10, 10)  # automatic collection turned off by the caller stays off
     with relaxed_collection():
         assert gc.get_threshold() == (0, 10, 10)
+
+
+def test_overlapping_blocks_in_two_threads_restore_only_after_the_last(default_thresholds):
+    """The thresholds are the process's: a block that ends while another thread's still runs leaves
+    them relaxed, and the last one to end restores the caller's (not the first block's view)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def engine_thread():
+        with relaxed_collection():
+            entered.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    assert entered.wait(10)
+    with relaxed_collection():
+        assert gc.get_threshold()[0] == ENGINE_GEN0_THRESHOLD
+    assert gc.get_threshold()[0] == ENGINE_GEN0_THRESHOLD  # the other thread's block still runs
+    release.set()
+    thread.join(10)
+    assert gc.get_threshold() == (700, 10, 10)
 
 
 def _collections_in_steady_decode(rows: int, relaxed: bool) -> int:
