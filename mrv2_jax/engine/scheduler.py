@@ -513,7 +513,7 @@ class Scheduler:
                 request.output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
                 accepted = token_ids
-                # Only a stop id or the length limit can stop it (_check_stop says which, and when).
+                # The call is skipped where it could only say "not yet": no stop id, below the limit.
                 finish_status = (self._check_stop(request, token_id) if token_id in request.stop_ids
                                  or len(request.output_token_ids) >= request.max_output_tokens else None)
             else:
@@ -539,14 +539,13 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_outputs = len(request.output_token_ids)  # (runs for every sampled token)
-        if num_outputs >= params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+        """Whether the token just appended ends the request: one of its `stop_ids` once `min_tokens`
+        are out (a `stop_token_ids` entry is its stop reason; EOS has none), or the length limit."""
+        num_outputs = len(request.output_token_ids)
+        if token_id in request.stop_ids and num_outputs >= request.sampling_params.min_tokens:
+            if token_id not in self.eos_token_ids or request.sampling_params.ignore_eos:
                 request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED
         if num_outputs >= request.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
