@@ -103,7 +103,8 @@ class PromptStepCapture(StepLog):
 
     def step_scheduled(self, scheduled) -> None:
         super().step_scheduled(scheduled)
-        self._admitting = self.armed and bool(scheduled.new_reqs) and bool(scheduled.cached_reqs)
+        new = len(scheduled.new_reqs)  # admitted beside rows already running
+        self._admitting = self.armed and 0 < new < len(scheduled.num_scheduled_tokens)
         self._decoding = scheduled.num_prefill_tokens == 0
 
     def dispatched(self, runner, compiled, packed, call_s: float) -> None:

@@ -244,7 +244,8 @@ class Scheduler:
             req_id = request.request_id
             if num_draft:
                 num_spec[req_id] = num_draft
-            cached_reqs.append(CachedRequestData(req_id, new_blocks, request.num_computed_tokens))
+            if new_blocks:  # the runner knows the rest (most decode steps add no block)
+                cached_reqs.append(CachedRequestData(req_id, new_blocks, request.num_computed_tokens))
             num_scheduled[req_id] = num_new
             scheduled[req_id] = request
             budget -= num_new
@@ -319,7 +320,8 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, n)
             if new_blocks is None:  # _num_fused_steps counted the blocks
                 raise RuntimeError(f"no KV blocks for the fused decode of {request.request_id!r}")
-            cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
+            if new_blocks:
+                cached_reqs.append(CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens))
             request.num_computed_tokens += n
             request.num_output_placeholders += n
             num_scheduled[request.request_id] = n

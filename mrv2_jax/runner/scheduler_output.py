@@ -36,9 +36,9 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the runner already holds: the blocks appended to its table this step and
-    its ``num_computed_tokens`` before this step (equal to the runner's own count unless a
-    step of it is still in flight)."""
+    """A request the runner already holds that gets blocks this step: the blocks appended to its
+    table and its ``num_computed_tokens`` before this step (equal to the runner's own count unless
+    a step of it is still in flight). A running request that gets no block is not listed."""
 
     req_id: str
     new_block_ids: list[int]
@@ -58,6 +58,10 @@ class SchedulerOutput:
     ``num_spec_tokens[req_id]`` (speculative decoding): the draft tokens among a decoding
     request's scheduled tokens (its last known token, then that many drafts, whose values the
     runner holds); the step emits 1 .. 1 + that many tokens for it. Absent: no drafts.
+
+    ``cached_reqs``: the scheduled requests the runner already holds that get new blocks this
+    step (a decode fills a new block every ``block_size`` tokens); the others appear only in
+    ``num_scheduled_tokens``.
 
     ``finished_req_ids``: requests finished, aborted or preempted since the previous
     step; the runner frees their slots before adding ``new_reqs``. An output may schedule

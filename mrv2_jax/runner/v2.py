@@ -197,7 +197,10 @@ class ModelRunnerV2(RunnerBase):
         self.state = init_device_state(max_num_seqs, max_model_len, self.max_blocks_per_seq)
         if self.tp is not None:
             self.state = self.tp.replicate(self.state)
-        self._prompts: dict[str, list[int]] = {}  # host copy of tokens still to prefill
+        # Rows still prefilling: the host copy of their tokens, and the position of the next chunk
+        # (the runner counts the chunks itself; the scheduler lists a running request only when it
+        # gets new blocks).
+        self._prompts: dict[str, tuple[list[int], int]] = {}
         self._num_blocks: dict[str, int] = {}  # blocks sent so far, per request
         self._logprob_reqs: dict[str, int] = {}  # requests that asked for logprobs -> top n
         self._prompt_lp_reqs: dict[str, tuple[int, int]] = {}  # prompt_logprobs -> (top n, prompt length)
@@ -369,13 +372,11 @@ class ModelRunnerV2(RunnerBase):
         view("num_scheduled")[: len(req_ids)] = counts
         spans = {}  # prompt logprobs: req_id -> (first token index, positions, top n, first position)
         if self._prompts:  # rows still prefilling: send this chunk's known tokens
-            computed = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
-            computed |= {n.req_id: n.num_computed_tokens for n in out.new_reqs}
             chunk, pos = view("chunk_tokens"), 0
             for i, (req_id, n) in enumerate(zip(req_ids, counts)):
-                prompt = self._prompts.get(req_id)
-                if prompt is not None:
-                    begin = computed[req_id]
+                progress = self._prompts.get(req_id)
+                if progress is not None:
+                    prompt, begin = progress
                     piece = prompt[begin : begin + n]
                     chunk[pos : pos + len(piece)] = piece
                     if self.spec is not None and begin + n < len(prompt):
@@ -389,6 +390,8 @@ class ModelRunnerV2(RunnerBase):
                             view("prompt_targets")[pos : pos + num] = targets + 1
                     if begin + n >= len(prompt):
                         del self._prompts[req_id]
+                    else:
+                        self._prompts[req_id] = (prompt, begin + n)
                 pos += n
         view("num_reqs")[...] = len(req_ids)
         capacity = layout.shapes["append_slot"][0]
@@ -497,7 +500,7 @@ class ModelRunnerV2(RunnerBase):
                 self._prompt_lp_reqs[new.req_id] = (new.sampling_params.prompt_logprobs, new.num_prompt_tokens)
             if not is_plain_greedy(row):
                 self._variant_of[new.req_id] = self._smallest_variant(row)
-            self._prompts[new.req_id] = list(new.token_ids)
+            self._prompts[new.req_id] = (list(new.token_ids), new.num_computed_tokens)
 
     def _load_automaton(self, new) -> int:
         """Put a constrained request's automaton in the device pool (unless it is there) -> the

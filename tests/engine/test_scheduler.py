@@ -387,13 +387,16 @@ def test_decode_first_then_fcfs_and_chunked_prefill():
     assert second.sampling_req_ids == {"a"}  # b is mid-prefill, c gets no budget
     assert second.num_prefill_tokens == 7  # b's chunk beside a's decode row
     assert scheduler.requests["a"].num_output_placeholders == 2
-    assert second.cached_reqs[0].num_computed_tokens == 3
+    assert second.cached_reqs == []  # "a"'s 4th token fits the block that holds its 3 prompt tokens
     assert second.new_reqs[0].num_computed_tokens == 0
     scheduler.update_from_output(first, {"a": [11]})
     assert scheduler.requests["a"].output_token_ids == [11]
     assert scheduler.requests["a"].num_output_placeholders == 1
     third = scheduler.schedule()
     assert list(third.num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
+    # "a"'s 5th token opens its second block; b's 8th-14th fill its second and take a third and fourth.
+    assert [(c.req_id, len(c.new_block_ids), c.num_computed_tokens) for c in third.cached_reqs] == [
+        ("a", 1, 4), ("b", 2, 7)]
     with pytest.raises(RuntimeError, match="did not sample"):
         scheduler.update_from_output(second, {"a": [12], "b": [1]})
 
