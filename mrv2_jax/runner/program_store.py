@@ -11,10 +11,12 @@ engine's own inputs (its configuration, the model's config, the KV cache size: `
 plus the program's name within the runner. Programs travel as jax.experimental.serialize_executable
 payloads; a loaded program checks its arguments' tree on every call, so a stale entry fails loudly.
 
-A program that JAX took from its own persistent compilation cache is not saved: XLA:CPU (jax 0.11.2)
-serialises such an executable without its kernels ("Function ... not found" when the loaded copy
-runs). `ProgramStore.compile` tells the two apart by JAX's cache-hit event, recorded on the
-compiling thread.
+On the CPU, a program that JAX took from its own persistent compilation cache is not saved: XLA:CPU
+(jax 0.11.2) serialises such an executable without its kernels ("Function ... not found" when the
+loaded copy runs). `ProgramStore.compile` tells the two apart by JAX's cache-hit event, recorded on
+the compiling thread. On GPUs it is saved like a fresh one: otherwise a program that an engine of
+another configuration (another store key, the same program) compiled first would come from JAX's
+cache, and be traced again, at every start.
 
 A stored program may call Mosaic GPU kernels. Their custom call finds its runtime library through an
 environment variable that importing `jax.experimental.mosaic.gpu` sets, which tracing such a kernel
@@ -48,6 +50,8 @@ MAX_FINGERPRINTS = 8  # fingerprint folders kept (each one engine configuration'
 _PACKAGES = ("mrv2_jax", "pallas_kernels")
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _this_thread = threading.local()  # .cache_hits: JAX's persistent-cache hits on this thread
+# Backends that serialise an executable loaded from JAX's cache without its kernels (see above).
+_RESERIALISES_WITHOUT_KERNELS = ("cpu",)
 
 
 def _count_cache_hits(event: str, **_) -> None:
@@ -134,14 +138,15 @@ class ProgramStore:
         return program
 
     def compile(self, name: str, lowered, compiler_options: dict | None = None):
-        """Compile `lowered` (a jax Lowered) and keep it as `name`, unless JAX's persistent cache gave it."""
+        """Compile `lowered` (a jax Lowered) and keep it as `name`, unless JAX's persistent cache gave it
+        on a backend that cannot serialise such a program whole."""
         before = getattr(_this_thread, "cache_hits", 0)
         compiled = lowered.compile(compiler_options or None)
-        if getattr(_this_thread, "cache_hits", 0) == before:
-            self.save(name, compiled)
-        else:
+        if getattr(_this_thread, "cache_hits", 0) != before and jax.default_backend() in _RESERIALISES_WITHOUT_KERNELS:
             self.not_saved += 1
             log.info("program store: %s came from JAX's compilation cache; not saved", name)
+        else:
+            self.save(name, compiled)
         return compiled
 
     def save(self, name: str, compiled) -> None:

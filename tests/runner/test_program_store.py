@@ -44,7 +44,8 @@ def test_a_saved_program_loads_and_runs_as_compiled(tmp_path):
 
 def test_a_program_from_jaxs_cache_is_not_saved_and_a_fresh_one_is(tmp_path, fresh_jax_cache):
     """XLA:CPU re-serialises an executable that JAX loaded from its persistent cache without its
-    kernels; the store compiles through JAX's cache but saves only what was compiled afresh."""
+    kernels; the store compiles through JAX's cache but saves only what was compiled afresh (on
+    the CPU: GPUs keep both, test_a_gpu_program_from_jaxs_cache_is_saved_and_loads_whole)."""
     def lowered():  # a new lowering each time, so that JAX looks in its persistent cache again
         return jax.jit(lambda x, y: (-jnp.power(x, 3.0) + jnp.tanh(y) @ x, jnp.sin(y))).lower(
             jnp.ones((8, 8)), jnp.ones((8, 8)))
@@ -171,6 +172,57 @@ def test_a_stored_mosaic_gpu_program_loads_in_a_fresh_process(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
     assert "could not load" not in runs[1].stderr
     assert float(runs[1].stdout.split()[-1]) == 0.0  # a copy: exact
+
+
+# Three fresh processes sharing one JAX persistent cache: "fresh" compiles a program (a cuBLAS GEMM
+# and a Mosaic GPU kernel) under one store key, "cached" compiles it again under another key, where it
+# comes from JAX's cache, and "load" only loads both copies and prints the second's distance from the
+# first's results and from jnp's.
+_CACHE_HIT_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from mrv2_jax.runner.program_store import ProgramStore
+from pallas_kernels.kv_write import write_kv_reference
+root, mode = sys.argv[1], sys.argv[2]
+jax.config.update("jax_compilation_cache_dir", root + "/jax")
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+rng = np.random.default_rng(0)
+caches = [jnp.zeros((2, 4, 2, 16, 64), jnp.bfloat16) for _ in range(2)]
+new = [jnp.asarray(rng.standard_normal((3, 2, 64)), jnp.bfloat16) for _ in range(2)]
+slots = jnp.asarray([5, -1, 17], jnp.int32)
+w = jnp.asarray(rng.standard_normal((64, 64)), jnp.bfloat16)
+def step(k, v, kn, vn, s, w):
+    from pallas_kernels.kv_write_mgpu import write_kv_mgpu
+    return write_kv_mgpu(k, v, kn @ w, vn, s, 1)
+store = ProgramStore(root + "/store", ("a" if mode == "fresh" else "b") * 64)
+if mode != "load":
+    store.compile("p", jax.jit(step).lower(*caches, *new, slots, w))
+    print("not_saved", store.not_saved)
+else:
+    programs = [ProgramStore(root + "/store", key * 64).load("p") for key in "ab"]
+    assert None not in programs, "a program was not saved"
+    fresh, cached = (program(*caches, *new, slots, w) for program in programs)
+    want = write_kv_reference(*caches, new[0] @ w, new[1], slots, 1)
+    distance = lambda xs, ys: max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+                                  for x, y in zip(xs, ys))
+    print(distance(cached, fresh), distance(cached, want))
+"""
+
+
+@pytest.mark.gpu
+def test_a_gpu_program_from_jaxs_cache_is_saved_and_loads_whole(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "MRV2_COMPILATION"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    runs = [subprocess.run([sys.executable, "-c", _CACHE_HIT_PROGRAM, str(tmp_path), mode], capture_output=True,
+                           text=True, env=env, timeout=300) for mode in ("fresh", "cached", "load")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert runs[1].stdout.split()[-1] == "0"  # saved although JAX's cache gave it
+    assert "came from JAX's compilation cache" not in runs[1].stderr
+    from_fresh, from_reference = map(float, runs[2].stdout.split()[-2:])
+    assert from_fresh == 0.0  # the same executable
+    assert from_reference <= 0.25  # bf16 values of magnitude ~8 (a GEMM of 64 standard normals): ~2 roundings
 
 
 def test_the_source_key_reads_the_kernels_actually_imported(tmp_path):
