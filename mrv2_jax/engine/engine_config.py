@@ -23,10 +23,11 @@ DEFAULT_MAX_FUSED_ROWS = 256
 # One decode step between a stream's chunks, as vLLM's default: with K > 1 a stream gets K tokens
 # at once every K steps, and its inter-chunk gap is K times its time per token.
 DEFAULT_STREAM_INTERVAL = 1
-# On GPUs the step programs of buckets up to 128 tokens unroll their layers: a cheaper call per
-# step at the small batches that serving streams one step per call; at 256 rows the device step
-# sets the pace and the loop measured faster (docs/benchmarks.md, "Layers unrolled in small buckets").
-DEFAULT_UNROLLED_LAYERS_MAX_TOKENS = 128
+# On GPUs the step programs of buckets up to 256 tokens unroll their layers: a cheaper call per
+# step at the small batches that serving streams one step per call, and a shorter device step for a
+# full 256-row decode batch, fused or not (docs/benchmarks.md, "The 256-token buckets unrolled" and
+# "The 256-token buckets unrolled by default").
+DEFAULT_UNROLLED_LAYERS_MAX_TOKENS = 256
 
 
 COMPILE_MODES = ("eager", "lazy", "background")
