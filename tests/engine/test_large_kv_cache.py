@@ -29,8 +29,8 @@ def _prompts() -> list[list[int]]:
 
 def _generate(gpu_memory_utilization: float, max_fused_steps: int) -> tuple[list[list[int]], float]:
     """Greedy tokens of the prompts, and the KV cache's share of the device's memory."""
-    # The settings of the two runs that met the bug (fused-decode benchmark, probe): one GPU's
-    # defaults otherwise (buckets up to 128 tokens unrolled); programs compile at first use.
+    # The settings of the two runs that met the bug (fused-decode benchmark, probe), buckets of up to
+    # 128 tokens unrolled as there (this test's steps use those of up to 32); programs compile at first use.
     llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", runner="v2", max_num_seqs=8, max_num_batched_tokens=2048,
               max_model_len=1024, gpu_memory_utilization=gpu_memory_utilization, unrolled_layers_max_tokens=128,
               compile_mode="lazy", max_fused_steps=max_fused_steps, show_progress=False)
