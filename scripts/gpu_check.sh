@@ -63,11 +63,12 @@ FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 
 # The server's prompt step offline (issue 24): 10 prompts of 128 tokens admitted beside 118 decoding rows.
 PROMPT_DISPATCH_ARGS="--model qwen3-0.6b --load-format dummy --rows 118 --admit 10 --input-len 128 --output-len 64 \
     --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --compile-mode lazy"
-# Arms of the unrolled-256 sections: the defaults, the 256-token buckets unrolled, and that with CUDA's
-# stream-ordered allocator (docs/benchmarks.md, session 56).
+# Arms of the unrolled-256 sections: the defaults (the 256-token buckets unrolled since session 57),
+# the old default of 128 unrolled tokens, and the defaults with CUDA's stream-ordered allocator
+# (docs/benchmarks.md, sessions 56-57).
 UNROLLED_ARMS="default||
-unrolled-256||--unrolled-layers-max-tokens 256
-both|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|--unrolled-layers-max-tokens 256"
+unrolled-128||--unrolled-layers-max-tokens 128
+cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|"
 # serve-compare on the serving workload (issue 24), with extra arguments after the common ones.
 serve_compare() {
   env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
@@ -459,9 +460,9 @@ for s in $sections; do case $s in
     done <<< "${ALLOC_AB_ARMS:-default||
 cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|
 cuda-async-unrolled-256|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|--unrolled-layers-max-tokens 256}" ;;
-  # Issue 25 / offline S1: the 256-token buckets unrolled (and CUDA's stream-ordered allocator) where
-  # session 56 left them unmeasured: `bench throughput` S1@256 (fused decode at 256 rows whenever
-  # nothing waits) and fused decode at 256 rows, UA_ROUNDS rounds (default 2) of the arms in turn.
+  # Issue 25 / offline S1: the 256-token buckets unrolled against 128 (and CUDA's stream-ordered
+  # allocator): `bench throughput` S1@256 (fused decode at 256 rows whenever nothing waits) and fused
+  # decode at 256 rows, UA_ROUNDS rounds (default 2) of the arms in turn.
   # UA_ARMS: lines "name|environment|engine arguments". Every run's JSON is merged into one file
   # (the device returns only a few files); the logs stay on the machine under /tmp/ua.
   unrolled-256-ab)
