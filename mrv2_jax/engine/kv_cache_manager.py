@@ -133,19 +133,24 @@ class KVCacheManager:
         if new_computed_blocks:
             raise ValueError(f"request {request.request_id!r} already holds blocks; cache "
                              "hits can only be taken at its first allocation")
-        # The common case, a running request growing: usually no new block at all.
+        # The common case, a running request growing: usually no new block at all. (This runs once per
+        # running request every step: plain arithmetic, no builtin calls it can do without.)
         num_scheduled_end = request.num_computed_tokens + num_new_tokens
-        num_to_allocate = -(-(num_scheduled_end + num_lookahead_tokens) // self.block_size) - len(held)
-        new_blocks = []
+        size = self.block_size
+        num_to_allocate = (num_scheduled_end + num_lookahead_tokens + size - 1) // size - len(held)
         if num_to_allocate > 0:
             if num_to_allocate > self.pool.num_free_blocks:
                 return None
             new_blocks = self.pool.allocate(num_to_allocate)
             held.extend(new_blocks)
+        else:
+            new_blocks = []
         # Most decode steps fill no block: skip the call unless one may have become full.
-        if self.enable_prefix_caching and (min(num_scheduled_end, len(request.all_token_ids)) // self.block_size
-                                           > self._num_cached_blocks[request.request_id]):
-            self._cache_final_blocks(request, num_scheduled_end)
+        if self.enable_prefix_caching:
+            num_known = len(request.all_token_ids)
+            num_final = num_scheduled_end if num_scheduled_end < num_known else num_known
+            if num_final // size > self._num_cached_blocks[request.request_id]:
+                self._cache_final_blocks(request, num_scheduled_end)
         return new_blocks
 
     def _allocate_first(
