@@ -458,8 +458,7 @@ for s in $sections; do case $s in
       run_section alloc-$name-fused env $environment python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --max-num-seqs 32 --fused-steps 1 16 --compile-mode lazy $extra --output-json "$OUT/alloc_${name}_fused.json"
     done <<< "${ALLOC_AB_ARMS:-default||
-cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|
-cuda-async-unrolled-256|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|--unrolled-layers-max-tokens 256}" ;;
+cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
   # Issue 25 / offline S1: the 256-token buckets unrolled against 128 (and CUDA's stream-ordered
   # allocator): `bench throughput` S1@256 (fused decode at 256 rows whenever nothing waits) and fused
   # decode at 256 rows, UA_ROUNDS rounds (default 2) of the arms in turn.
