@@ -38,7 +38,8 @@ class NewRequestData:
 class CachedRequestData:
     """A request the runner already holds that gets blocks this step: the blocks appended to its
     table and its ``num_computed_tokens`` before this step (equal to the runner's own count unless
-    a step of it is still in flight). A running request that gets no block is not listed."""
+    a step of it is still in flight; the runners keep their own counts, and the tests' fake devices
+    check theirs against it). A running request that gets no block is not listed."""
 
     req_id: str
     new_block_ids: list[int]
