@@ -53,6 +53,10 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}
         # How many of the request's leading blocks have been offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Per request holding blocks: a scheduled end (computed tokens + new ones) below which
+        # `allocate_slots` would change nothing, so that the scheduler may skip the call: the end
+        # fits the blocks held and fills no block that has not been offered to the prefix cache.
+        self.no_change_below: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -151,6 +155,7 @@ class KVCacheManager:
             num_final = num_scheduled_end if num_scheduled_end < num_known else num_known
             if num_final // size > self._num_cached_blocks[request.request_id]:
                 self._cache_final_blocks(request, num_scheduled_end)
+        self._set_no_change_below(request.request_id, held)
         return new_blocks
 
     def _allocate_first(
@@ -172,6 +177,7 @@ class KVCacheManager:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
             self._cache_final_blocks(request, num_scheduled_end)
+        self._set_no_change_below(request.request_id, self._blocks[request.request_id])
         return new_blocks
 
     def free(self, request: _RequestView) -> None:
@@ -180,6 +186,7 @@ class KVCacheManager:
         blocks = self._blocks.pop(request_id, [])
         self._hashes.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
+        self.no_change_below.pop(request_id, None)
         # Last block first: the tail of a prefix should be evicted before its head.
         self.pool.free(reversed(blocks))
 
@@ -188,6 +195,14 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _set_no_change_below(self, request_id: str, held: list[int]) -> None:
+        # An end E needs no block while E <= len(held) * size, and offers no block to the cache while
+        # min(E, known tokens) // size <= the blocks offered, which E < (offered + 1) * size ensures.
+        limit = len(held) * self.block_size + 1
+        if self.enable_prefix_caching:
+            limit = min(limit, (self._num_cached_blocks[request_id] + 1) * self.block_size)
+        self.no_change_below[request_id] = limit
 
     def _block_hashes(self, request: _RequestView) -> list[BlockHash]:
         """Hashes of the request's full blocks of known tokens, extended incrementally."""

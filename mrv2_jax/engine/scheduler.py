@@ -216,17 +216,18 @@ class Scheduler:
         #    attribute reads, and skips what is off, e.g. drafts without speculation.)
         running, speculate = self.running, self.config.num_speculative_tokens > 0
         allocate = self.kv_cache_manager.allocate_slots
+        no_change_below = self.kv_cache_manager.no_change_below
         lookahead = self.config.num_lookahead_tokens
         chunked = self.config.enable_chunked_prefill
-        index = 0
-        while index < len(running) and budget > 0:
-            request = running[index]
-            index += 1
+        for request in running:  # (a preemption shortens the list from its end, which ends the loop there)
+            if budget <= 0:
+                break
             # The tokens to compute: all that remain, a prefill chunk of them (it samples nothing, so
             # no output limit applies), or none while the tokens in flight reach the output limit.
             placeholders = request.num_output_placeholders
+            computed = request.num_computed_tokens
             num_known = len(request.all_token_ids)
-            num_new = num_known + placeholders - request.num_computed_tokens
+            num_new = num_known + placeholders - computed
             if num_new > budget:
                 if not chunked:
                     continue
@@ -235,23 +236,27 @@ class Scheduler:
                 continue
             num_draft = self._num_drafts(request, num_new, budget) if speculate else 0
             num_new += num_draft
-            # The common case first: no lookahead, and the pool has room without preempting.
-            new_blocks = None if lookahead else allocate(request, num_new)
-            if new_blocks is None:
-                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
-                if new_blocks is None:
-                    break  # the request itself was preempted, and with it everything after it
             req_id = request.request_id
+            # The common case first: the blocks held suffice and nothing is offered to the prefix cache
+            # (the KV cache manager says up to where), so allocate_slots would change nothing.
+            if not lookahead and computed + num_new < no_change_below.get(req_id, 0):
+                new_blocks = None
+            else:
+                new_blocks = None if lookahead else allocate(request, num_new)
+                if new_blocks is None:
+                    new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+                    if new_blocks is None:
+                        break  # the request itself was preempted, and with it everything after it
+                if new_blocks:  # the runner knows the rest (most decode steps add no block)
+                    cached_reqs.append(CachedRequestData(req_id, new_blocks, computed))
             if num_draft:
                 num_spec[req_id] = num_draft
-            if new_blocks:  # the runner knows the rest (most decode steps add no block)
-                cached_reqs.append(CachedRequestData(req_id, new_blocks, request.num_computed_tokens))
             num_scheduled[req_id] = num_new
             scheduled[req_id] = request
             budget -= num_new
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens == num_known + placeholders + num_draft:
-                request.num_output_placeholders += 1 + num_draft
+            request.num_computed_tokens = computed = computed + num_new
+            if computed == num_known + placeholders + num_draft:
+                request.num_output_placeholders = placeholders + 1 + num_draft
                 sampling_req_ids.add(req_id)
 
         # 2. Waiting requests in FCFS order. Not after a preemption: the pool is full, and
@@ -489,35 +494,38 @@ class Scheduler:
         # Once per sampling request every step: plain attribute reads (status compared by
         # identity, no properties), and no per-request lookups of what is off this step.
         finished = _FINISHED
+        num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         for req_id, request in scheduler_output.scheduled_requests.items():  # schedule order
             if req_id not in sampling_req_ids or request.status in finished:
                 continue
             token_ids = sampled_token_ids.get(req_id, ())
+            num_tokens = len(token_ids)
             num_draft = num_spec_tokens.get(req_id, 0) if num_spec_tokens else 0
             # The placeholders schedule() counted for this request's sampled tokens.
-            expected = scheduler_output.num_scheduled_tokens[req_id] if fused else 1 + num_draft
-            if not 1 <= len(token_ids) <= expected:
+            expected = num_scheduled_tokens[req_id] if fused else 1 + num_draft
+            if not 1 <= num_tokens <= expected:
                 raise RuntimeError(
-                    f"runner returned {len(token_ids)} tokens for {req_id!r}, expected "
+                    f"runner returned {num_tokens} tokens for {req_id!r}, expected "
                     + (f"1 to {expected}" if num_draft else str(expected))
                 )
             request.num_output_placeholders -= expected
             if num_draft:
-                self.spec_stats.observe(num_draft, len(token_ids) - 1)
+                self.spec_stats.observe(num_draft, num_tokens - 1)
                 if request.status == RequestStatus.RUNNING:  # (a preempted one restarts from 0)
                     # Rejected drafts were counted as computed; their KV is overwritten later.
-                    request.num_computed_tokens -= num_draft - (len(token_ids) - 1)
+                    request.num_computed_tokens -= num_draft - (num_tokens - 1)
             if request.first_token_time is None:
                 request.first_token_time = now
             grammar = request.grammar
-            if len(token_ids) == 1 and grammar is None:  # a plain step's token, the common case, inlined
+            if num_tokens == 1 and grammar is None:  # a plain step's token, the common case, inlined
                 token_id = token_ids[0]
-                request.output_token_ids.append(token_id)
+                output_token_ids = request.output_token_ids
+                output_token_ids.append(token_id)
                 request.all_token_ids.append(token_id)
                 accepted = token_ids
                 # The call is skipped where it could only say "not yet": no stop id, below the limit.
                 finish_status = (self._check_stop(request, token_id) if token_id in request.stop_ids
-                                 or len(request.output_token_ids) >= request.max_output_tokens else None)
+                                 or len(output_token_ids) >= request.max_output_tokens else None)
             else:
                 finish_status = None
                 for num_accepted, token_id in enumerate(token_ids, 1):  # tokens after a stop are dropped
@@ -531,7 +539,7 @@ class Scheduler:
             if finish_status is not None:
                 self._finish(request, finish_status)
                 finish_reason = finish_status.finish_reason
-            elif fused and len(token_ids) < expected:
+            elif fused and num_tokens < expected:
                 # A fused row ends early only on a stop; fewer spec tokens means rejected drafts.
                 raise RuntimeError(f"runner stopped {req_id!r} after {len(token_ids)} of {expected} "
                                    "tokens, on a token that does not stop it")

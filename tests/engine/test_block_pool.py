@@ -89,6 +89,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.live[request.request_id] = request
         self._write_kv(request, num_hit, num_hit + num_new)
 
+    def _snapshot(self, request: FakeRequest):
+        pool = self.manager.pool
+        return (self.manager.get_block_ids(request.request_id), dict(self.manager._num_cached_blocks),
+                list(pool.ref_counts), pool.free_block_ids(), dict(pool._cached), list(pool.block_hashes))
+
     # -- rules --
     @rule(stem=st.sampled_from(STEMS), cut=st.integers(0, 12),
           tail=st.lists(st.integers(0, 3), max_size=6), chunk=st.integers(1, 20))
@@ -115,7 +120,13 @@ class KVCacheMachine(RuleBasedStateMachine):
             chunk = 1
         chunk = min(chunk, request.num_tokens - request.num_computed_tokens)
         free_before = self.manager.num_free_blocks
-        if self.manager.allocate_slots(request, chunk) is None:
+        # Below the manager's `no_change_below` (the scheduler then skips the call) the call changes nothing.
+        skippable = request.num_computed_tokens + chunk < self.manager.no_change_below[request.request_id]
+        before = self._snapshot(request)
+        new_blocks = self.manager.allocate_slots(request, chunk)
+        if skippable:
+            assert new_blocks == [] and self._snapshot(request) == before
+        if new_blocks is None:
             assert self.manager.num_free_blocks == free_before
             return
         start = request.num_computed_tokens
@@ -147,6 +158,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         free = pool.free_block_ids()
         assert len(set(free)) == len(free)
         assert set(free) == {b for b in range(pool.num_blocks) if expected[b] == 0}
+
+    @invariant()
+    def no_change_below_is_kept_for_the_holders_only(self):
+        assert set(self.manager.no_change_below) == {r for r in self.live if self.manager.get_block_ids(r)}
 
     @invariant()
     def cache_index_is_consistent(self):
