@@ -44,6 +44,8 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
+# A client process this busy (CPU seconds per wall second) may have been the bottleneck.
+CLIENT_BUSY = 0.85
 
 
 @dataclass
@@ -184,7 +186,8 @@ def format_report(m: dict, max_concurrency, percentiles: list[float]) -> str:
             line("Total generated tokens:", m["total_output_tokens"]),
             line("Request throughput (req/s):", f"{m['request_throughput']:.2f}"),
             line("Output token throughput (tok/s):", f"{m['output_throughput']:.2f}"),
-            line("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}")]
+            line("Total token throughput (tok/s):", f"{m['total_token_throughput']:.2f}"),
+            line("Client CPU busy (of wall time):", f"{m['client_cpu_busy']:.2f}")]
     for name in METRICS:
         label = LABELS[name]
         rows.append(f"{TITLES[name]:-^50}")
@@ -356,25 +359,34 @@ def run(args) -> dict:
             bad = [r.error for r in warm if not r.success]
             if bad:
                 raise RuntimeError(f"{len(bad)} warm-up request(s) failed, e.g. {bad[0]}")
-        return asyncio.run(run_requests(base_url, args.endpoint, bodies[args.num_warmups :],
-                                        lens[args.num_warmups :], request_rate=args.request_rate,
-                                        progress=not args.disable_tqdm, **kw))
+        cpu_start = time.process_time()
+        results, duration = asyncio.run(run_requests(base_url, args.endpoint, bodies[args.num_warmups :],
+                                                     lens[args.num_warmups :], request_rate=args.request_rate,
+                                                     progress=not args.disable_tqdm, **kw))
+        return results, duration, time.process_time() - cpu_start
 
     server_startup = None
     if args.launch_server:
         port = args.port or free_port(args.host)
         log = args.server_log or os.path.join(tempfile.gettempdir(), f"mrv2-serve-{port}.log")
         with LaunchedServer(args, args.host, port, log, args.server_timeout) as server:
-            results, duration = measure(server.url)
+            results, duration, cpu_s = measure(server.url)
             server_startup = server.startup_s
     else:
-        results, duration = measure(args.base_url or f"http://{args.host}:{args.port or 8000}")
+        results, duration, cpu_s = measure(args.base_url or f"http://{args.host}:{args.port or 8000}")
 
     metrics = summarize(results, duration, percentiles)
+    # One asyncio client reads every stream: near a core's worth of CPU, it delays the chunks it reads.
+    metrics["client_cpu_busy"] = cpu_s / duration
+    metrics["client_may_be_bound"] = metrics["client_cpu_busy"] > CLIENT_BUSY
     print(format_report(metrics, args.max_concurrency, percentiles))
     errors = [r.error for r in results if not r.success]
     if errors:
         print(f"{len(errors)} request(s) failed; first: {errors[0]}", file=sys.stderr)
+    if metrics["client_may_be_bound"]:
+        print(f"note: this client process was busy {metrics['client_cpu_busy']:.2f} of the run's wall time, so it may "
+              "have held back the server and bunched its chunks (ITL); `mrv2-jax bench serve-compare --servers mrv2` "
+              "spreads the streams over several client processes", file=sys.stderr)
     if metrics["completed"] and metrics["total_chunks"] < 0.5 * metrics["total_output_tokens"]:
         print(f"note: {metrics['total_chunks']} chunks for {metrics['total_output_tokens']} tokens: the server "
               "streams decoded text, and a model without a tokenizer only streams at the end (TTFT and ITL "

@@ -36,7 +36,7 @@ import numpy as np
 from mrv2_jax.bench.compare import vllm_available, vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.process_cpu import CpuSampler
-from mrv2_jax.bench.serve import LaunchedServer, free_port
+from mrv2_jax.bench.serve import CLIENT_BUSY, LaunchedServer, free_port
 from mrv2_jax.bench.server_histograms import count, quantile, scrape
 from mrv2_jax.entrypoints.cli import add_engine_args
 
@@ -52,8 +52,6 @@ SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval"
                "prefill_step_interval": f'{STEP_INTERVAL}{{step="prefill"}}',
                "decode_dispatch": f'{STEP_DISPATCH}{{step="decode"}}',
                "prefill_dispatch": f'{STEP_DISPATCH}{{step="prefill"}}'}
-# A client process this busy (CPU seconds per wall second) may have been the bottleneck.
-CLIENT_BUSY = 0.85
 VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
                "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
                "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())")

@@ -2,6 +2,7 @@
 tokenizer and so streams a chunk per token): schema and sane values, not speeds."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -45,6 +46,20 @@ def test_bench_serve_report(server, tmp_path):
         # A chunk per token (minus what the detokenizer merges), and the gaps add up.
         assert 1 <= len(r["itl"]) <= 6 and sum(r["itl"]) <= r["e2el"] - r["ttft"] + 1e-6
     assert result["settings"]["max_concurrency"] == 4 and result["settings"]["request_rate"] == "inf"
+
+
+def test_bench_serve_reports_its_client_cpu_busy(server):
+    """The client's CPU time over the measured run (here the in-process server's too) per second of its wall
+    time; past CLIENT_BUSY the report says the client may have been the bottleneck."""
+    args = serve.build_parser().parse_args(
+        ["--base-url", server.url, "--model", "demo", "--num-prompts", "8", "--input-len", "12",
+         "--output-len", "6", "--ignore-eos", "--max-concurrency", "4", "--num-warmups", "0", "--disable-tqdm"])
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    m = serve.run(args)["metrics"]
+    cpu, wall = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    # The run is a part of the call: its CPU seconds are at most the call's, its wall time at most the call's.
+    assert 0 < m["client_cpu_busy"] * m["duration_s"] <= cpu and m["duration_s"] <= wall
+    assert m["client_may_be_bound"] == (m["client_cpu_busy"] > serve.CLIENT_BUSY)
 
 
 def test_bench_serve_poisson_rate_counts_failures(server):
