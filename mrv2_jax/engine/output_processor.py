@@ -31,7 +31,7 @@ from mrv2_jax.engine.scheduler_output import EngineCoreOutput
 from mrv2_jax.engine.token_ids_view import TokenIdsView
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer | None
