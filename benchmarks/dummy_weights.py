@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from mrv2_jax.engine.builder import enable_compilation_cache
+from mrv2_jax.engine import compilation_cache
 from mrv2_jax.models.decoder import init_kind
 from mrv2_jax.models.loader import _dummy_param, init_model, load_hf_config, resolve_dtype, resolve_model_path
 
@@ -23,7 +23,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
-    enable_compilation_cache()
+    compilation_cache.enable()
     t0 = time.perf_counter()
     jax.block_until_ready(jax.numpy.zeros(()))
     backend_s = time.perf_counter() - t0

@@ -108,12 +108,12 @@ def measure(llm, prompts, output_len: int, fused_steps: int) -> dict:
 
 
 def run(args) -> dict:
-    from mrv2_jax.engine.builder import enable_compilation_cache
+    from mrv2_jax.engine import compilation_cache
     from mrv2_jax.llm import LLM
     from mrv2_jax.models.loader import load_model
     from mrv2_jax.sampling_params import SamplingParams
 
-    enable_compilation_cache()
+    compilation_cache.enable()
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.dtype, args.load_format, args.seed)
     load_s = time.perf_counter() - t0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mrv2_jax import envs
 from mrv2_jax.config import CacheConfig, KernelConfig, SchedulerConfig
+from mrv2_jax.engine import compilation_cache
 from mrv2_jax.engine.engine_config import DEFAULT_UNROLLED_LAYERS_MAX_TOKENS, EngineConfig
 from mrv2_jax.engine.engine_core import EngineCore
 from mrv2_jax.engine.scheduler import Scheduler
@@ -104,29 +105,6 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
     return ModelRunnerV1(model_state, lm, tensor_parallel=tensor_parallel, **kwargs)
 
 
-COMPILATION_CACHE_MAX_BYTES = 8 << 30  # least recently used entries go beyond this
-
-
-def enable_compilation_cache() -> None:
-    """Keep compiled XLA executables on disk, so a second start skips most compiling.
-    `MRV2_COMPILATION_CACHE=<dir>` moves it, `=off` turns it off."""
-    import jax
-
-    where = envs.read("MRV2_COMPILATION_CACHE")
-    if where.lower() == "off" or jax.config.jax_compilation_cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", where)
-    # On GPUs every program is kept, so that a warm start compiles nothing (small programs such as the
-    # dummy-weight initialisers add up). On CPUs only the slower ones: the test suite makes thousands
-    # of tiny programs, each of which would be a cache write and a file.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if jax.default_backend() == "gpu" else 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    # A size limit turns on JAX's file lock around every cache read and write. Without it a
-    # process can read an entry another process is still writing (the write is not atomic),
-    # e.g. pytest -n 2 workers sharing this cache.
-    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
-
-
 def make_program_store(config: EngineConfig, model_path: Path, num_blocks: int, max_model_len: int):
     """The runner's ProgramStore (runner/program_store.py), or None: off unless set, or by default on a
     GPU with one device and the compilation cache on; keyed by the engine's configuration, the
@@ -217,7 +195,7 @@ def build_engine(config: EngineConfig, loaded_model=None):
     with report.phase("backend"):  # the cache's settings ask for the backend, which starts it
         import jax
 
-        enable_compilation_cache()
+        compilation_cache.enable()
         jax.devices()
     hf_config = None
     if loaded_model is None:
