@@ -37,10 +37,9 @@ def enable() -> None:
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0 if gpu else 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_compilation_cache_max_size", -1 if gpu else MAX_BYTES)  # -1: JAX's limit off
     if gpu:
         prune(Path(where).expanduser(), MAX_BYTES)
-    else:
-        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
 
 
 def prune(folder: Path, max_bytes: int) -> int:

@@ -61,6 +61,7 @@ def test_enable_prunes_on_gpus_and_uses_jaxs_limit_on_cpus(tmp_path, monkeypatch
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     with jax_cache_settings(**{name: getattr(jax.config, name) for name in SETTINGS}):
         jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_compilation_cache_max_size", 123)  # as an earlier engine's setting could leave it
         compilation_cache.enable()
         assert jax.config.jax_compilation_cache_dir == str(folder)
         if backend == "gpu":
