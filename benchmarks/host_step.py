@@ -15,8 +15,10 @@ schedule, execute (the stand-in: not engine work), result (`PendingStep.result()
 (`Scheduler.update_from_output`), core other (the rest of `EngineCore.step`: the logprob attach
 and the loop itself) and process (`OutputProcessor.process`). Two cases: final_only (as
 `LLM.generate` adds its requests: no output until a request finishes) and streaming (a
-`RequestOutput` per request and step, detokenized every step). Only steady decode steps count
-(every one of the `rows` requests decoding one token); the median over them is reported. The
+`RequestOutput` per request and step, detokenized every step; the requests stream as a server's do,
+with fused decode on and a stream interval of 1, so the scheduler decides K = 1 at every step).
+Only steady decode steps count (every one of the `rows` requests decoding one token); the median
+over them is reported. The
 requests grow by one token a step, so a cost that grows with the output length shows too.
 """
 
@@ -53,6 +55,7 @@ class StandInRunner:
     max_fused_rows = 0
     num_fused_calls = 0
     automaton_capacity = (0, 0)  # no structured outputs
+    eos_token_ids = ()  # (read for streaming requests; no engine process streams from inside calls here)
 
     def __init__(self, vocab: int, seed: int = 0):
         self._rng = np.random.default_rng(seed)
@@ -66,12 +69,14 @@ class StandInRunner:
         return PendingStep(SamplerOutput(tokens=tokens), req_ids, out.sampling_req_ids, {})
 
 
-def build(rows: int, prompt_len: int, max_tokens: int, block_size: int = 16) -> EngineCore:
-    """An async engine over the stand-in runner, with room for every request's whole length."""
+def build(rows: int, prompt_len: int, max_tokens: int, streaming: bool, block_size: int = 16) -> EngineCore:
+    """An async engine over the stand-in runner, with room for every request's whole length; for
+    streaming requests, fused decode on as in a server (their stream interval keeps K at 1)."""
     max_model_len = prompt_len + max_tokens
     blocks = rows * -(-max_model_len // block_size) + 1
+    fused = dict(max_fused_steps=16, max_fused_rows=rows, stream_interval=1) if streaming else {}
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=max(8192, rows),
-                                          max_model_len=max_model_len),
+                                          max_model_len=max_model_len, **fused),
                           CacheConfig(block_size=block_size, num_gpu_blocks=blocks), eos_token_id=None)
     return EngineCore(scheduler, StandInRunner(vocab=1000), async_scheduling=True)
 
@@ -80,12 +85,12 @@ def run_case(tokenizer, *, rows: int, steps: int, final_only: bool, prompt_len: 
              seed: int = 0) -> dict:
     """-> median µs per steady decode step of each part (PARTS), and their engine total."""
     max_tokens = steps + 8  # nobody finishes inside the measured steps
-    engine = build(rows, prompt_len, max_tokens)
+    engine = build(rows, prompt_len, max_tokens, streaming=not final_only)
     processor = OutputProcessor(tokenizer)
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(rows):
-        request = Request(f"r{i}", rng.integers(0, 1000, prompt_len).tolist(), params)
+        request = Request(f"r{i}", rng.integers(0, 1000, prompt_len).tolist(), params, streaming=not final_only)
         engine.add_request(request)
         processor.add(request, final_only=final_only)
     recorder = StepRecorder(engine, rows, skip=0, window=0, trace_dir=None)

@@ -62,7 +62,7 @@ def test_overlapping_blocks_in_two_threads_restore_only_after_the_last(default_t
 
 def _collections_in_steady_decode(rows: int, relaxed: bool) -> int:
     """Collections while the real scheduler and engine core (a stand-in runner) decode `rows` rows."""
-    engine = build(rows, prompt_len=16, max_tokens=40)
+    engine = build(rows, prompt_len=16, max_tokens=40, streaming=False)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     for i in range(rows):
         engine.add_request(Request(f"r{i}", [3 + i % 50] * 16, params))

@@ -295,6 +295,10 @@ class Scheduler:
                 or len(self.running) > min(config.max_fused_rows, config.max_num_batched_tokens)
                 or self._grammar_running):
             return 1
+        in_call = self.streams_in_call
+        if config.stream_interval == 1 and any(request.streaming and not (in_call and request.streams_in_call)
+                                               for request in self.running):
+            return 1  # a stream's chunk every step (a server's default): found at the first stream, not per row
         steps_left = []
         streaming = False
         for request in self.running:

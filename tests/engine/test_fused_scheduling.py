@@ -274,17 +274,23 @@ def test_output_processor_streams_a_multi_token_output_per_token():
             assert outputs[-1].outputs[0].text.startswith("".join(o.delta_text for o in outputs))
 
 
-def test_a_request_streaming_in_the_call_keeps_k_and_one_that_does_not_caps_it():
+@pytest.mark.parametrize("stream_interval", [3, 1])
+def test_a_request_streaming_in_the_call_keeps_k_and_one_that_does_not_caps_it(stream_interval):
     """With the engine process streaming from inside fused calls, a streaming request that streams
-    in the call keeps max_fused_steps; one that cannot (logprobs, say) still caps K."""
-    for streams_in_call, expected in ((True, 8), (False, 3)):
-        scheduler = fused_scheduler(max_fused_steps=8, max_fused_rows=2, stream_interval=3)
+    in the call keeps max_fused_steps; one that cannot (logprobs, say) still caps K, also when it is
+    not the first running request (interval 1 is the server's default, decided before the per-row pass)."""
+    for streams_in_call, expected in ((True, 8), (False, stream_interval)):
+        scheduler = fused_scheduler(max_fused_steps=8, max_fused_rows=3, stream_interval=stream_interval)
         scheduler.streams_in_call = True
+        in_call = Request("a", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True), streaming=True)
+        in_call.streams_in_call = True
+        plain = Request("b", [4, 5], SamplingParams(max_tokens=30, ignore_eos=True))
         request = Request("s", [1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True), streaming=True)
         request.streams_in_call = streams_in_call
-        scheduler.add_request(request)
+        for r in (in_call, plain, request):
+            scheduler.add_request(r)
         first = scheduler.schedule()
-        scheduler.update_from_output(first, {"s": [7]})
+        scheduler.update_from_output(first, {"a": [7], "b": [8], "s": [7]})
         assert scheduler.schedule().num_fused_steps == expected
 
 
