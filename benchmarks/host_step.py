@@ -18,8 +18,8 @@ and the loop itself) and process (`OutputProcessor.process`). Two cases: final_o
 `RequestOutput` per request and step, detokenized every step; the requests stream as a server's do,
 with fused decode on and a stream interval of 1, so the scheduler decides K = 1 at every step).
 Only steady decode steps count (every one of the `rows` requests decoding one token); the median
-over them is reported. The
-requests grow by one token a step, so a cost that grows with the output length shows too.
+over them is reported. The requests grow by one token a step, so a cost that grows with the output
+length shows too.
 """
 
 from __future__ import annotations
