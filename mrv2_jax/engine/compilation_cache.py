@@ -59,16 +59,19 @@ def prune(folder: Path, max_bytes: int) -> int:
         if total <= max_bytes:
             break
         path.unlink(missing_ok=True)
-        path.with_name(path.name.removesuffix(_ENTRY_SUFFIX) + _ATIME_SUFFIX).unlink(missing_ok=True)
+        _atime_path(path).unlink(missing_ok=True)
         total -= size
         deleted += 1
     return deleted
 
 
+def _atime_path(entry: Path) -> Path:
+    return entry.with_name(entry.name.removesuffix(_ENTRY_SUFFIX) + _ATIME_SUFFIX)
+
+
 def _recorded_read_ns(entry: Path) -> int:
     """The last read JAX's size limit recorded beside an entry (nanoseconds, little-endian), or 0."""
     try:
-        return int.from_bytes(entry.with_name(entry.name.removesuffix(_ENTRY_SUFFIX) + _ATIME_SUFFIX).read_bytes(),
-                              "little")
+        return int.from_bytes(_atime_path(entry).read_bytes(), "little")
     except FileNotFoundError:
         return 0

@@ -237,11 +237,9 @@ class Scheduler:
             num_draft = self._num_drafts(request, num_new, budget) if speculate else 0
             num_new += num_draft
             req_id = request.request_id
-            # The common case first: the blocks held suffice and nothing is offered to the prefix cache
-            # (the KV cache manager says up to where), so allocate_slots would change nothing.
-            if not lookahead and computed + num_new < no_change_below.get(req_id, 0):
-                new_blocks = None
-            else:
+            # Most steps skip this: below the KV cache manager's `no_change_below` the blocks held suffice and
+            # nothing is offered to the prefix cache, so allocate_slots would change nothing.
+            if lookahead or computed + num_new >= no_change_below.get(req_id, 0):
                 new_blocks = None if lookahead else allocate(request, num_new)
                 if new_blocks is None:
                     new_blocks = self._allocate_or_preempt(request, num_new, preempted)
@@ -295,17 +293,16 @@ class Scheduler:
                 or len(self.running) > min(config.max_fused_rows, config.max_num_batched_tokens)
                 or self._grammar_running):
             return 1
-        in_call = self.streams_in_call
-        if config.stream_interval == 1 and any(request.streaming and not (in_call and request.streams_in_call)
-                                               for request in self.running):
-            return 1  # a stream's chunk every step (a server's default): found at the first stream, not per row
         steps_left = []
         streaming = False
         for request in self.running:
             if (request.num_computed_tokens < request.num_prefill_tokens
                     or request.num_tokens_with_placeholders - request.num_computed_tokens != 1):
                 return 1  # a prefill (chunk) to schedule
-            streaming = streaming or (request.streaming and not (self.streams_in_call and request.streams_in_call))
+            if request.streaming and not (self.streams_in_call and request.streams_in_call):
+                if config.stream_interval == 1:
+                    return 1  # a chunk every step (a server's default): known at the first stream, not after every row
+                streaming = True
             steps_left.append(min(config.max_fused_steps, self._num_outputs_left(request)))
         num_steps = min(steps_left) if self.waiting else max(steps_left)
         if streaming:  # a stream's client would wait for the whole call: bound the gap between its chunks
