@@ -20,6 +20,10 @@ with fused decode on and a stream interval of 1, so the scheduler decides K = 1 
 Only steady decode steps count (every one of the `rows` requests decoding one token); the median
 over them is reported. The requests grow by one token a step, so a cost that grows with the output
 length shows too.
+
+`--evict-mb N`: the stand-in's `execute` also writes N MB (as a real step's packing, XLA runtime and
+transfers touch memory), so that the engine's next parts start with its objects out of the CPU
+caches, as they do beside a real runner; 0 (the default) keeps them cache-hot.
 """
 
 from __future__ import annotations
@@ -57,19 +61,23 @@ class StandInRunner:
     automaton_capacity = (0, 0)  # no structured outputs
     eos_token_ids = ()  # (read for streaming requests; no engine process streams from inside calls here)
 
-    def __init__(self, vocab: int, seed: int = 0):
+    def __init__(self, vocab: int, seed: int = 0, evict_mb: int = 0):
         self._rng = np.random.default_rng(seed)
         self._vocab = vocab
+        self._evict = np.zeros(evict_mb << 20, np.uint8) if evict_mb else None
 
     def execute(self, out):
         req_ids = list(out.num_scheduled_tokens)
         if not req_ids:
             return StepResult({})
         tokens = self._rng.integers(0, self._vocab, len(req_ids), dtype=np.int32).view(HostArray)
+        if self._evict is not None:
+            self._evict += 1  # every cache line written: the engine's objects leave the caches
         return PendingStep(SamplerOutput(tokens=tokens), req_ids, out.sampling_req_ids, {})
 
 
-def build(rows: int, prompt_len: int, max_tokens: int, streaming: bool, block_size: int = 16) -> EngineCore:
+def build(rows: int, prompt_len: int, max_tokens: int, streaming: bool, block_size: int = 16,
+          evict_mb: int = 0) -> EngineCore:
     """An async engine over the stand-in runner, with room for every request's whole length; for
     streaming requests, fused decode on as in a server (their stream interval keeps K at 1)."""
     max_model_len = prompt_len + max_tokens
@@ -78,14 +86,14 @@ def build(rows: int, prompt_len: int, max_tokens: int, streaming: bool, block_si
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=max(8192, rows),
                                           max_model_len=max_model_len, **fused),
                           CacheConfig(block_size=block_size, num_gpu_blocks=blocks), eos_token_id=None)
-    return EngineCore(scheduler, StandInRunner(vocab=1000), async_scheduling=True)
+    return EngineCore(scheduler, StandInRunner(vocab=1000, evict_mb=evict_mb), async_scheduling=True)
 
 
 def run_case(tokenizer, *, rows: int, steps: int, final_only: bool, prompt_len: int = 64,
-             seed: int = 0) -> dict:
+             seed: int = 0, evict_mb: int = 0) -> dict:
     """-> median µs per steady decode step of each part (PARTS), and their engine total."""
     max_tokens = steps + 8  # nobody finishes inside the measured steps
-    engine = build(rows, prompt_len, max_tokens, streaming=not final_only)
+    engine = build(rows, prompt_len, max_tokens, streaming=not final_only, evict_mb=evict_mb)
     processor = OutputProcessor(tokenizer)
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -126,17 +134,20 @@ def main(argv=None, prog=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokenizer", default=str(DEMO_TOKENIZER), help="a tokenizer directory, or 'none'")
+    ap.add_argument("--evict-mb", type=int, default=0,
+                    help="MB the stand-in runner writes each step, evicting the engine's objects from the caches")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer_arg(args.tokenizer)
     print(f"{args.steps} steps, prompt {args.prompt_len} tokens, "
-          f"tokenizer={'none' if tokenizer is None else args.tokenizer}; median µs per steady decode step")
+          f"tokenizer={'none' if tokenizer is None else args.tokenizer}, caches evicted by {args.evict_mb} MB a step; "
+          "median µs per steady decode step")
     print(f"  {'case':22s}" + "".join(f"{k:>11s}" for k in PARTS) + f"{'engine':>11s}")
     cases = []
     for rows in args.rows:
         for final_only in (True, False):
             r = run_case(tokenizer, rows=rows, steps=args.steps, final_only=final_only,
-                         prompt_len=args.prompt_len)
+                         prompt_len=args.prompt_len, evict_mb=args.evict_mb)
             name = f"{rows} {'final_only' if final_only else 'streaming'}"
             print(f"  {name:22s}" + "".join(f"{r[k]:11.0f}" for k in PARTS) + f"{r['engine_total']:11.0f}")
             cases.append({"rows": rows, "final_only": final_only, "median_us": r})

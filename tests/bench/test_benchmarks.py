@@ -34,10 +34,11 @@ def test_host_step_bench_writes_its_cases(tmp_path):
     from benchmarks import host_step
 
     out = tmp_path / "host_step.json"
-    host_step.main(["--rows", "4", "--steps", "6", "--prompt-len", "8", "--tokenizer", "none",
+    host_step.main(["--rows", "4", "--steps", "6", "--prompt-len", "8", "--tokenizer", "none", "--evict-mb", "1",
                     "--output-json", str(out)])
     report = json.loads(out.read_text())
     assert ENVIRONMENT_KEYS <= report.keys()
+    assert report["settings"]["evict_mb"] == 1
     assert [(c["rows"], c["final_only"]) for c in report["cases"]] == [(4, True), (4, False)]
     assert all(c["median_us"]["engine_total"] > 0 for c in report["cases"])
 
