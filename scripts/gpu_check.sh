@@ -128,14 +128,16 @@ for s in $sections; do case $s in
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
   # Same-machine before/after of a refactor: S1@256 v2-async, alternating the tree in .ab_old (an
   # older commit's mrv2_jax/ + pallas_kernels/, `git archive`, carried) and this one, ROUNDS times
-  # for each sampling in SAMPLINGS (greedy, all). `python3 -P`: plain `-m` puts the working directory
-  # (this tree) ahead of PYTHONPATH, so .ab_old would never be imported; the old tree finds the
-  # presets through MRV2_CHECKPOINTS (it looks beside its own package otherwise).
+  # for each sampling in SAMPLINGS (greedy, all). AB_TREES (default "old new") names the trees in
+  # their order: "new" is this one, any other name X the carried .ab_X (e.g. "old mid new" to bisect).
+  # `python3 -P`: plain `-m` puts the working directory (this tree) ahead of PYTHONPATH, so .ab_old
+  # would never be imported; the old tree finds the presets through MRV2_CHECKPOINTS (it looks beside
+  # its own package otherwise).
   ab-s1-before-after)
     for sampling in ${SAMPLINGS:-greedy}; do
       for round in $(seq ${ROUNDS:-2}); do
-        for tree in old new; do
-          path=.; [ $tree = old ] && path=.ab_old:.
+        for tree in ${AB_TREES:-old new}; do
+          path=.; [ $tree != new ] && path=.ab_$tree:.
           PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section ab-s1-$sampling-$tree-$round \
             python3 -P -m mrv2_jax.bench.ab \
             --model qwen3-0.6b --load-format dummy --arms v2-async --sampling $sampling --input-len 128 \
