@@ -408,6 +408,14 @@ for s in $sections; do case $s in
       --model ${FT_MODEL:-qwen3-0.6b} --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 ${FIRST_TOKEN_ARGS:-} \
       --log-dir "$OUT" --output-json "$OUT/first_token${TAG:-}.json" ;;
+  # Issue 25: the engine's Python on this machine's CPU, no GPU work (benchmarks.host_step, ~1 min): cache-hot and
+  # with 64 MB evicted a step, to tell the host's own speed from the cache effect in the timeline's figures.
+  host-step-cpu)
+    for evict in ${HOST_STEP_EVICT:-0 64}; do
+      run_section host-step-evict-$evict python3 -m benchmarks.host_step --rows 32 256 --steps 300 --tokenizer none \
+          --evict-mb $evict --output-json "$OUT/host_step_evict_$evict.json"
+    done
+    lscpu | grep -E 'Model name|^CPU\(s\)|L2|L3' ;;
   timeline) run_section timeline python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
       --num-prompts 256 --disable-tqdm --output-json "$OUT/timeline_s1_256.json" ;;
