@@ -31,7 +31,8 @@
 # (projection-forms), the one-row fused program's small XLA kernels in its optimized HLO (fused-hlo), TMA's streaming
 # rate by tiling (weight-stream), fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections),
 # and the 256-row step's call in the engine's loop: the GEMM-chain probe, a native profile, another allocator (call-256),
-# and that allocator end to end (alloc-ab).
+# and that allocator end to end (alloc-ab), and the engine's Python on this machine's CPU, caches hot and cold
+# (host-step-cpu).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -126,10 +127,10 @@ for s in $sections; do case $s in
   ab-s1) run_section ab-s1 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
       --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
-  # Same-machine before/after of a refactor: S1@256 v2-async, alternating the tree in .ab_old (an
-  # older commit's mrv2_jax/ + pallas_kernels/, `git archive`, carried) and this one, ROUNDS times
-  # for each sampling in SAMPLINGS (greedy, all). AB_TREES (default "old new") names the trees in
-  # their order: "new" is this one, any other name X the carried .ab_X (e.g. "old mid new" to bisect).
+  # Same-machine before/after of a refactor: S1@256 v2-async, alternating older trees (an older commit's
+  # mrv2_jax/ + pallas_kernels/, `git archive`, carried as .ab_X) and this one, ROUNDS times for each
+  # sampling in SAMPLINGS (greedy, all). AB_TREES (default "old new") names the trees in their order:
+  # "new" is this one, any other name X the carried .ab_X (e.g. "old mid new" to bisect).
   # `python3 -P`: plain `-m` puts the working directory (this tree) ahead of PYTHONPATH, so .ab_old
   # would never be imported; the old tree finds the presets through MRV2_CHECKPOINTS (it looks beside
   # its own package otherwise).
