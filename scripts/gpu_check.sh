@@ -32,7 +32,7 @@
 # rate by tiling (weight-stream), fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections),
 # and the 256-row step's call in the engine's loop: the GEMM-chain probe, a native profile, another allocator (call-256),
 # and that allocator end to end (alloc-ab), and the engine's Python on this machine's CPU, caches hot and cold
-# (host-step-cpu).
+# (host-step-cpu), and issue 24's offline S1@256 figure at the defaults (throughput-s1).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -758,5 +758,9 @@ unrolled||--unroll}" ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
       --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
       --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;
+  # Issue 24's offline figure for the serving workload (input 128 / output 512, 256 rows), at the defaults.
+  throughput-s1) run_section throughput-s1 python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b \
+      --load-format dummy --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
+      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_s1.json" ;;
 esac; done
 echo "=== summary ==="; printf '%s\n' "${summary[@]}"
