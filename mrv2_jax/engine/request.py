@@ -56,6 +56,14 @@ class Request:
     KV block ids are owned by the KV cache manager, not by the request.
     """
 
+    # Slotted: the fields sit in the object itself, so the scheduler's per-step pass over every
+    # running request touches one block of memory per request, not the object and its dict.
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
+                 "all_token_ids", "num_computed_tokens", "num_output_placeholders", "num_prefill_tokens",
+                 "status", "arrival_time", "first_token_time", "num_cached_tokens", "num_preemptions",
+                 "max_output_tokens", "stop_reason", "stop_ids", "streaming", "streams_in_call", "automaton",
+                 "grammar")
+
     def __init__(
         self,
         request_id: str,
