@@ -151,7 +151,7 @@ class KVCacheManager:
             new_blocks = []
         # Most decode steps fill no block: skip the call unless one may have become full.
         if self.enable_prefix_caching:
-            num_known = len(request.all_token_ids)
+            num_known = request.num_tokens
             num_final = num_scheduled_end if num_scheduled_end < num_known else num_known
             if num_final // size > self._num_cached_blocks[request.request_id]:
                 self._cache_final_blocks(request, num_scheduled_end)

@@ -47,22 +47,23 @@ _FINISH_REASONS = {
 class Request:
     """Token bookkeeping of one request.
 
-    ``all_token_ids`` holds only tokens whose values the host knows (prompt + outputs
-    received so far). With async scheduling, tokens that have been scheduled to be sampled
-    but not yet received are counted in ``num_output_placeholders``; their values live on
-    the device only. ``num_computed_tokens`` counts tokens whose KV has been scheduled to
-    be written (it advances at schedule time, so it may include placeholder positions).
+    ``all_token_ids`` is the tokens whose values the host knows (prompt + outputs received
+    so far), built when asked for: the request keeps its prompt and its outputs as two lists.
+    With async scheduling, tokens that have been scheduled to be sampled but not yet received
+    are counted in ``num_output_placeholders``; their values live on the device only.
+    ``num_computed_tokens`` counts tokens whose KV has been scheduled to be written (it
+    advances at schedule time, so it may include placeholder positions).
 
     KV block ids are owned by the KV cache manager, not by the request.
     """
 
-    # Slotted: the fields sit in the object itself, so the scheduler's per-step pass over every
-    # running request touches one block of memory per request, not the object and its dict.
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
-                 "all_token_ids", "num_computed_tokens", "num_output_placeholders", "num_prefill_tokens",
-                 "status", "arrival_time", "first_token_time", "num_cached_tokens", "num_preemptions",
-                 "max_output_tokens", "stop_reason", "stop_ids", "streaming", "streams_in_call", "automaton",
-                 "grammar")
+    # Slotted, and the fields that the scheduler reads for every running request every step come
+    # first: a slotted object keeps its fields in order, so these share the object's first cache lines.
+    __slots__ = ("request_id", "status", "num_computed_tokens", "num_output_placeholders", "output_token_ids",
+                 "num_prompt_tokens", "max_output_tokens", "stop_ids", "first_token_time", "grammar",
+                 "num_prefill_tokens", "stop_reason", "prompt_token_ids", "prompt", "sampling_params",
+                 "arrival_time", "num_cached_tokens", "num_preemptions", "streaming", "streams_in_call",
+                 "automaton")
 
     def __init__(
         self,
@@ -79,9 +80,9 @@ class Request:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         # Tokens the latest admission prefills (the prompt, plus the outputs so far when
@@ -112,21 +113,22 @@ class Request:
         self.grammar = None
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
         """Tokens whose values are known on the host (prompt + received outputs)."""
-        return len(self.all_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """A new list of the tokens whose values are known on the host (prompt + received outputs)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return len(self.all_token_ids) + self.num_output_placeholders
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:
@@ -138,7 +140,6 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (

@@ -226,13 +226,14 @@ class Scheduler:
             # no output limit applies), or none while the tokens in flight reach the output limit.
             placeholders = request.num_output_placeholders
             computed = request.num_computed_tokens
-            num_known = len(request.all_token_ids)
+            output_token_ids = request.output_token_ids
+            num_known = request.num_prompt_tokens + len(output_token_ids)
             num_new = num_known + placeholders - computed
             if num_new > budget:
                 if not chunked:
                     continue
                 num_new = budget
-            elif len(request.output_token_ids) + placeholders >= request.max_output_tokens:
+            elif len(output_token_ids) + placeholders >= request.max_output_tokens:
                 continue
             num_draft = self._num_drafts(request, num_new, budget) if speculate else 0
             num_new += num_draft
@@ -450,7 +451,7 @@ class Scheduler:
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
-                    token_ids=list(request.all_token_ids),
+                    token_ids=request.all_token_ids,
                     num_prompt_tokens=request.num_prompt_tokens,
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
@@ -522,7 +523,6 @@ class Scheduler:
                 token_id = token_ids[0]
                 output_token_ids = request.output_token_ids
                 output_token_ids.append(token_id)
-                request.all_token_ids.append(token_id)
                 accepted = token_ids
                 # The call is skipped where it could only say "not yet": no stop id, below the limit.
                 finish_status = (self._check_stop(request, token_id) if token_id in request.stop_ids
