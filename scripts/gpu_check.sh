@@ -33,7 +33,8 @@
 # and the 256-row step's call in the engine's loop: the GEMM-chain probe, a native profile, another allocator (call-256),
 # and that allocator end to end (alloc-ab), and the engine's Python on this machine's CPU, caches hot and cold
 # (host-step-cpu), issue 24's offline S1@256 figure at the defaults (throughput-s1), and the 256-row call
-# with XLA's command-buffer VA remapping (the VMM allocator and SKIP_TEMP: vmm-skip-temp).
+# with XLA's command-buffer VA remapping (the VMM allocator with SKIP_TEMP or SKIP_PROFILED: vmm-skip-temp,
+# and the GPU tests under it: vmm-tests).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -506,28 +507,31 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
       done
     done <<< "${UA_ARMS:-$UNROLLED_ARMS}"
     OUT=$saved_out; merge_json /tmp/ua_serve "$OUT/unrolled_256_serve.json" ;;
-  # Issues 25 / 24: XLA's command-buffer VA remapping, not yet run. With the VMM allocator and
-  # --xla_gpu_command_buffer_update_mode=SKIP_TEMP, XLA keeps an executable's temp buffer at one
-  # virtual address across calls (it remaps memory under it), so the recorded graphs need no update
-  # where the default allocator moves the temp (sessions 30-31; SKIP_TEMP alone crashed). The
-  # 256-row call in the engine's loop (timeline, one step per call) per arm of VMM_ARMS (lines
-  # "name|environment"), at a fixed KV size (the VMM allocator's memory stats may lack the limit the
-  # engine sizes its cache from), then the GPU tests under the last arm (greedy outputs against
-  # their references). JSON merged into one file; logs under /tmp/vmm.
+  # Issues 25 / 24: XLA's command-buffer VA remapping, not yet run. Under the VMM allocator,
+  # --xla_gpu_command_buffer_update_mode=SKIP_TEMP keeps an executable's temp buffer at one virtual
+  # address across calls (XLA maps memory under a reserved range), and SKIP_PROFILED does so, after
+  # three profiled calls, for every allocation whose address moved (results and inputs too), so the
+  # recorded graphs need no update where the default allocator moves them (sessions 30-31; SKIP_TEMP
+  # with the default allocator crashed). The 256-row call in the engine's loop (timeline, one step per
+  # call) per arm of VMM_ARMS (lines "name|environment"), at a fixed KV size (the VMM allocator's
+  # memory stats may lack the limit the engine sizes its cache from). JSON merged into one file; logs
+  # under /tmp/vmm. `vmm-tests` runs the GPU tests (outputs against their references) under
+  # VMM_TEST_ENV (default: the VMM allocator with SKIP_PROFILED).
   vmm-skip-temp)
     saved_out=$OUT; OUT=/tmp/vmm; mkdir -p $OUT
     while IFS='|' read -r name environment; do
       [ -z "$name" ] && continue
-      last_env=$environment
       run_section vmm-$name timeout 240 env $environment python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b \
           --load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 \
           --output-len 512 --num-prompts 256 --disable-tqdm --window 0 --max-fused-steps 1 --num-gpu-blocks 16384 \
-          --output-json "$OUT/vmm_$name.json"
+          --compile-mode lazy --output-json "$OUT/vmm_$name.json"
     done <<< "${VMM_ARMS:-default|
 vmm|XLA_PYTHON_CLIENT_ALLOCATOR=vmm
-vmm-skip-temp|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP}"
-    run_section vmm-tests env $last_env python3 -m pytest -m gpu -q -p no:cacheprovider tests
+vmm-skip-temp|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
+vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED}"
     OUT=$saved_out; merge_json /tmp/vmm "$OUT/vmm_skip_temp.json" ;;
+  vmm-tests) run_section vmm-tests env ${VMM_TEST_ENV:-XLA_PYTHON_CLIENT_ALLOCATOR=vmm \
+      XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED} python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
