@@ -244,8 +244,9 @@ def _step_interval_buckets(url):
 
 
 def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
-    """One streamed request alone: the server's inter-token histogram gains one gap per output
-    token after the first (the usage's token count is the reference), each gap no longer than the
+    """One streamed request alone: the server's inter-token histogram gains one gap per chunk of
+    tokens after the first (the client's chunks are the reference: one per token, unless the
+    handler fell behind the engine and sent several tokens in one chunk), each gap no longer than the
     client's whole wait; the step-interval histogram gains the intervals between its steps, and the
     dispatch histogram the host time of handing each of its steps to the runner."""
     before, split_before = _histogram_counts(server.url), _step_interval_buckets(server.url)
@@ -254,8 +255,10 @@ def test_inter_token_gaps_and_step_intervals_are_counted(server, client):
     # The handler finished its metrics before it sent the usage.
     after, split_after = _histogram_counts(server.url), _step_interval_buckets(server.url)
     tokens = chunks[-1].usage.completion_tokens
+    token_chunks = [chunk for chunk in chunks if chunk.choices]  # (the last one carries only the usage)
     gaps = after["mrv2_inter_token_latency_seconds_count"] - before["mrv2_inter_token_latency_seconds_count"]
-    assert tokens == GREEDY["max_tokens"] and gaps == tokens - 1
+    assert tokens == GREEDY["max_tokens"] and 1 <= len(token_chunks) <= tokens
+    assert gaps == len(token_chunks) - 1
     e2e = after["mrv2_e2e_request_latency_seconds_sum"] - before["mrv2_e2e_request_latency_seconds_sum"]
     assert 0 < after["mrv2_inter_token_latency_seconds_sum"] - before["mrv2_inter_token_latency_seconds_sum"] < e2e
     steps = after["mrv2_step_output_interval_seconds_count"] - before["mrv2_step_output_interval_seconds_count"]
