@@ -510,9 +510,10 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
   # Issues 25 / 24: XLA's command-buffer VA remapping, not yet run. Under the VMM allocator,
   # --xla_gpu_command_buffer_update_mode=SKIP_TEMP keeps an executable's temp buffer at one virtual
   # address across calls (XLA maps memory under a reserved range), and SKIP_PROFILED does so, after
-  # three profiled calls, for every allocation whose address moved (results and inputs too), so the
-  # recorded graphs need no update where the default allocator moves them (sessions 30-31; SKIP_TEMP
-  # with the default allocator crashed). The 256-row call in the engine's loop (timeline, one step per
+  # three profiled calls, for every allocation whose address moved (results and inputs too; so XLA's
+  # current source reads, not checked against 0.11.2's build): the recorded graphs need no update
+  # where the default allocator moves them (sessions 30-31; SKIP_TEMP with the default allocator
+  # crashed). The 256-row call in the engine's loop (timeline, one step per
   # call) per arm of VMM_ARMS (lines "name|environment"), at a fixed KV size (the VMM allocator's
   # memory stats may lack the limit the engine sizes its cache from). JSON merged into one file; logs
   # under /tmp/vmm. `vmm-tests` runs the GPU tests (outputs against their references) under
