@@ -27,11 +27,12 @@ class _RequestView(Protocol):
     """What the manager reads from a request (``engine.request.Request`` provides it)."""
 
     request_id: str
-    all_token_ids: list[int]
     num_computed_tokens: int
 
     @property
     def num_tokens(self) -> int: ...
+
+    def token_ids_between(self, start: int, end: int) -> list[int]: ...
 
 
 class KVCacheManager:
@@ -207,11 +208,10 @@ class KVCacheManager:
     def _block_hashes(self, request: _RequestView) -> list[BlockHash]:
         """Hashes of the request's full blocks of known tokens, extended incrementally."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        tokens = request.all_token_ids
         size = self.block_size
         parent = hashes[-1] if hashes else None
-        for index in range(len(hashes), len(tokens) // size):
-            parent = hash_block_tokens(parent, tokens[index * size:(index + 1) * size])
+        for index in range(len(hashes), request.num_tokens // size):
+            parent = hash_block_tokens(parent, request.token_ids_between(index * size, (index + 1) * size))
             hashes.append(parent)
         return hashes
 

@@ -48,7 +48,8 @@ class Request:
     """Token bookkeeping of one request.
 
     ``all_token_ids`` is the tokens whose values the host knows (prompt + outputs received
-    so far), built when asked for: the request keeps its prompt and its outputs as two lists.
+    so far), built when asked for (``token_ids_between`` gives a slice of it without building it):
+    the request keeps its prompt and its outputs as two lists.
     With async scheduling, tokens that have been scheduled to be sampled but not yet received
     are counted in ``num_output_placeholders``; their values live on the device only.
     ``num_computed_tokens`` counts tokens whose KV has been scheduled to be written (it
@@ -125,6 +126,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """A new list of the tokens whose values are known on the host (prompt + received outputs)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` for 0 <= start <= end <= num_tokens, without building the whole list."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def num_tokens_with_placeholders(self) -> int:

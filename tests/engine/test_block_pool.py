@@ -27,6 +27,9 @@ class FakeRequest:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
+
 
 def admit(manager: KVCacheManager, request: FakeRequest, num_new: int | None = None):
     """Prefix lookup + first allocation, as the scheduler does it. Returns hit tokens."""
