@@ -513,10 +513,9 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
   # three profiled calls, for every allocation whose address moved (results and inputs too; so XLA's
   # current source reads, not checked against 0.11.2's build): the recorded graphs need no update
   # where the default allocator moves them (sessions 30-31; SKIP_TEMP with the default allocator
-  # crashed). The 256-row call in the engine's loop (timeline, one step per
-  # call) per arm of VMM_ARMS (lines "name|environment"), at a fixed KV size (the VMM allocator's
-  # memory stats may lack the limit the engine sizes its cache from). JSON merged into one file; logs
-  # under /tmp/vmm. `vmm-tests` runs the GPU tests (outputs against their references) under
+  # crashed). The 256-row call in the engine's loop (timeline, one step per call) per arm of VMM_ARMS
+  # (lines "name|environment"), at a fixed KV size (the VMM allocator's memory stats may lack the limit
+  # the engine sizes its cache from). JSON merged into one file; logs under /tmp/vmm. `vmm-tests` runs the GPU tests (outputs against their references) under
   # VMM_TEST_ENV (default: the VMM allocator with SKIP_PROFILED).
   vmm-skip-temp)
     saved_out=$OUT; OUT=/tmp/vmm; mkdir -p $OUT

@@ -47,11 +47,11 @@ _FINISH_REASONS = {
 class Request:
     """Token bookkeeping of one request.
 
-    ``all_token_ids`` is the tokens whose values the host knows (prompt + outputs received
-    so far), built when asked for (``token_ids_between`` gives a slice of it without building it):
-    the request keeps its prompt and its outputs as two lists.
-    With async scheduling, tokens that have been scheduled to be sampled but not yet received
-    are counted in ``num_output_placeholders``; their values live on the device only.
+    The request keeps its prompt and its outputs as two lists; ``all_token_ids`` joins them into
+    the tokens whose values the host knows (prompt + outputs received so far) when asked for, and
+    ``token_ids_between`` gives a slice of that without building it. With async scheduling, tokens
+    that have been scheduled to be sampled but not yet received are counted in
+    ``num_output_placeholders``; their values live on the device only.
     ``num_computed_tokens`` counts tokens whose KV has been scheduled to be written (it
     advances at schedule time, so it may include placeholder positions).
 

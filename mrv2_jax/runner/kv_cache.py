@@ -12,9 +12,8 @@ def num_blocks_for_budget(model_state, block_size: int, dtype, gpu_memory_utiliz
     allocated (the weights) and a reserve for activations, logits and XLA workspace. On CPU (no memory
     stats) a small fixed pool is used; another device without memory stats raises ValueError.
     `extra_kv_bytes_per_token`: another cache indexed by the same blocks (a draft model's), which each
-    block pays for too. `kv_shards`: devices the KV heads are split
-    over (tensor parallelism: its heads; pipeline parallelism: its layers): each holds 1/kv_shards of a
-    block, next to its share of the weights."""
+    block pays for too. `kv_shards`: devices the KV heads are split over (tensor parallelism: its heads;
+    pipeline parallelism: its layers): each holds 1/kv_shards of a block, next to its share of the weights."""
     device = jax.local_devices()[0]
     stats = device.memory_stats() or {}
     total = stats.get("bytes_limit")
