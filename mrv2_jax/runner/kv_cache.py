@@ -5,27 +5,29 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mrv2_jax.runner.device_memory import memory_in_use_and_total
+
 
 def num_blocks_for_budget(model_state, block_size: int, dtype, gpu_memory_utilization: float,
                           reserve_bytes: int = 2 << 30, extra_kv_bytes_per_token: int = 0, kv_shards: int = 1) -> int:
     """How many KV blocks fit in `gpu_memory_utilization` of device memory after what is already
-    allocated (the weights) and a reserve for activations, logits and XLA workspace. On CPU (no memory
-    stats) a small fixed pool is used; another device without memory stats raises ValueError.
+    allocated (the weights) and a reserve for activations, logits and XLA workspace
+    (runner/device_memory.py says where the figures come from). On CPU a small fixed pool is used;
+    another device without memory figures raises ValueError.
     `extra_kv_bytes_per_token`: another cache indexed by the same blocks (a draft model's), which each
     block pays for too. `kv_shards`: devices the KV heads are split over (tensor parallelism: its heads;
     pipeline parallelism: its layers): each holds 1/kv_shards of a block, next to its share of the weights."""
     device = jax.local_devices()[0]
-    stats = device.memory_stats() or {}
-    total = stats.get("bytes_limit")
-    if not total:
+    memory = memory_in_use_and_total(device)
+    if memory is None:
         if device.platform == "cpu":
             return 1024
-        # Some allocators (XLA_PYTHON_CLIENT_ALLOCATOR=platform, for one) report no limit: a fixed
-        # small pool would serve far fewer tokens than the device holds, without a word.
-        raise ValueError(f"{device.device_kind} reports no memory limit (its allocator gives no memory "
-                         "stats), so the KV cache cannot be sized from gpu_memory_utilization; "
-                         "set num_gpu_blocks (--num-gpu-blocks)")
-    free = int(total * gpu_memory_utilization) - stats.get("bytes_in_use", 0) - reserve_bytes
+        # A fixed small pool would serve far fewer tokens than the device holds, without a word.
+        raise ValueError(f"{device.device_kind} reports no memory limit (neither its allocator nor a CUDA "
+                         "driver gives memory figures), so the KV cache cannot be sized from "
+                         "gpu_memory_utilization; set num_gpu_blocks (--num-gpu-blocks)")
+    in_use, total = memory
+    free = int(total * gpu_memory_utilization) - in_use - reserve_bytes
     per_block = (model_state.kv_bytes_per_token(dtype) // kv_shards + extra_kv_bytes_per_token) * block_size
     if free < per_block:
         raise ValueError(f"no memory left for the KV cache ({free / 2**30:.2f} GiB free after the "

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from mrv2_jax.llm import LLM
+from mrv2_jax.runner.device_memory import memory_in_use_and_total
 from mrv2_jax.sampling_params import SamplingParams
 
 MODEL = "qwen3-0.6b"  # a preset: config only, the same seeded random weights in every engine
@@ -35,7 +36,7 @@ def _generate(gpu_memory_utilization: float, max_fused_steps: int) -> tuple[list
               max_model_len=1024, gpu_memory_utilization=gpu_memory_utilization, unrolled_layers_max_tokens=128,
               compile_mode="lazy", max_fused_steps=max_fused_steps, show_progress=False)
     kv_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.engine.runner.kv_cache))
-    share = kv_bytes / jax.devices()[0].memory_stats()["bytes_limit"]
+    share = kv_bytes / memory_in_use_and_total(jax.devices()[0])[1]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
     del llm

@@ -1,10 +1,14 @@
-"""Sizing the KV cache from the device's memory stats (runner/kv_cache.py num_blocks_for_budget)."""
+"""Sizing the KV cache from the device's memory figures (runner/kv_cache.py num_blocks_for_budget,
+runner/device_memory.py)."""
+
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from mrv2_jax.runner import kv_cache
+from mrv2_jax.runner import device_memory, kv_cache
 
 GiB = 1 << 30
 
@@ -17,7 +21,7 @@ class _ModelState:
 
 
 class _Device:
-    platform, device_kind = "gpu", "Some GPU"
+    platform, device_kind, local_hardware_id = "gpu", "Some GPU", 0
 
     def __init__(self, stats):
         self._stats = stats
@@ -26,8 +30,10 @@ class _Device:
         return self._stats
 
 
-def _blocks_on(monkeypatch, stats, utilization=0.5):
+def _blocks_on(monkeypatch, stats, utilization=0.5, driver=None):
+    """Blocks on a GPU with these allocator stats and CUDA driver figures (free, total; None: no driver)."""
     monkeypatch.setattr(jax, "local_devices", lambda: [_Device(stats)])
+    monkeypatch.setattr(device_memory, "cuda_free_and_total", lambda ordinal: driver)
     return kv_cache.num_blocks_for_budget(_ModelState(), 16, jnp.bfloat16, utilization)
 
 
@@ -50,3 +56,28 @@ def test_a_budget_without_room_for_one_block_is_refused(monkeypatch):
 def test_an_accelerator_without_a_memory_limit_asks_for_num_gpu_blocks(monkeypatch, stats):
     with pytest.raises(ValueError, match="num-gpu-blocks"):
         _blocks_on(monkeypatch, stats)
+
+
+@pytest.mark.parametrize("stats", [None, {}, {"bytes_in_use": GiB}])
+def test_without_allocator_stats_the_cuda_drivers_figures_size_the_cache(monkeypatch, stats):
+    # 16 GiB x 0.5 = 8 GiB, less the 3 GiB the driver sees in use and the 2 GiB reserve: 3 GiB of 64 KiB blocks.
+    assert _blocks_on(monkeypatch, stats, driver=(13 * GiB, 16 * GiB)) == 49152
+
+
+def test_the_allocators_stats_win_over_the_driver(monkeypatch):
+    stats = {"bytes_limit": 16 * GiB, "bytes_in_use": 2 * GiB}
+    assert _blocks_on(monkeypatch, stats, driver=(1 * GiB, 80 * GiB)) == 65536
+
+
+@pytest.mark.gpu
+def test_the_cuda_driver_reports_the_memory_nvidia_smi_reports():
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("no nvidia-smi")
+    device = jax.local_devices()[0]
+    free, total = device_memory.cuda_free_and_total(device.local_hardware_id)
+    query = ["nvidia-smi", "--query-gpu=memory.total,memory.used", "--format=csv,noheader,nounits",
+             f"--id={device.local_hardware_id}"]
+    smi_total, smi_used = (int(x) << 20 for x in subprocess.check_output(query, text=True).split(","))
+    # nvidia-smi counts the few hundred MiB the driver reserves for itself, which the driver API leaves out.
+    assert 0 <= smi_total - total < 1 << 30
+    assert abs((total - free) - smi_used) < 1 << 30

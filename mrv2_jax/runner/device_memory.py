@@ -1,0 +1,47 @@
+"""How much memory a device holds and how much is in use: from the allocator's stats, or, for
+allocators that keep none (XLA_PYTHON_CLIENT_ALLOCATOR=vmm, the engine's default on GPUs), from
+the CUDA driver."""
+
+import ctypes
+
+
+def memory_in_use_and_total(device) -> tuple[int, int] | None:
+    """(bytes in use, bytes the device holds), or None where neither source answers (CPU, or an
+    accelerator whose allocator keeps no stats and which is not a CUDA device). The driver counts
+    what every process on the device holds, this one's CUDA context included."""
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return stats.get("bytes_in_use", 0), stats["bytes_limit"]
+    if device.platform != "gpu":
+        return None
+    free_and_total = cuda_free_and_total(device.local_hardware_id)
+    if free_and_total is None:
+        return None
+    free, total = free_and_total
+    return total - free, total
+
+
+def cuda_free_and_total(ordinal: int) -> tuple[int, int] | None:
+    """cuMemGetInfo of CUDA device `ordinal` (numbered as CUDA_VISIBLE_DEVICES leaves them, as JAX's
+    local_hardware_id is), asked in the device's primary context, the one XLA runs in; None
+    without a CUDA driver or on any driver error."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), ordinal):
+        return None
+    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device):
+        return None
+    try:
+        if cuda.cuCtxPushCurrent_v2(context):
+            return None
+        try:
+            status = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+        finally:
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        cuda.cuDevicePrimaryCtxRelease_v2(device)
+    return (free.value, total.value) if status == 0 else None
