@@ -27,7 +27,8 @@ def cuda_free_and_total(ordinal: int) -> tuple[int, int] | None:
     without a CUDA driver or on any driver error."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        cuda.cuMemGetInfo_v2, cuda.cuDevicePrimaryCtxRelease_v2  # a driver too old for these: None
+    except (OSError, AttributeError):
         return None
     device, context = ctypes.c_int(), ctypes.c_void_p()
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
