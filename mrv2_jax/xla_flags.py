@@ -32,13 +32,7 @@ the wrong input tokens, and fused decode found no row decoding (docs/benchmarks.
 at a large KV cache"). The step programs' real working memory is a few MB beside their donated
 inputs, so the limit is raised out of reach (100x the device's memory) and no such rewrite happens.
 
-`XLA_PYTHON_CLIENT_ALLOCATOR=vmm` is JAX's GPU allocator built on CUDA's virtual memory management
-in place of its default best-fit pool. With it, the host's call of a 256-row decode step (the XLA
-call alone, in the engine's loop) costs about a third of what it costs with the pool
-(docs/benchmarks.md, "The VMM allocator"). Its memory figures come from the CUDA driver: the allocator
-keeps no stats (runner/device_memory.py).
-
-A flag or allocator the user already set wins (including turning command buffers off), and so does
+A flag the user already set wins (including turning command buffers off), and so does
 `MRV2_DEFAULT_XLA_FLAGS=0` for the performance flags. XLA reads XLA_FLAGS once, when the backend
 starts: importing mrv2_jax after JAX has already run a computation leaves the flags as they were.
 """
@@ -48,7 +42,6 @@ from mrv2_jax import envs
 DEFAULT_FLAGS = {"--xla_gpu_enable_command_buffer": "+WHILE", "--xla_gpu_enable_dynamic_slice_fusion": "true",
                  "--xla_cmd_buffer_trace_cache_size": "64"}
 REQUIRED_FLAGS = {"--xla_gpu_memory_limit_slop_factor": "10000"}
-DEFAULT_ALLOCATOR = "vmm"
 
 
 def _defaults_on() -> bool:
@@ -56,14 +49,12 @@ def _defaults_on() -> bool:
 
 
 def apply_default_xla_flags() -> None:
-    """Add the default flags and allocator that the environment does not already set."""
+    """Add the default flags that XLA_FLAGS does not already set."""
     wanted = REQUIRED_FLAGS | (DEFAULT_FLAGS if _defaults_on() else {})
     flags = envs.get_xla_flags()
     missing = [f"{name}={value}" for name, value in wanted.items() if name not in flags]
     if missing:
         envs.set_xla_flags(" ".join([flags, *missing]).strip())
-    if _defaults_on() and not envs.get_xla_allocator():
-        envs.set_xla_allocator(DEFAULT_ALLOCATOR)
 
 
 def step_compiler_options(param_leaves, backend: str | None = None) -> dict:

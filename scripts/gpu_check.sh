@@ -507,16 +507,13 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
       done
     done <<< "${UA_ARMS:-$UNROLLED_ARMS}"
     OUT=$saved_out; merge_json /tmp/ua_serve "$OUT/unrolled_256_serve.json" ;;
-  # Issues 25 / 24: XLA's command-buffer VA remapping, not yet run. Under the VMM allocator,
-  # --xla_gpu_command_buffer_update_mode=SKIP_TEMP keeps an executable's temp buffer at one virtual
-  # address across calls (XLA maps memory under a reserved range), and SKIP_PROFILED does so, after
-  # three profiled calls, for every allocation whose address moved (results and inputs too; so XLA's
-  # current source reads, not checked against 0.11.2's build): the recorded graphs need no update
-  # where the default allocator moves them (sessions 30-31; SKIP_TEMP with the default allocator
-  # crashed). The 256-row call in the engine's loop (timeline, one step per call) per arm of VMM_ARMS
-  # (lines "name|environment"), at a fixed KV size (the VMM allocator's memory stats may lack the limit
-  # the engine sizes its cache from). JSON merged into one file; logs under /tmp/vmm. `vmm-tests` runs the GPU tests (outputs against their references) under
-  # VMM_TEST_ENV (default: the VMM allocator with SKIP_PROFILED).
+  # Issues 25 / 24: the GPU allocator and XLA's command-buffer VA remapping (docs/benchmarks.md, "The VMM
+  # allocator"). Under the VMM allocator, --xla_gpu_command_buffer_update_mode=SKIP_TEMP keeps an
+  # executable's temp buffer at one virtual address across calls, and SKIP_PROFILED does so, after three
+  # profiled calls, for every allocation whose address moved. The 256-row call in the engine's loop
+  # (timeline, one step per call) per arm of VMM_ARMS (lines "name|environment"), at a fixed KV size.
+  # JSON merged into one file; logs under /tmp/vmm. `vmm-tests` runs the GPU tests (outputs against their
+  # references) under VMM_TEST_ENV (default: the VMM allocator alone, the candidate default).
   vmm-skip-temp)
     saved_out=$OUT; OUT=/tmp/vmm; mkdir -p $OUT
     while IFS='|' read -r name environment; do
@@ -530,8 +527,8 @@ vmm|XLA_PYTHON_CLIENT_ALLOCATOR=vmm
 vmm-skip-temp|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED}"
     OUT=$saved_out; merge_json /tmp/vmm "$OUT/vmm_skip_temp.json" ;;
-  vmm-tests) run_section vmm-tests env ${VMM_TEST_ENV:-XLA_PYTHON_CLIENT_ALLOCATOR=vmm \
-      XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED} python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+  vmm-tests) run_section vmm-tests env ${VMM_TEST_ENV:-XLA_PYTHON_CLIENT_ALLOCATOR=vmm} \
+      python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.

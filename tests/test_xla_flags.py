@@ -1,4 +1,4 @@
-"""The default XLA flags and GPU allocator: added when absent, never overriding what the user set."""
+"""The default XLA flags: added when absent, never overriding what the user set."""
 
 from mrv2_jax.xla_flags import apply_default_xla_flags
 
@@ -27,22 +27,6 @@ def test_default_flags_are_added_only_when_absent(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_memory_limit_slop_factor=95")
     apply_default_xla_flags()
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_memory_limit_slop_factor=95"
-
-
-def test_the_vmm_allocator_is_the_default_unless_the_user_chose_one(monkeypatch):
-    import os
-
-    monkeypatch.delenv("MRV2_DEFAULT_XLA_FLAGS", raising=False)
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
-    apply_default_xla_flags()
-    assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "vmm"
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
-    apply_default_xla_flags()
-    assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "cuda_async"
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR")
-    monkeypatch.setenv("MRV2_DEFAULT_XLA_FLAGS", "0")
-    apply_default_xla_flags()
-    assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ
 
 
 def test_step_compiler_options_pick_cublas_unless_weights_are_fp8(monkeypatch):

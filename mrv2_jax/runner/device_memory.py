@@ -1,6 +1,5 @@
 """How much memory a device holds and how much is in use: from the allocator's stats, or, for
-allocators that keep none (XLA_PYTHON_CLIENT_ALLOCATOR=vmm, the engine's default on GPUs), from
-the CUDA driver."""
+allocators that keep none (XLA_PYTHON_CLIENT_ALLOCATOR=vmm), from the CUDA driver."""
 
 import ctypes
 
