@@ -527,6 +527,31 @@ vmm|XLA_PYTHON_CLIENT_ALLOCATOR=vmm
 vmm-skip-temp|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED}"
     OUT=$saved_out; merge_json /tmp/vmm "$OUT/vmm_skip_temp.json" ;;
+  # Issue 25: what the VMM allocator still needs before it can be the default, in one call (~8 min; carry
+  # .whl and run `wheels` first): the engine's start under it (the KV cache sized from the CUDA driver: the
+  # large-KV-cache and sizing GPU tests), batch 1 at one step per call under it and under the default pool
+  # (timeline with a trace: the call, the host step, the GPU's busy share), fused decode at K = 1 and 16 at
+  # batch 1 / 8 / 32 under it, and a server at 32 streams under it (our own client). JSON merged into
+  # $OUT/vmm_check.json; logs under /tmp/vmm_check.
+  vmm-check)
+    saved_out=$OUT; OUT=/tmp/vmm_check; mkdir -p $OUT
+    run_section vmm-start timeout 150 env XLA_PYTHON_CLIENT_ALLOCATOR=vmm python3 -m pytest -m gpu -q \
+        -p no:cacheprovider tests/engine/test_large_kv_cache.py tests/runner/test_kv_cache_budget.py
+    for arm in vmm default; do
+      allocator=(XLA_PYTHON_CLIENT_ALLOCATOR=vmm); [ $arm = default ] && allocator=(-u XLA_PYTHON_CLIENT_ALLOCATOR)
+      run_section vmm-b1-$arm timeout 90 env "${allocator[@]}" python3 -m mrv2_jax.bench.timeline \
+          --model qwen3-0.6b --load-format dummy --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 \
+          --input-len 128 --output-len 512 --num-prompts 1 --disable-tqdm --max-fused-steps 1 \
+          --output-json "$OUT/b1_k1_$arm.json"
+    done
+    run_section vmm-fused timeout 200 env XLA_PYTHON_CLIENT_ALLOCATOR=vmm python3 -m mrv2_jax.bench.fused_decode \
+        "${FUSED_ARGS[@]}" --max-num-seqs 32 --fused-steps 1 16 --compile-mode lazy --output-json "$OUT/fused_vmm.json"
+    run_section vmm-serve-32 timeout 150 env XLA_PYTHON_CLIENT_ALLOCATOR=vmm PYTHONPATH=$SITE:$PYTHONPATH \
+        python3 -m mrv2_jax.bench.serve --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+        --num-prompts 128 --max-concurrency 32 --ignore-eos --num-warmups 8 --disable-tqdm \
+        --server-log "$OUT/server_vmm_c32.log" --output-json "$OUT/serve_vmm_c32.json"
+    OUT=$saved_out; merge_json /tmp/vmm_check "$OUT/vmm_check.json" ;;
   vmm-tests) run_section vmm-tests env ${VMM_TEST_ENV:-XLA_PYTHON_CLIENT_ALLOCATOR=vmm} \
       python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
