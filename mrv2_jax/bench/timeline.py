@@ -10,9 +10,10 @@ engine is unchanged): scheduling, dispatch (the runner's `execute`: input prepar
 jitted call; the call alone is shown as "jit call" where the runner's hook reports it), the wait for
 the previous step's sampled tokens (`result()`; with async scheduling this is step N-1's, read
 after step N is dispatched), the scheduler update, and the time outside the engine step (output
-processing, detokenization) until the next step starts. Each step also records what it carried
-(new requests, new KV blocks) and the Python garbage collections that ran in it, and the summary
-sets the slowest 1% of steps beside the median ones ("the tail"): which part of the step grew.
+processing, detokenization) until the next step starts; "host step" is all of these but the wait.
+Each step also records what it carried (new requests, new KV blocks) and the Python garbage
+collections that ran in it, and the summary sets the slowest 1% of steps beside the median ones
+("the tail"): which part of the step grew.
 
 Device side, for a window of steady-decode steps (every row decoding, at full concurrency; with
 `--max-fused-steps K` a fused call of K tokens a row is such a step), a
@@ -191,6 +192,8 @@ class StepRecorder(StepHooks):
             record["host_other_ms"] = engine_ms - sum(record[k] for k in HOST_PARTS if k != "outside_ms")
             record["outside_ms"] = 1e3 * (following["start"] - record["end"]) if following else 0.0
             record["wall_ms"] = 1e3 * (following["start"] - record["start"]) if following else engine_ms
+            # The host's whole step: everything but the wait for the device's result.
+            record["host_ms"] = engine_ms - record["wait_ms"] + record["outside_ms"]
         return self.steps
 
 
@@ -328,7 +331,7 @@ def run(args) -> dict:
     steady = [s for s in steps if steady_decode(s, rows)]
     # The window: its steady-decode steps, or with --trace-from-step every step it traced.
     window = [s for s in (steps if args.trace_from_step is not None else steady) if s["traced"]]
-    parts = (*HOST_PARTS, "call_ms", "host_other_ms", "engine_ms", "wall_ms")
+    parts = (*HOST_PARTS, "call_ms", "host_other_ms", "host_ms", "engine_ms", "wall_ms")
     device_parts = ("device_busy_ms", "device_idle_ms", "max_idle_gap_ms")
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     config = llm.config
@@ -359,11 +362,11 @@ def print_summary(report: dict) -> None:
           f"output tok/s; {report['num_steady_steps']} steady-decode steps of {report['steady_decode_rows']} rows, "
           f"{report['num_window_steps']} traced")
     print(f"{'median ms per step':20} {'schedule':>9} {'dispatch':>9} {'wait':>9} {'update':>9} {'outside':>9} "
-          f"{'(jit call)':>10} {'wall':>9} {'dev busy':>9} {'dev idle':>9}")
+          f"{'(jit call)':>10} {'host step':>9} {'wall':>9} {'dev busy':>9} {'dev idle':>9}")
     for label, key in (("steady, untraced", "steady_median"), ("traced window", "window_median")):
         m = report[key]
         print(f"{label:20} " + " ".join(f"{fmt(m.get(k)):>9}" for k in HOST_PARTS) + f" {fmt(m.get('call_ms')):>10} "
-              + " ".join(f"{fmt(m.get(k)):>9}" for k in ("wall_ms", "device_busy_ms", "device_idle_ms")))
+              + " ".join(f"{fmt(m.get(k)):>9}" for k in ("host_ms", "wall_ms", "device_busy_ms", "device_idle_ms")))
     if report.get("tail"):
         t = report["tail"]
         print(f"the tail: wall P50 {t['wall_p50_ms']:.3f} ms, P{100 * t['quantile']:g} {t['wall_cut_ms']:.3f} ms")
