@@ -59,13 +59,15 @@ find_tokenizer() {
 }
 find_tokenizer
 summary=()
+# The engine at the serving shape of issue 24 and S1@256: 256 rows, 8192 tokens a step, contexts up to 1024.
+S1_ENGINE=(--max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024)
 # Small-batch decode (issue 12): Qwen3-0.6B, dummy weights, input 128 / output 512, batch 1/8/32.
 FUSED_ARGS=(--model qwen3-0.6b --load-format dummy --batches 1 8 32 --input-len 128 --output-len 512
             --max-model-len 1024 --max-num-batched-tokens 2048)
 
 # The server's prompt step offline (issue 24): 10 prompts of 128 tokens admitted beside 118 decoding rows.
 PROMPT_DISPATCH_ARGS="--model qwen3-0.6b --load-format dummy --rows 118 --admit 10 --input-len 128 --output-len 64 \
-    --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --compile-mode lazy"
+    ${S1_ENGINE[*]} --compile-mode lazy"
 # Arms of the unrolled-256 sections: the defaults (the 256-token buckets unrolled since session 57),
 # the old default of 128 unrolled tokens, and the defaults with CUDA's stream-ordered allocator
 # (docs/benchmarks.md, sessions 56-57).
@@ -75,8 +77,8 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|"
 # serve-compare on the serving workload (issue 24), with extra arguments after the common ones.
 serve_compare() {
   env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
-      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 1024 --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
+      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
+      "${S1_ENGINE[@]}" --input-len 128 --output-len 512 --ignore-eos --vllm-python python3 --vllm-site $SITE \
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} "$@"
 }
 
@@ -127,8 +129,8 @@ for s in $sections; do case $s in
   load) run_section load python3 scripts/load_preset.py --model qwen3-0.6b --output-json "$OUT/load.json" ;;
   attention) run_section attention python3 -m benchmarks.attention_kernel --output-json "$OUT/attention.json" ;;
   ab-s1) run_section ab-s1 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-      --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
-      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
+      --input-len 128 --output-len 512 --num-prompts 1000 \
+      "${S1_ENGINE[@]}" --output-json "$OUT/ab_s1_256.json" --plot "$OUT/ab_s1_256.png" ;;
   # Same-machine before/after of a refactor: S1@256 v2-async, alternating older trees (an older commit's
   # mrv2_jax/ + pallas_kernels/, `git archive`, carried as .ab_X) and this one, ROUNDS times for each
   # sampling in SAMPLINGS (greedy, all). AB_TREES (default "old new") names the trees in their order:
@@ -144,8 +146,8 @@ for s in $sections; do case $s in
           PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section ab-s1-$sampling-$tree-$round \
             python3 -P -m mrv2_jax.bench.ab \
             --model qwen3-0.6b --load-format dummy --arms v2-async --sampling $sampling --input-len 128 \
-            --output-len 512 --num-prompts 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-            --max-model-len 1024 --output-json "$OUT/ab_s1_256_${sampling}_${tree}_$round.json"
+            --output-len 512 --num-prompts 1000 \
+            "${S1_ENGINE[@]}" --output-json "$OUT/ab_s1_256_${sampling}_${tree}_$round.json"
         done
       done
     done ;;
@@ -187,7 +189,7 @@ for s in $sections; do case $s in
       kernels=auto; [ $kind = all-xla ] && kernels=reference
       MRV2_SAMPLER_KERNELS=$kernels run_section ab-s1-sampling-$kind python3 -m mrv2_jax.bench.ab \
         --model qwen3-0.6b --load-format dummy --arms v2-async --sampling ${kind%-xla} --input-len 128 \
-        --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+        --output-len 512 --num-prompts 512 "${S1_ENGINE[@]}" \
         --output-json "$OUT/ab_s1_256_sampling_${kind//-/_}.json"
     done ;;
   # Issue 5: one replayed S1 decode step's device events, gaps and kernel families (greedy vs every
@@ -196,8 +198,8 @@ for s in $sections; do case $s in
     for kind in greedy all; do
       XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true run_section ab-s1-sampling-timeline-$kind \
         python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async --sampling $kind \
-        --input-len 128 --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-        --max-model-len 1024 --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
+        --input-len 128 --output-len 512 --num-prompts 512 \
+        "${S1_ENGINE[@]}" --step-timeline --output-json "$OUT/ab_s1_256_step_timeline_$kind.json"
     done ;;
   logit-stats) run_section logit-stats python3 -m benchmarks.logit_stats --output-json "$OUT/logit_stats.json" ;;
   # Issue 5: the sampler's whole-row passes as kernels (the GPU default) against the jnp passes
@@ -210,7 +212,7 @@ for s in $sections; do case $s in
       sampling=all; [ $name = greedy ] && sampling=greedy
       run_section ab-s1-$name env $envs python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
         --arms v2-async --sampling $sampling --sampler-variants $variants --input-len 128 \
-        --output-len 512 --num-prompts 512 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+        --output-len 512 --num-prompts 512 "${S1_ENGINE[@]}" \
         --output-json "$OUT/ab_s1_256_kernels_${name//-/_}.json"
     done ;;
   threshold-search) run_section threshold-search python3 -m benchmarks.threshold_search \
@@ -246,8 +248,8 @@ for s in $sections; do case $s in
   decode-attn-engine)
     for k in pallas mgpu; do
       run_section decode-attn-engine-$k python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-          --arms v2-async --input-len 128 --output-len 512 --num-prompts 256 --max-num-seqs 256 \
-          --max-num-batched-tokens 8192 --max-model-len 1024 --kernels decode_attention=$k \
+          --arms v2-async --input-len 128 --output-len 512 --num-prompts 256 \
+          "${S1_ENGINE[@]}" --kernels decode_attention=$k \
           --output-json "$OUT/ab_s1_decode_attention_$k.json"
     done ;;
   # Issue 27: the mixed prefill/decode attention on Mosaic GPU (ragged_paged_attention_mgpu) against the
@@ -268,7 +270,7 @@ for s in $sections; do case $s in
         --max-num-seqs 1024 --max-num-batched-tokens 8192 --max-model-len 1280 ;;
   ragged-attn-s1)
     ragged_arms ragged-attn-s1 ab_s1_256_ragged_attention --input-len 128 --output-len 512 --num-prompts 1000 \
-        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 ;;
+        "${S1_ENGINE[@]}" ;;
   # MoE presets, dummy weights, v1 vs v2-async, S1 shape with one wave of prompts. GLM-4.5-Air
   # is ~110 GB of FP8 weights: XLA's default 75% preallocation cannot hold it.
   moe-presets)
@@ -318,8 +320,8 @@ for s in $sections; do case $s in
   vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh'
     find_tokenizer ;;
   serve-256) run_section serve-256 env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve --launch-server \
-      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1000 --max-concurrency 256 --ignore-eos \
+      --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
+      "${S1_ENGINE[@]}" --input-len 128 --output-len 512 --num-prompts 1000 --max-concurrency 256 --ignore-eos \
       --num-warmups 16 --server-log "$OUT/serve_256_server.log" --disable-tqdm --output-json "$OUT/serve_256.json" ;;
   # Issue 24: streams from inside fused calls (--stream-in-call) against one step per call, at 1 and 32
   # streams, our own client (bench serve), all launches sharing one compilation cache.
@@ -328,8 +330,8 @@ for s in $sections; do case $s in
       extra=(); [ $arm = in-call ] && extra=(--stream-in-call)
       n=$(( c == 1 ? 8 : 192 ))
       run_section serve-stream-c$c-$arm env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve \
-          --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 \
-          --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts $n \
+          --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
+          "${S1_ENGINE[@]}" --input-len 128 --output-len 512 --num-prompts $n \
           --max-concurrency $c --ignore-eos --num-warmups 4 "${extra[@]}" --disable-tqdm \
           --server-log "$OUT/serve_stream_c${c}_${arm}_server.log" --output-json "$OUT/serve_stream_c${c}_${arm}.json"
     done; done ;;
@@ -384,7 +386,7 @@ for s in $sections; do case $s in
           --vllm-site $SITE --vllm-model /tmp/qwen3-0.6b --output-json "$OUT/structured_compare_$arm.json"
       run_section timeline-$arm env MRV2_STRUCTURED_EXCEPTIONS=1048576 PYTHONPATH=/tmp/so:$PYTHONPATH \
           python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
-          --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+          "${S1_ENGINE[@]}" --input-len 128 --output-len 512 \
           --num-prompts 1000 --temperature 1.0 --sampler-variants greedy,plain,structured,full,all "${so[@]}" \
           --disable-tqdm --output-json "$OUT/structured_timeline_$arm.json"
     done ;;
@@ -408,8 +410,8 @@ for s in $sections; do case $s in
   # Issue 28: seconds from launching the server to /health and to a first token, cold then warm
   # (FIRST_TOKEN_ARGS adds flags, e.g. --compile-mode background; --vllm-model times vllm serve).
   first-token) run_section first-token${TAG:-} env PYTHONPATH=$SITE:$PYTHONPATH python3 -m benchmarks.first_token \
-      --model ${FT_MODEL:-qwen3-0.6b} --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 \
-      --max-num-batched-tokens 8192 --max-model-len 1024 ${FIRST_TOKEN_ARGS:-} \
+      --model ${FT_MODEL:-qwen3-0.6b} --load-format dummy --tokenizer $TOKENIZER \
+      "${S1_ENGINE[@]}" ${FIRST_TOKEN_ARGS:-} \
       --log-dir "$OUT" --output-json "$OUT/first_token${TAG:-}.json" ;;
   # Issue 25: the engine's Python on this machine's CPU, no GPU work (benchmarks.host_step, ~1 min): cache-hot and
   # with 64 MB evicted a step, to tell the host's own speed from the cache effect in the timeline's figures.
@@ -420,7 +422,7 @@ for s in $sections; do case $s in
     done
     lscpu | grep -E 'Model name|^CPU\(s\)|L2|L3' ;;
   timeline) run_section timeline python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
-      --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+      "${S1_ENGINE[@]}" --input-len 128 --output-len 512 \
       --num-prompts 256 --disable-tqdm --output-json "$OUT/timeline_s1_256.json" ;;
   # Issue 10: where an S2 step's time goes (prefill-heavy: input 1024 / output 128), from step 20 on.
   timeline-s2) run_section timeline-s2 python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
@@ -462,12 +464,12 @@ for s in $sections; do case $s in
     while IFS='|' read -r name environment extra; do
       [ -z "$name" ] && continue
       run_section alloc-$name-timeline env $environment python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b \
-          --load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 \
+          --load-format dummy "${S1_ENGINE[@]}" --input-len 128 \
           --output-len 512 --num-prompts 256 --disable-tqdm --window 0 --compile-mode lazy $extra \
           --output-json "$OUT/alloc_${name}_timeline.json"
       run_section alloc-$name-s1 env $environment python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-          --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
-          --max-num-batched-tokens 8192 --max-model-len 1024 $extra --output-json "$OUT/alloc_${name}_s1.json"
+          --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 \
+          "${S1_ENGINE[@]}" $extra --output-json "$OUT/alloc_${name}_s1.json"
       run_section alloc-$name-fused env $environment python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --max-num-seqs 32 --fused-steps 1 16 --compile-mode lazy $extra --output-json "$OUT/alloc_${name}_fused.json"
     done <<< "${ALLOC_AB_ARMS:-default||
@@ -483,8 +485,8 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
       while IFS='|' read -r name environment extra; do
         [ -z "$name" ] && continue
         run_section ua-$name-s1-$round env $environment python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b \
-            --load-format dummy --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
-            --max-num-batched-tokens 8192 --max-model-len 1024 $extra --output-json "$OUT/s1_${name}_$round.json"
+            --load-format dummy --input-len 128 --output-len 512 --num-prompts 1000 \
+            "${S1_ENGINE[@]}" $extra --output-json "$OUT/s1_${name}_$round.json"
         run_section ua-$name-fused256-$round env $environment python3 -m mrv2_jax.bench.fused_decode --model qwen3-0.6b \
             --load-format dummy --batches 256 --input-len 128 --output-len 512 --max-model-len 1024 \
             --max-num-batched-tokens 8192 --max-num-seqs 256 --fused-steps 1 16 $extra \
@@ -500,8 +502,8 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
       [ -z "$name" ] && continue
       for c in ${UA_STREAMS:-32 256}; do
         run_section ua-serve-$name-c$c env $environment PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve \
-            --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER --max-num-seqs 256 \
-            --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+            --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
+            "${S1_ENGINE[@]}" --input-len 128 --output-len 512 \
             --num-prompts $(( c * 4 )) --max-concurrency $c --ignore-eos --num-warmups 8 $extra --disable-tqdm \
             --server-log "$OUT/server_${name}_c$c.log" --output-json "$OUT/serve_${name}_c$c.json"
       done
@@ -519,7 +521,7 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
     while IFS='|' read -r name environment; do
       [ -z "$name" ] && continue
       run_section vmm-$name timeout 240 env $environment python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b \
-          --load-format dummy --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 \
+          --load-format dummy "${S1_ENGINE[@]}" --input-len 128 \
           --output-len 512 --num-prompts 256 --disable-tqdm --window 0 --max-fused-steps 1 --num-gpu-blocks 16384 \
           --compile-mode lazy --output-json "$OUT/vmm_$name.json"
     done <<< "${VMM_ARMS:-default|
@@ -548,7 +550,7 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
         "${FUSED_ARGS[@]}" --max-num-seqs 32 --fused-steps 1 16 --compile-mode lazy --output-json "$OUT/fused_vmm.json"
     run_section vmm-serve-32 timeout 150 env XLA_PYTHON_CLIENT_ALLOCATOR=vmm PYTHONPATH=$SITE:$PYTHONPATH \
         python3 -m mrv2_jax.bench.serve --launch-server --model qwen3-0.6b --load-format dummy --tokenizer $TOKENIZER \
-        --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 \
+        "${S1_ENGINE[@]}" --input-len 128 --output-len 512 \
         --num-prompts 128 --max-concurrency 32 --ignore-eos --num-warmups 8 --disable-tqdm \
         --server-log "$OUT/server_vmm_c32.log" --output-json "$OUT/serve_vmm_c32.json"
     OUT=$saved_out; merge_json /tmp/vmm_check "$OUT/vmm_check.json" ;;
@@ -784,15 +786,15 @@ unrolled||--unroll}" ;;
       run_section tp-parity python3 -m tests.runner.tensor_parallel_run
       for n in 1 2; do
         run_section tp-throughput-$n python3 -m mrv2_jax.bench.throughput --model qwen3-8b --load-format dummy \
-          --tensor-parallel-size $n --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
-          --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_tp$n.json"
+          --tensor-parallel-size $n --input-len 128 --output-len 512 --num-prompts 1000 \
+          "${S1_ENGINE[@]}" --output-json "$OUT/throughput_tp$n.json"
       done ;;
   ep) export NCCL_NVLS_ENABLE=0
       run_section ep-parity python3 -m tests.runner.expert_parallel_run
       for n in 1 2; do
         run_section ep-throughput-$n python3 -m mrv2_jax.bench.throughput --model qwen3-30b-a3b --load-format dummy \
           --tensor-parallel-size $n $([ $n -gt 1 ] && echo --enable-expert-parallel) --input-len 128 --output-len 512 \
-          --num-prompts 1000 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 \
+          --num-prompts 1000 "${S1_ENGINE[@]}" \
           --output-json "$OUT/throughput_ep$n.json"
       done ;;
   # Pipeline parallelism: the CPU test's engines on the GPUs (tokens at PP = 2 against one device), then
@@ -802,14 +804,14 @@ unrolled||--unroll}" ;;
       for n in 1 2; do for r in v2 v1; do
         run_section pp-throughput-$n-$r python3 -m mrv2_jax.bench.throughput --model qwen3-30b-a3b --load-format dummy \
           --pipeline-parallel-size $n --runner $r --input-len 128 --output-len 512 --num-prompts 1000 \
-          --max-num-seqs 256 --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_pp${n}_$r.json"
+          "${S1_ENGINE[@]}" --output-json "$OUT/throughput_pp${n}_$r.json"
       done; done ;;
   throughput) run_section throughput python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b --load-format dummy \
-      --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 --max-num-seqs 256 \
-      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_v1.json" ;;
+      --runner v1 --input-len 128 --output-len 128 --num-prompts 1000 \
+      "${S1_ENGINE[@]}" --output-json "$OUT/throughput_v1.json" ;;
   # Issue 24's offline figure for the serving workload (input 128 / output 512, 256 rows), at the defaults.
   throughput-s1) run_section throughput-s1 python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b \
-      --load-format dummy --input-len 128 --output-len 512 --num-prompts 1000 --max-num-seqs 256 \
-      --max-num-batched-tokens 8192 --max-model-len 1024 --output-json "$OUT/throughput_s1.json" ;;
+      --load-format dummy --input-len 128 --output-len 512 --num-prompts 1000 \
+      "${S1_ENGINE[@]}" --output-json "$OUT/throughput_s1.json" ;;
 esac; done
 echo "=== summary ==="; printf '%s\n' "${summary[@]}"
