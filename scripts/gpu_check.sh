@@ -554,6 +554,15 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
         --num-prompts 128 --max-concurrency 32 --ignore-eos --num-warmups 8 --disable-tqdm \
         --server-log "$OUT/server_vmm_c32.log" --output-json "$OUT/serve_vmm_c32.json"
     OUT=$saved_out; merge_json /tmp/vmm_check "$OUT/vmm_check.json" ;;
+  # Issue 24: the server's prompt step (10 prompts admitted beside 118 decoding rows, offline) under the
+  # VMM allocator and the default pool: its host call alone and among decode calls (dispatch_cost).
+  vmm-prompt)
+    for arm in vmm default; do
+      allocator=(XLA_PYTHON_CLIENT_ALLOCATOR=vmm); [ $arm = default ] && allocator=(-u XLA_PYTHON_CLIENT_ALLOCATOR)
+      run_section vmm-prompt-$arm timeout 120 env "${allocator[@]}" python3 -m benchmarks.dispatch_cost \
+          $PROMPT_DISPATCH_ARGS --calls 50 --output-json "$OUT/prompt_dispatch_$arm.json"
+    done
+    grep -hE "^(rows|numpy packed|device packed|among decodes)" "$OUT"/vmm-prompt-*.log ;;
   vmm-tests) run_section vmm-tests env ${VMM_TEST_ENV:-XLA_PYTHON_CLIENT_ALLOCATOR=vmm} \
       python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
