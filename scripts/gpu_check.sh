@@ -97,6 +97,11 @@ merge_json() {  # folder, output file
 print(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}))' "$1" > "$2"
 }
 
+# `env` arguments for an allocator arm: vmm sets JAX's VMM allocator, default unsets the variable (the BFC pool).
+allocator_env() {  # vmm | default
+  if [ "$1" = vmm ]; then echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm; else echo -u XLA_PYTHON_CLIENT_ALLOCATOR; fi
+}
+
 run_section() {  # name, command...
   local name=$1; shift
   echo "=== $name ==="
@@ -540,8 +545,7 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
     run_section vmm-start timeout 150 env XLA_PYTHON_CLIENT_ALLOCATOR=vmm python3 -m pytest -m gpu -q \
         -p no:cacheprovider tests/engine/test_large_kv_cache.py tests/runner/test_kv_cache_budget.py
     for arm in vmm default; do
-      allocator=(XLA_PYTHON_CLIENT_ALLOCATOR=vmm); [ $arm = default ] && allocator=(-u XLA_PYTHON_CLIENT_ALLOCATOR)
-      run_section vmm-b1-$arm timeout 90 env "${allocator[@]}" python3 -m mrv2_jax.bench.timeline \
+      run_section vmm-b1-$arm timeout 90 env $(allocator_env $arm) python3 -m mrv2_jax.bench.timeline \
           --model qwen3-0.6b --load-format dummy --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 \
           --input-len 128 --output-len 512 --num-prompts 1 --disable-tqdm --max-fused-steps 1 \
           --output-json "$OUT/b1_k1_$arm.json"
@@ -558,8 +562,7 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
   # VMM allocator and the default pool: its host call alone and among decode calls (dispatch_cost).
   vmm-prompt)
     for arm in vmm default; do
-      allocator=(XLA_PYTHON_CLIENT_ALLOCATOR=vmm); [ $arm = default ] && allocator=(-u XLA_PYTHON_CLIENT_ALLOCATOR)
-      run_section vmm-prompt-$arm timeout 120 env "${allocator[@]}" python3 -m benchmarks.dispatch_cost \
+      run_section vmm-prompt-$arm timeout 120 env $(allocator_env $arm) python3 -m benchmarks.dispatch_cost \
           $PROMPT_DISPATCH_ARGS --calls 50 --output-json "$OUT/prompt_dispatch_$arm.json"
     done
     grep -hE "^(rows|numpy packed|device packed|among decodes)" "$OUT"/vmm-prompt-*.log ;;

@@ -192,8 +192,7 @@ class StepRecorder(StepHooks):
             record["host_other_ms"] = engine_ms - sum(record[k] for k in HOST_PARTS if k != "outside_ms")
             record["outside_ms"] = 1e3 * (following["start"] - record["end"]) if following else 0.0
             record["wall_ms"] = 1e3 * (following["start"] - record["start"]) if following else engine_ms
-            # The host's whole step: everything but the wait for the device's result.
-            record["host_ms"] = engine_ms - record["wait_ms"] + record["outside_ms"]
+            record["host_ms"] = record["wall_ms"] - record["wait_ms"]  # all but the wait for the device
         return self.steps
 
 
