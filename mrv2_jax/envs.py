@@ -117,6 +117,19 @@ def set_xla_flags(flags: str) -> None:
     os.environ["XLA_FLAGS"] = flags
 
 
+def get_xla_memory_fraction() -> float:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's): the share of a GPU's memory JAX's allocator may hold,
+    0.75 where unset, as in JAX."""
+    text = read_external("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    try:
+        fraction = float(text) if text else 0.75
+    except ValueError:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} is not a number") from None
+    if not 0 < fraction <= 1:
+        raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={text!r} is not in (0, 1]")
+    return fraction
+
+
 def prometheus_multiproc_dir() -> str:
     """PROMETHEUS_MULTIPROC_DIR (prometheus-client's own variable): where the API server processes
     of one server keep their request metrics, so that each /metrics adds up all of them; "" when

@@ -1,13 +1,17 @@
-"""How much memory a device holds and how much is in use: from the allocator's stats, or, for
-allocators that keep none (XLA_PYTHON_CLIENT_ALLOCATOR=vmm), from the CUDA driver."""
+"""How much memory a device's allocator may hold and how much is in use: from the allocator's stats,
+or, for allocators that keep none (XLA_PYTHON_CLIENT_ALLOCATOR=vmm), from the CUDA driver."""
 
 import ctypes
 
+from mrv2_jax import envs
+
 
 def memory_in_use_and_total(device) -> tuple[int, int] | None:
-    """(bytes in use, bytes the device holds), or None where neither source answers (CPU, or an
-    accelerator whose allocator keeps no stats and which is not a CUDA device). The driver counts
-    what every process on the device holds, this one's CUDA context included."""
+    """(bytes in use, bytes the allocator may hold), or None where neither source answers (CPU, or an
+    accelerator whose allocator keeps no stats and which is not a CUDA device). From the driver: in
+    use is what every process on the device holds, this one's CUDA context included, and the limit is
+    XLA_PYTHON_CLIENT_MEM_FRACTION of the device, the budget JAX gives the VMM allocator (an
+    allocation past it fails however much the device has free)."""
     stats = device.memory_stats() or {}
     if stats.get("bytes_limit"):
         return stats.get("bytes_in_use", 0), stats["bytes_limit"]
@@ -17,7 +21,7 @@ def memory_in_use_and_total(device) -> tuple[int, int] | None:
     if free_and_total is None:
         return None
     free, total = free_and_total
-    return total - free, total
+    return total - free, int(total * envs.get_xla_memory_fraction())
 
 
 def cuda_free_and_total(ordinal: int) -> tuple[int, int] | None:

@@ -59,8 +59,28 @@ def test_an_accelerator_without_a_memory_limit_asks_for_num_gpu_blocks(monkeypat
 
 @pytest.mark.parametrize("stats", [None, {}, {"bytes_in_use": GiB}])
 def test_without_allocator_stats_the_cuda_drivers_figures_size_the_cache(monkeypatch, stats):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1")
     # 16 GiB x 0.5 = 8 GiB, less the 3 GiB the driver sees in use and the 2 GiB reserve: 3 GiB of 64 KiB blocks.
     assert _blocks_on(monkeypatch, stats, driver=(13 * GiB, 16 * GiB)) == 49152
+
+
+@pytest.mark.parametrize("fraction, blocks", [("", 114688), ("0.25", 0), ("0.875", 147456)])
+def test_from_the_driver_the_budget_is_jaxs_share_of_the_device(monkeypatch, fraction, blocks):
+    # The VMM allocator refuses allocations past XLA_PYTHON_CLIENT_MEM_FRACTION (JAX: 0.75) of the device.
+    # 32 GiB x fraction x 0.5, less 3 GiB in use and the 2 GiB reserve, in 64 KiB blocks.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    if blocks == 0:
+        with pytest.raises(ValueError, match="no memory left"):
+            _blocks_on(monkeypatch, None, driver=(29 * GiB, 32 * GiB))
+    else:
+        assert _blocks_on(monkeypatch, None, driver=(29 * GiB, 32 * GiB)) == blocks
+
+
+@pytest.mark.parametrize("fraction", ["abc", "0", "1.5"])
+def test_a_bad_memory_fraction_is_named(monkeypatch, fraction):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        _blocks_on(monkeypatch, None, driver=(29 * GiB, 32 * GiB))
 
 
 def test_the_allocators_stats_win_over_the_driver(monkeypatch):
