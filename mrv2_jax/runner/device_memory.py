@@ -3,15 +3,18 @@ or, for allocators that keep none (XLA_PYTHON_CLIENT_ALLOCATOR=vmm), from the CU
 
 import ctypes
 
+import jax
+
 from mrv2_jax import envs
 
 
 def memory_in_use_and_total(device) -> tuple[int, int] | None:
     """(bytes in use, bytes the allocator may hold), or None where neither source answers (CPU, or an
-    accelerator whose allocator keeps no stats and which is not a CUDA device). From the driver: in
-    use is what every process on the device holds, this one's CUDA context included, and the limit is
-    XLA_PYTHON_CLIENT_MEM_FRACTION of the device, the budget JAX gives the VMM allocator (an
-    allocation past it fails however much the device has free)."""
+    accelerator whose allocator keeps no stats and which is not a CUDA device). Without stats, in use
+    is what this process's live arrays hold on the device (the driver's own figure still counts memory
+    the allocator has freed but not yet given back, such as an engine's KV cache deleted a moment ago),
+    and the limit is XLA_PYTHON_CLIENT_MEM_FRACTION of the device's memory by the CUDA driver: the budget
+    JAX gives the VMM allocator, past which an allocation fails however much the device has free."""
     stats = device.memory_stats() or {}
     if stats.get("bytes_limit"):
         return stats.get("bytes_in_use", 0), stats["bytes_limit"]
@@ -20,8 +23,13 @@ def memory_in_use_and_total(device) -> tuple[int, int] | None:
     free_and_total = cuda_free_and_total(device.local_hardware_id)
     if free_and_total is None:
         return None
-    free, total = free_and_total
-    return total - free, int(total * envs.get_xla_memory_fraction())
+    return bytes_of_live_arrays(device), int(free_and_total[1] * envs.get_xla_memory_fraction())
+
+
+def bytes_of_live_arrays(device) -> int:
+    """Bytes of this process's live arrays held on `device` (their shards there)."""
+    return sum(shard.data.nbytes for array in jax.live_arrays() for shard in array.addressable_shards
+               if shard.device == device)
 
 
 def cuda_free_and_total(ordinal: int) -> tuple[int, int] | None:
