@@ -117,6 +117,12 @@ def set_xla_flags(flags: str) -> None:
     os.environ["XLA_FLAGS"] = flags
 
 
+def get_xla_allocator() -> str:
+    """XLA_PYTHON_CLIENT_ALLOCATOR (JAX's GPU memory allocator, read when the backend starts; "": JAX's
+    default pool)."""
+    return read_external("XLA_PYTHON_CLIENT_ALLOCATOR").lower()
+
+
 def get_xla_memory_fraction() -> float:
     """XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's): the share of a GPU's memory JAX's allocator may hold,
     0.75 where unset, as in JAX."""
