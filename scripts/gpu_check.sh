@@ -82,6 +82,14 @@ serve_compare() {
       --vllm-model /tmp/qwen3-0.6b --log-dir "$OUT" ${SERVE_COMPARE_ARGS:-} "$@"
 }
 
+# Our server alone at VMM_SERVE_CONCURRENCY streams, our own client, under one allocator (vmm | default).
+serve_alone_under() {
+  mkdir -p "$OUT/serve_alone_$1"
+  ( if [ "$1" = vmm ]; then export XLA_PYTHON_CLIENT_ALLOCATOR=vmm; else unset XLA_PYTHON_CLIENT_ALLOCATOR; fi
+    serve_compare --servers mrv2 --client mrv2 --concurrency ${VMM_SERVE_CONCURRENCY:-32 128 256} \
+        --log-dir "$OUT/serve_alone_$1" --output-json "$OUT/serve_alone_$1.json" )
+}
+
 # XLA's command-buffer updates (TF_CPP_VMODULE=command_buffer_thunk=3) per phase of a
 # benchmarks.dispatch_cost log: how many, the allocations they found moved, how many a command forced.
 updates_per_phase() {  # log file
@@ -568,6 +576,13 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
     grep -hE "^(rows|numpy packed|device packed|among decodes)" "$OUT"/vmm-prompt-*.log ;;
   vmm-tests) run_section vmm-tests env ${VMM_TEST_ENV:-XLA_PYTHON_CLIENT_ALLOCATOR=vmm} \
       python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+  # Issue 24: our server under the VMM allocator and the default pool, at 32 / 128 / 256 streams,
+  # driven by our own client in several processes (needs `wheels` first: the server's packages and a
+  # Qwen3 tokenizer, no vLLM). JSON per arm: $OUT/serve_alone_<arm>.json.
+  vmm-serve)
+    for arm in vmm default; do
+      run_section vmm-serve-$arm serve_alone_under $arm
+    done ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
