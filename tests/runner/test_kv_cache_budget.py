@@ -1,6 +1,7 @@
 """Sizing the KV cache from the device's memory figures (runner/kv_cache.py num_blocks_for_budget,
 runner/device_memory.py)."""
 
+import gc
 import subprocess
 
 import jax
@@ -69,11 +70,16 @@ def test_without_allocator_stats_the_cuda_drivers_figures_size_the_cache(monkeyp
 
 def test_live_arrays_are_counted_on_their_device():
     device = jax.local_devices()[0]
-    before = device_memory.bytes_of_live_arrays(device)
-    array = jax.device_put(jnp.ones((1024, 256), jnp.float32), device)
-    assert device_memory.bytes_of_live_arrays(device) - before == 1 << 20
-    del array
-    assert device_memory.bytes_of_live_arrays(device) == before
+    gc.collect()  # no earlier test's garbage freed between the counts
+    gc.disable()
+    try:
+        before = device_memory.bytes_of_live_arrays(device)
+        array = jax.device_put(jnp.ones((1024, 256), jnp.float32), device)
+        assert device_memory.bytes_of_live_arrays(device) - before == 1 << 20
+        del array
+        assert device_memory.bytes_of_live_arrays(device) == before
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("fraction, blocks", [("", 114688), ("0.25", 0), ("0.875", 147456)])
