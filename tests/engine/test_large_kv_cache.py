@@ -29,7 +29,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(gpu_memory_utilization: float, max_fused_steps: int) -> tuple[list[list[int]], float]:
-    """Greedy tokens of the prompts, and the KV cache's share of the device's memory."""
+    """Greedy tokens of the prompts, and the KV cache's share of the memory JAX's allocator may hold."""
     # The settings of the two runs that met the bug (fused-decode benchmark, probe), buckets of up to
     # 128 tokens unrolled as there (this test's steps use those of up to 32); programs compile at first use.
     llm = LLM(MODEL, load_format="dummy", dtype="bfloat16", runner="v2", max_num_seqs=8, max_num_batched_tokens=2048,

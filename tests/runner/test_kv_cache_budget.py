@@ -78,16 +78,19 @@ def test_live_arrays_are_counted_on_their_device(monkeypatch):
     assert device_memory.bytes_of_live_arrays(object()) == 0  # no shard on another device is counted
 
 
-@pytest.mark.parametrize("fraction, blocks", [("", 114688), ("0.25", 0), ("0.875", 147456)])
+@pytest.mark.parametrize("fraction, blocks", [("", 114688), ("0.875", 147456)])
 def test_from_the_driver_the_budget_is_jaxs_share_of_the_device(monkeypatch, fraction, blocks):
     # The VMM allocator refuses allocations past XLA_PYTHON_CLIENT_MEM_FRACTION (JAX: 0.75) of the device.
     # 32 GiB x fraction x 0.5, less 3 GiB in use and the 2 GiB reserve, in 64 KiB blocks.
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
-    if blocks == 0:
-        with pytest.raises(ValueError, match="no memory left"):
-            _blocks_on(monkeypatch, None, driver=(29 * GiB, 32 * GiB))
-    else:
-        assert _blocks_on(monkeypatch, None, driver=(29 * GiB, 32 * GiB)) == blocks
+    assert _blocks_on(monkeypatch, None, driver=(29 * GiB, 32 * GiB)) == blocks
+
+
+def test_a_small_memory_fraction_leaves_no_room_for_the_cache(monkeypatch):
+    # 32 GiB x 0.25 x 0.5 = 4 GiB, less 3 GiB in use and the 2 GiB reserve: nothing.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.25")
+    with pytest.raises(ValueError, match="no memory left"):
+        _blocks_on(monkeypatch, None, driver=(29 * GiB, 32 * GiB))
 
 
 @pytest.mark.parametrize("fraction", ["abc", "0", "1.5"])
