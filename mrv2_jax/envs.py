@@ -62,8 +62,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("MRV2_STRICT_COMPILES", "bool", False,
            "`1`: an XLA compile inside an engine step after warm-up is an error, not a warning (tests)."),
     Switch("MRV2_DEFAULT_XLA_FLAGS", "bool", True,
-           "`0`: leave out the performance XLA flags and step compile options (the correctness flag stays; "
-           "xla_flags.py)."),
+           "`0`: leave out the performance XLA flags, step compile options and one-GPU allocator (the "
+           "correctness flag stays; xla_flags.py)."),
     Switch("MRV2_API_KEY", "str", None, "API key the server requires when `--api-key` is not given."),
     _choice("MRV2_SAMPLER_KERNELS", "auto", SAMPLER_PASS_MODES,
             "Default of KernelConfig.sampler_logit_stats: the sampler's pass over the logits and rank count."),
@@ -118,9 +118,13 @@ def set_xla_flags(flags: str) -> None:
 
 
 def get_xla_allocator() -> str:
-    """XLA_PYTHON_CLIENT_ALLOCATOR (JAX's GPU memory allocator, read when the backend starts; "": JAX's
-    default pool)."""
+    """XLA_PYTHON_CLIENT_ALLOCATOR (JAX's GPU memory allocator, read when the backend starts; "": not
+    chosen, JAX's default pool unless an engine on one GPU sets it, xla_flags.py)."""
     return read_external("XLA_PYTHON_CLIENT_ALLOCATOR").lower()
+
+
+def set_xla_allocator(allocator: str) -> None:
+    os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = allocator
 
 
 def get_xla_memory_fraction() -> float:

@@ -32,8 +32,17 @@ the wrong input tokens, and fused decode found no row decoding (docs/benchmarks.
 at a large KV cache"). The step programs' real working memory is a few MB beside their donated
 inputs, so the limit is raised out of reach (100x the device's memory) and no such rewrite happens.
 
-A flag the user already set wins (including turning command buffers off), and so does
-`MRV2_DEFAULT_XLA_FLAGS=0` for the performance flags. XLA reads XLA_FLAGS once, when the backend
+An engine on one GPU also gets JAX's VMM allocator (`XLA_PYTHON_CLIENT_ALLOCATOR=vmm`, built on
+CUDA's virtual memory management) in place of its default best-fit pool: with it the host's call of
+a 256-row decode step costs about a third, and the server's prompt steps about half, of what they
+cost with the pool, at the same throughput (docs/benchmarks.md, "The VMM allocator"). The engine's
+builder sets it (`prefer_vmm_allocator`) because only there is the number of devices known; XLA's
+VMM allocator has not been run with NCCL collectives here, so engines over several GPUs keep the
+pool. It takes effect only when that engine is what starts JAX's backend in its process. The
+allocator keeps no memory stats: the KV cache is then sized by runner/device_memory.py.
+
+A flag or allocator the user already set wins (including turning command buffers off), and so does
+`MRV2_DEFAULT_XLA_FLAGS=0` for the performance flags and the allocator. XLA reads XLA_FLAGS once, when the backend
 starts: importing mrv2_jax after JAX has already run a computation leaves the flags as they were.
 """
 
@@ -42,6 +51,7 @@ from mrv2_jax import envs
 DEFAULT_FLAGS = {"--xla_gpu_enable_command_buffer": "+WHILE", "--xla_gpu_enable_dynamic_slice_fusion": "true",
                  "--xla_cmd_buffer_trace_cache_size": "64"}
 REQUIRED_FLAGS = {"--xla_gpu_memory_limit_slop_factor": "10000"}
+ONE_GPU_ALLOCATOR = "vmm"
 
 
 def _defaults_on() -> bool:
@@ -55,6 +65,14 @@ def apply_default_xla_flags() -> None:
     missing = [f"{name}={value}" for name, value in wanted.items() if name not in flags]
     if missing:
         envs.set_xla_flags(" ".join([flags, *missing]).strip())
+
+
+def prefer_vmm_allocator(devices_per_engine: int) -> None:
+    """Ask JAX for its VMM allocator when an engine runs on one device, unless the user chose an
+    allocator or turned the defaults off. Call before JAX starts its backend (it reads the variable
+    then); on CPUs the variable is ignored."""
+    if devices_per_engine == 1 and _defaults_on() and not envs.get_xla_allocator():
+        envs.set_xla_allocator(ONE_GPU_ALLOCATOR)
 
 
 def step_compiler_options(param_leaves, backend: str | None = None) -> dict:

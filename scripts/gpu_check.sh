@@ -85,7 +85,7 @@ serve_compare() {
 # Our server alone at VMM_SERVE_CONCURRENCY streams, our own client, under one allocator (vmm | default).
 serve_alone_under() {
   mkdir -p "$OUT/serve_alone_$1"
-  ( if [ "$1" = vmm ]; then export XLA_PYTHON_CLIENT_ALLOCATOR=vmm; else unset XLA_PYTHON_CLIENT_ALLOCATOR; fi
+  ( export $(allocator_env $1)
     serve_compare --servers mrv2 --client mrv2 --concurrency ${VMM_SERVE_CONCURRENCY:-32 128 256} \
         --log-dir "$OUT/serve_alone_$1" --output-json "$OUT/serve_alone_$1.json" )
 }
@@ -105,9 +105,10 @@ merge_json() {  # folder, output file
 print(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}))' "$1" > "$2"
 }
 
-# `env` arguments for an allocator arm: vmm sets JAX's VMM allocator, default unsets the variable (the BFC pool).
+# `env` arguments for an allocator arm: vmm sets JAX's VMM allocator (a one-GPU engine's default since
+# session 64), default asks for JAX's best-fit pool (bfc) by name.
 allocator_env() {  # vmm | default
-  if [ "$1" = vmm ]; then echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm; else echo -u XLA_PYTHON_CLIENT_ALLOCATOR; fi
+  if [ "$1" = vmm ]; then echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm; else echo XLA_PYTHON_CLIENT_ALLOCATOR=bfc; fi
 }
 
 run_section() {  # name, command...
@@ -486,6 +487,7 @@ for s in $sections; do case $s in
       run_section alloc-$name-fused env $environment python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
           --max-num-seqs 32 --fused-steps 1 16 --compile-mode lazy $extra --output-json "$OUT/alloc_${name}_fused.json"
     done <<< "${ALLOC_AB_ARMS:-default||
+bfc|XLA_PYTHON_CLIENT_ALLOCATOR=bfc|
 cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
   # Issue 25 / offline S1: the 256-token buckets unrolled against 128 (and CUDA's stream-ordered
   # allocator): `bench throughput` S1@256 (fused decode at 256 rows whenever nothing waits) and fused
@@ -528,7 +530,7 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
   # profiled calls, for every allocation whose address moved. The 256-row call in the engine's loop
   # (timeline, one step per call) per arm of VMM_ARMS (lines "name|environment"), at a fixed KV size.
   # JSON merged into one file; logs under /tmp/vmm. `vmm-tests` runs the GPU tests (outputs against their
-  # references) under VMM_TEST_ENV (default: the VMM allocator alone, the candidate default).
+  # references) under VMM_TEST_ENV (default: the VMM allocator, named).
   vmm-skip-temp)
     saved_out=$OUT; OUT=/tmp/vmm; mkdir -p $OUT
     while IFS='|' read -r name environment; do
@@ -537,7 +539,7 @@ cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|}" ;;
           --load-format dummy "${S1_ENGINE[@]}" --input-len 128 \
           --output-len 512 --num-prompts 256 --disable-tqdm --window 0 --max-fused-steps 1 --num-gpu-blocks 16384 \
           --compile-mode lazy --output-json "$OUT/vmm_$name.json"
-    done <<< "${VMM_ARMS:-default|
+    done <<< "${VMM_ARMS:-bfc|XLA_PYTHON_CLIENT_ALLOCATOR=bfc
 vmm|XLA_PYTHON_CLIENT_ALLOCATOR=vmm
 vmm-skip-temp|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED}"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from mrv2_jax.xla_flags import prefer_vmm_allocator
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The suite starts dozens of Python processes (the xdist workers, engine and API processes, servers, CLI
 # runs, notebook kernels), each importing jax, flax and the engine. Where PYTHONDONTWRITEBYTECODE is set
@@ -21,6 +23,9 @@ os.environ.setdefault("MRV2_STRICT_COMPILES", "1")  # any compile inside an engi
 # Set before JAX starts its backend; subprocesses (CLI, server, notebooks) inherit it.
 CPU_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAGS}".strip()
+# A GPU run tests engines on the allocator a one-GPU engine asks for (xla_flags.py): collecting the tests
+# starts JAX's backend before any engine is built.
+prefer_vmm_allocator(1)
 
 # The suite's compiled programs go to a cache inside the checkout, not the user's (~/.cache/mrv2_jax/xla):
 # a fresh clone starts with an empty cache, so `make test` there (and CI) takes the time the suite's

@@ -31,8 +31,8 @@ def gpu_name_from_driver() -> str | None:
 
 
 def describe_environment(probe_device: bool = True) -> dict:
-    """Date, git sha, jax version, backend and device. `probe_device=False` is for processes that
-    only drive others (a benchmark client, the comparison's orchestrator): asking JAX for its
+    """Date, git sha, jax version, backend, device and, on GPUs, allocator. `probe_device=False` is
+    for processes that only drive others (a benchmark client, the comparison's orchestrator): asking JAX for its
     devices would start the GPU backend there and take most of the GPU memory from the engine
     under test, so the device name comes from nvidia-smi instead."""
     env = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -41,8 +41,10 @@ def describe_environment(probe_device: bool = True) -> dict:
         import jax
 
         device = jax.devices()[0]
-        return env | {"jax_version": jax.__version__, "backend": jax.default_backend(),
-                      "device": getattr(device, "device_kind", str(device))}
+        env |= {"jax_version": jax.__version__, "backend": jax.default_backend(),
+                "device": getattr(device, "device_kind", str(device))}
+        # The allocator this process's backend was started with ("": JAX's default pool).
+        return env | ({"gpu_allocator": envs.get_xla_allocator() or "default"} if env["backend"] == "gpu" else {})
     gpu = gpu_name_from_driver()
     return env | {"jax_version": importlib.metadata.version("jax"), "backend": "gpu" if gpu else "cpu",
                   "device": gpu or "cpu"}
