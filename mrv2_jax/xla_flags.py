@@ -35,15 +35,15 @@ inputs, so the limit is raised out of reach (100x the device's memory) and no su
 An engine on one GPU also gets JAX's VMM allocator (`XLA_PYTHON_CLIENT_ALLOCATOR=vmm`, built on
 CUDA's virtual memory management) in place of its default best-fit pool: with it the host's call of
 a 256-row decode step costs about a third, and the server's prompt steps about half, of what they
-cost with the pool, at the same throughput (docs/benchmarks.md, "The VMM allocator"). The engine's
-builder sets it (`prefer_vmm_allocator`) because only there is the number of devices known; XLA's
-VMM allocator has not been run with NCCL collectives here, so engines over several GPUs keep the
-pool. It takes effect only when that engine is what starts JAX's backend in its process. The
-allocator keeps no memory stats: the KV cache is then sized by runner/device_memory.py.
+cost with the pool, at the same throughput (docs/benchmarks.md, "The VMM allocator"). EngineConfig
+sets it (`prefer_vmm_allocator`), where the number of devices is known; XLA's VMM allocator has not
+been run with NCCL collectives here, so engines over several GPUs keep the pool. It takes effect
+only when that engine is what starts JAX's backend in its process. The allocator keeps no memory
+stats: the KV cache is then sized by runner/device_memory.py.
 
 A flag or allocator the user already set wins (including turning command buffers off), and so does
-`MRV2_DEFAULT_XLA_FLAGS=0` for the performance flags and the allocator. XLA reads XLA_FLAGS once, when the backend
-starts: importing mrv2_jax after JAX has already run a computation leaves the flags as they were.
+`MRV2_DEFAULT_XLA_FLAGS=0` for the performance flags and the allocator. XLA reads XLA_FLAGS once,
+when the backend starts: importing mrv2_jax after JAX has already run a computation leaves the flags as they were.
 """
 
 from mrv2_jax import envs

@@ -49,13 +49,26 @@ def test_the_vmm_allocator_for_one_device_unless_the_user_chose_one(monkeypatch)
     assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ
 
 
-def test_an_engine_on_one_device_asks_for_the_vmm_allocator(monkeypatch):
-    from mrv2_jax.llm import LLM
-
-    monkeypatch.delenv("MRV2_DEFAULT_XLA_FLAGS", raising=False)
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
-    LLM("demo", max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks=16, max_model_len=128, show_progress=False)
-    assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "vmm"
+def test_an_engine_on_one_device_asks_for_the_vmm_allocator_before_jax_starts(monkeypatch):
+    # A fresh process: JAX reads the variable when its backend starts, so the engine must set it
+    # before anything it does starts the backend (resolving the kernels does).
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("XLA_PYTHON_CLIENT_ALLOCATOR", "MRV2_DEFAULT_XLA_FLAGS")}
+    code = """
+import os
+from jax._src import xla_bridge
+from mrv2_jax import envs, LLM
+set_allocator = envs.set_xla_allocator
+def set_and_say(allocator):
+    print("backend started before the allocator was set:", xla_bridge.backends_are_initialized())
+    set_allocator(allocator)
+envs.set_xla_allocator = set_and_say
+LLM("demo", max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks=16, max_model_len=128, show_progress=False)
+print("allocator:", os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"])
+"""
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[-2:] == ["backend started before the allocator was set: False", "allocator: vmm"]
 
 
 def test_step_compiler_options_pick_cublas_unless_weights_are_fp8(monkeypatch):

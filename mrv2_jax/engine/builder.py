@@ -20,7 +20,6 @@ from mrv2_jax.runner.interface import Runner
 from mrv2_jax.runner.kv_cache import num_blocks_for_budget
 from mrv2_jax.sample.features import SamplerKernels, default_variant_names, variants_by_name
 from mrv2_jax.structured.compiler import ConstraintCompiler
-from mrv2_jax.xla_flags import prefer_vmm_allocator
 
 
 def load_draft_model(config: EngineConfig):
@@ -195,8 +194,6 @@ def build_engine(config: EngineConfig, loaded_model=None):
     tokenizer_path = tokenizer_path if has_tokenizer(tokenizer_path) else None
     with report.phase("backend"):  # the cache's settings ask for the backend, which starts it
         import jax
-
-        prefer_vmm_allocator(config.tensor_parallel_size * config.pipeline_parallel_size)
 
         compilation_cache.enable()
         jax.devices()

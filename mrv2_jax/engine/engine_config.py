@@ -11,6 +11,7 @@ from mrv2_jax.engine import distributed
 from mrv2_jax.engine.tokenizer import has_tokenizer
 from mrv2_jax.runner.buckets import check_token_sizes
 from mrv2_jax.spec_decode.config import SpeculativeConfig
+from mrv2_jax.xla_flags import prefer_vmm_allocator
 
 RUNNERS = ("v1", "v2")
 # Up to 16 decode steps per call for small stable batches: one jitted call of the step costs the
@@ -184,6 +185,8 @@ class EngineConfig:
                 "and fused decode do not run together; leave max_fused_steps unset or set it to 1"
             )
         self._start_processes()  # after every check (the others wait for this process), before JAX's backend
+        # Before JAX's backend too, which resolving the kernels starts.
+        prefer_vmm_allocator(self.tensor_parallel_size * self.pipeline_parallel_size)
         self.kernels = kernels.resolved()
 
     def _start_processes(self) -> None:
