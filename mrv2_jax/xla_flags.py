@@ -43,7 +43,8 @@ stats: the KV cache is then sized by runner/device_memory.py.
 
 A flag or allocator the user already set wins (including turning command buffers off), and so does
 `MRV2_DEFAULT_XLA_FLAGS=0` for the performance flags and the allocator. XLA reads XLA_FLAGS once,
-when the backend starts: importing mrv2_jax after JAX has already run a computation leaves the flags as they were.
+when the backend starts: importing mrv2_jax after JAX has already run a computation leaves the
+flags as they were.
 """
 
 from mrv2_jax import envs

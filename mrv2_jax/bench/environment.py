@@ -32,9 +32,9 @@ def gpu_name_from_driver() -> str | None:
 
 def describe_environment(probe_device: bool = True) -> dict:
     """Date, git sha, jax version, backend, device and, on GPUs, allocator. `probe_device=False` is
-    for processes that only drive others (a benchmark client, the comparison's orchestrator): asking JAX for its
-    devices would start the GPU backend there and take most of the GPU memory from the engine
-    under test, so the device name comes from nvidia-smi instead."""
+    for processes that only drive others (a benchmark client, the comparison's orchestrator): asking
+    JAX for its devices would start the GPU backend there and take most of the GPU memory from the
+    engine under test, so the device name comes from nvidia-smi instead."""
     env = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "git_sha": git_sha()}
     if probe_device:
