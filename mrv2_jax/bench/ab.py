@@ -204,7 +204,10 @@ def main(argv=None, prog=None):
     add_engine_args(p)
     args = p.parse_args(argv)
     from mrv2_jax.models.loader import load_model
+    from mrv2_jax.xla_flags import prefer_vmm_allocator
 
+    # The engines' allocator, asked for here: loading the shared weights starts JAX's backend.
+    prefer_vmm_allocator(args.tensor_parallel_size * args.pipeline_parallel_size)
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.dtype, args.load_format, args.seed)
     load_s = time.perf_counter() - t0

@@ -112,7 +112,10 @@ def run(args) -> dict:
     from mrv2_jax.llm import LLM
     from mrv2_jax.models.loader import load_model
     from mrv2_jax.sampling_params import SamplingParams
+    from mrv2_jax.xla_flags import prefer_vmm_allocator
 
+    # The engines' allocator, asked for before the cache's settings and the shared weights start JAX's backend.
+    prefer_vmm_allocator(args.tensor_parallel_size * args.pipeline_parallel_size)
     compilation_cache.enable()
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.dtype, args.load_format, args.seed)

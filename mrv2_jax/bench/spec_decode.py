@@ -116,7 +116,9 @@ def main(argv=None, prog=None):
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     from mrv2_jax.models.loader import load_model
+    from mrv2_jax.xla_flags import prefer_vmm_allocator
 
+    prefer_vmm_allocator(1)  # the engines' allocator, asked for before loading weights starts JAX's backend
     results = []
     for suite in args.suites.split(","):
         model, load_format, arms = suite_arms(suite, args)
