@@ -585,6 +585,16 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
     for arm in vmm default; do
       run_section vmm-serve-$arm serve_alone_under $arm
     done ;;
+  # Issue 24: our server alone at the engine's defaults (our client, several processes), SERVE_ROUNDS rounds
+  # (default 2) at SERVE_ROUND_CONCURRENCY streams (default 1 8 32): how far one stream's P99 ITL moves from
+  # run to run on one machine. Needs `wheels` first. JSON per round: $OUT/serve_round_<n>.json.
+  serve-rounds)
+    for round in $(seq ${SERVE_ROUNDS:-2}); do
+      mkdir -p "$OUT/serve_round_$round"
+      run_section serve-round-$round serve_compare --servers mrv2 --client mrv2 \
+          --concurrency ${SERVE_ROUND_CONCURRENCY:-1 8 32} --log-dir "$OUT/serve_round_$round" \
+          --output-json "$OUT/serve_round_$round.json"
+    done ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
