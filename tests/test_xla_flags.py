@@ -33,6 +33,12 @@ def test_default_flags_are_added_only_when_absent(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_memory_limit_slop_factor=95"
 
 
+def environment_without_an_allocator_choice() -> dict[str, str]:
+    """This process's environment for a child, less the variables that choose its allocator."""
+    return {name: value for name, value in os.environ.items()
+            if name not in ("XLA_PYTHON_CLIENT_ALLOCATOR", "MRV2_DEFAULT_XLA_FLAGS")}
+
+
 def test_the_vmm_allocator_for_one_device_unless_the_user_chose_one(monkeypatch):
     monkeypatch.delenv("MRV2_DEFAULT_XLA_FLAGS", raising=False)
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
@@ -52,8 +58,7 @@ def test_the_vmm_allocator_for_one_device_unless_the_user_chose_one(monkeypatch)
 def test_an_engine_on_one_device_asks_for_the_vmm_allocator_before_jax_starts():
     # A fresh process: JAX reads the variable when its backend starts, so the engine must set it
     # before anything it does starts the backend (resolving the kernels does).
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("XLA_PYTHON_CLIENT_ALLOCATOR", "MRV2_DEFAULT_XLA_FLAGS")}
+    env = environment_without_an_allocator_choice()
     code = """
 import os
 from jax._src import xla_bridge
@@ -95,8 +100,7 @@ def test_step_compiler_options_pick_cublas_unless_weights_are_fp8(monkeypatch):
 def test_an_engine_on_one_gpu_starts_jax_on_the_allocator_asked_for(chosen, pooled):
     # A fresh process, so that the engine is what starts JAX's backend. JAX's best-fit pool reports a
     # memory limit among its stats; the VMM allocator keeps none.
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("XLA_PYTHON_CLIENT_ALLOCATOR", "MRV2_DEFAULT_XLA_FLAGS")}
+    env = environment_without_an_allocator_choice()
     if chosen:
         env["XLA_PYTHON_CLIENT_ALLOCATOR"] = chosen
     code = ("import jax; from mrv2_jax import LLM; "

@@ -43,7 +43,7 @@ def describe_environment(probe_device: bool = True) -> dict:
         device = jax.devices()[0]
         env |= {"jax_version": jax.__version__, "backend": jax.default_backend(),
                 "device": getattr(device, "device_kind", str(device))}
-        # The allocator this process's backend was started with ("": JAX's default pool).
+        # The allocator asked for when the backend started (xla_flags.py; unset: JAX's default pool).
         return env | ({"gpu_allocator": envs.get_xla_allocator() or "default"} if env["backend"] == "gpu" else {})
     gpu = gpu_name_from_driver()
     return env | {"jax_version": importlib.metadata.version("jax"), "backend": "gpu" if gpu else "cpu",
