@@ -9,7 +9,7 @@ Run on the GPU machine:
 Shapes are Qwen3-0.6B's attention (16 query heads, 8 KV heads, head_dim 128, bf16, block
 size 16) over one layer's worth of cache in the stacked layout (num_layers=1 by default),
 random non-zero data and random (shuffled) block tables. Cases:
-  decode   batch {1, 32, 256} x context {512, 4096, 32768} (one query token per row; cases
+  decode   batch {1, 32, 128, 256} x context {512, 4096, 32768} (one query token per row; cases
            whose KV exceeds --max-kv-gib are skipped); besides the Triton kernel (impl "kernel")
            each decode case runs the Mosaic GPU decode kernel (impl "mgpu",
            paged_decode_attention_mgpu, its default config unless --mgpu-splits/--mgpu-stages;
@@ -80,7 +80,7 @@ TUNING_KEYS = ("block_m", "block_n", "num_kv_splits", "num_warps", "num_stages")
 
 def all_cases():
     cases = {}
-    for b, c in itertools.product((1, 32, 256), (512, 4096, 32768)):
+    for b, c in itertools.product((1, 32, 128, 256), (512, 4096, 32768)):
         cases[f"decode_b{b}_c{c}"] = dict(kind="attn", rows=b, q_len=1, ctx=c)
     cases["prefill_b1_c4096"] = dict(kind="attn", rows=1, q_len=4096, ctx=4096)
     cases["prefill_b8_c1024"] = dict(kind="attn", rows=8, q_len=1024, ctx=1024)
