@@ -613,12 +613,17 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.
+  # The GPU's clocks, power and throttle reasons every 20 ms beside it (step_tail_<n>_clocks.csv), to line
+  # the slow steps up with the clocks (the timeline JSON's run_start_epoch_s + a step's start_s).
   step-tail)
     for n in ${STEP_TAIL_ROWS:-32 1}; do
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,clocks_event_reasons.active \
+          --format=csv,nounits --loop-ms=20 > "$OUT/step_tail_$n${TAG:-}_clocks.csv" 2>&1 & clocks=$!
       run_section step-tail-$n${TAG:-} env MRV2_COMPILATION_CACHE=/tmp/cc_tail python3 -m mrv2_jax.bench.timeline \
           --model qwen3-0.6b --load-format dummy --max-num-seqs $n --max-num-batched-tokens 8192 \
           --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts $((n * 6)) --temperature 1.0 \
           --window 0 --disable-tqdm ${STEP_TAIL_ARGS:-} --output-json "$OUT/step_tail_$n${TAG:-}.json"
+      kill $clocks
     done ;;
   xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
       --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;

@@ -302,7 +302,7 @@ def run(args) -> dict:
     trace_dir = tempfile.mkdtemp(prefix="mrv2-trace-") if args.window > 0 else None
     recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir,
                             from_step=args.trace_from_step)
-    t0 = time.perf_counter()
+    epoch_at_t0, t0 = time.time(), time.perf_counter()  # the epoch lines steps up with other clocks' logs
     try:
         outs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
         elapsed = time.perf_counter() - t0
@@ -346,8 +346,9 @@ def run(args) -> dict:
                                                           device_parts),
         "tail": tail(steps, parts),
         "device": {k: v for k, v in device.items() if k != "steps"},
+        "run_start_epoch_s": epoch_at_t0,
         "steps": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
-                   if k not in ("start", "end")} for s in steps],
+                   if k not in ("start", "end")} | {"start_s": round(s["start"] - t0, 6)} for s in steps],
     }
     print_summary(report)
     if args.output_json:

@@ -4,6 +4,7 @@ reports (schema and sane values, not speeds)."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mrv2_jax.bench.dataset import random_prompts
@@ -140,6 +141,11 @@ def test_bench_timeline_host_breakdown(tmp_path):
         host_parts = ("schedule_ms", "dispatch_ms", "update_ms", "host_other_ms", "outside_ms")
         assert abs(s["host_ms"] - sum(s[k] for k in host_parts)) < 1e-3  # all the host did, the wait aside
     assert sum(s["dispatch_ms"] > 0 for s in steps) >= len(steps) - 2
+    # Each step's start from the run's start, in order, and within the run (its walls end at elapsed_s).
+    starts = [s["start_s"] for s in steps]
+    assert starts == sorted(starts) and 0 <= starts[0] and starts[-1] < report["elapsed_s"]
+    assert abs(starts[1] - starts[0] - steps[0]["wall_ms"] / 1e3) < 1e-5
+    assert abs(report["run_start_epoch_s"] - time.time()) < 600
     # Each prompt is admitted once; its 8 + 12 tokens take five 4-token blocks, the last three added
     # while it decodes. A garbage collection is timed where it ran (none is also possible).
     assert sum(s["new_reqs"] for s in steps) == 8 and sum(s["new_blocks"] for s in steps) >= 8
