@@ -331,19 +331,19 @@ for s in $sections; do case $s in
   attn-sweep) run_section attn-sweep python3 -m benchmarks.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
   # Issue 27: decode attention at the serving workload's contexts (32 / 128 / 256 rows of 512 tokens), both
-  # kernels timed, then Nsight Compute's view of each at 256 and 32 rows (bandwidth, occupancy, stalls):
-  # why a short context reads the cache well below copy bandwidth. ATTN_NCU_CASES picks the profiled cases.
+  # kernels timed, then Nsight Compute's view of every kernel one call of each runs (duration, DRAM
+  # throughput, occupancy; scripts/ncu_table.py), at 256 and 32 rows: why a short context reads the cache
+  # below copy bandwidth. ATTN_NCU_CASES picks the profiled cases, ATTN_NCU_SECTIONS more ncu sections.
   attn-ncu)
     run_section attn-decode-512 python3 -m benchmarks.attention_kernel --cases decode_b32_c512,decode_b128_c512,decode_b256_c512 \
         --no-reference --output-json "$OUT/attention_decode_512.json"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for c in ${ATTN_NCU_CASES:-decode_b256_c512 decode_b32_c512}; do
-      run_section ncu-$c env XLA_FLAGS="--xla_gpu_enable_command_buffer=" $NCU --clock-control none \
-          -k regex:'attention|merge' --launch-skip 2 --launch-count 4 --section SpeedOfLight --section Occupancy \
-          --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-          -o "$OUT/ncu_$c" python3 -m benchmarks.attention_kernel --cases $c --no-reference --runs 1 --warmup 0 --inner 1
-      $NCU --import "$OUT/ncu_$c.ncu-rep" --page details > "$OUT/ncu_$c.txt" 2>&1
-      grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Shared Memory Configuration Size|Dynamic Shared|Waves Per SM|Grid Size|Block Size|Stall|L2 Hit|L1/TEX Hit|Eligible Warps|Issued Warp|No Eligible" "$OUT/ncu_$c.txt" | head -150
+      run_section ncu-$c env XLA_FLAGS="--xla_gpu_enable_command_buffer=" $NCU --clock-control none --launch-count 80 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats ${ATTN_NCU_SECTIONS:-} -o "$OUT/ncu_$c" \
+          python3 -m benchmarks.attention_kernel --cases $c --no-reference --runs 1 --warmup 0 --inner 1
+      $NCU --import "$OUT/ncu_$c.ncu-rep" --page raw --csv > "$OUT/ncu_$c.csv" 2>&1
+      python3 scripts/ncu_table.py "$OUT/ncu_$c.csv" | tee "$OUT/ncu_$c.table"
     done ;;
   wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl; find_tokenizer ;;
   vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh'
