@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from benchmarks import dense_attention_anchor
 from benchmarks.timing import time_calls
 from mrv2_jax.bench.environment import describe_environment
+from mrv2_jax.bench.trace import profile_kernels
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.kv_write_mgpu import write_kv_mgpu
 from pallas_kernels.paged_decode_attention_mgpu import default_config as mgpu_default_config
@@ -165,6 +166,15 @@ def pick_inner(args_inner, work_bytes):
     return int(min(20, max(1, math.ceil(2e-3 / expected_s))))
 
 
+def kernel_split(out, impl, fn, args, inner, opts):
+    """With --kernel-split: the kernels of one chained call of ``fn`` by family (us a call), into
+    ``out[impl + "_kernels"]``: what the call's time holds beside the attention kernel itself."""
+    if getattr(opts, "kernel_split", False):
+        out[impl + "_kernels"] = [dict(kernel=k["kernel"], us_per_call=1e3 * k["ms_per_step"] / inner,
+                                       launches_per_call=k["launches_per_step"] / inner)
+                                  for k in profile_kernels(chained_attention(fn, inner), args, calls=3)]
+
+
 def figures(seconds, nbytes, flops):
     return dict(
         ms=seconds * 1e3,
@@ -217,6 +227,7 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
         nbytes,
         flops,
     )
+    kernel_split(out, "kernel", attn, args, inner, opts)
     mgpu, mgpu_config = mgpu_attention(case, opts, args[4].shape[1]) if with_mgpu else (None, None)
     if mgpu is not None:
         out["mgpu_config"] = mgpu_config
@@ -225,6 +236,7 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
             nbytes,
             flops,
         )
+        kernel_split(out, "mgpu", mgpu, args, inner, opts)
     ragged = None
     if with_mgpu and not getattr(opts, "no_mgpu", False):
         ragged, out["mgpu_ragged_config"] = mgpu_ragged_attention(opts)
@@ -234,6 +246,7 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
                 nbytes,
                 flops,
             )
+            kernel_split(out, "mgpu_ragged", ragged, args, inner, opts)
         except Exception as e:
             out["mgpu_ragged_error"], ragged = f"{type(e).__name__}: {e}"[:2000], None
     if with_mgpu and not getattr(opts, "no_mgpu", False) and not opts.interpret and is_prefill(case):
@@ -416,6 +429,8 @@ def main(argv=None):
     p.add_argument("--ref-max-gib", type=float, default=48.0)
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--no-mgpu", action="store_true", help="decode cases: leave out the Mosaic GPU kernel")
+    p.add_argument("--kernel-split", action="store_true",
+                   help="also trace each attention way's kernels per call (the kernel beside the ops around it)")
     p.add_argument("--mgpu-splits", type=int, default=None, help="Mosaic GPU decode kernel: num_splits override")
     p.add_argument("--mgpu-stages", type=int, default=None,
                    help="Mosaic GPU decode kernel: max_concurrent_steps override")
@@ -483,6 +498,9 @@ def main(argv=None):
                               ("dense_anchor", r.get("dense_anchor_config")), ("reference", {})):
                 if impl in r:
                     print(fmt_row(name, impl, cfg, r[impl]), flush=True)
+                for k in r.get(impl + "_kernels", []):
+                    print(f"{'':22s}   {k['us_per_call']:9.2f} us x{k['launches_per_call']:.0f}  {k['kernel'][:70]}",
+                          flush=True)
             if "max_rel_err" in r:
                 print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}", flush=True)
             if "mgpu_max_rel_err" in r:

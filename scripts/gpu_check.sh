@@ -336,10 +336,13 @@ for s in $sections; do case $s in
   # below copy bandwidth. ATTN_NCU_CASES picks the profiled cases, ATTN_NCU_SECTIONS more ncu sections.
   attn-ncu)
     run_section attn-decode-512 python3 -m benchmarks.attention_kernel --cases decode_b32_c512,decode_b128_c512,decode_b256_c512 \
-        --no-reference --output-json "$OUT/attention_decode_512.json"
+        --no-reference --kernel-split --output-json "$OUT/attention_decode_512.json"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    # The attention kernels only (the Triton one is named after its function), without JAX's memory pool:
+    # each replay saves and restores the device memory in use.
     for c in ${ATTN_NCU_CASES:-decode_b256_c512 decode_b32_c512}; do
-      run_section ncu-$c env XLA_FLAGS="--xla_gpu_enable_command_buffer=" $NCU --clock-control none --launch-count 80 \
+      run_section ncu-$c env XLA_FLAGS="--xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+          $NCU --clock-control none -k regex:'rpa|attention|merge' --launch-count 8 \
           --section SpeedOfLight --section Occupancy --section LaunchStats ${ATTN_NCU_SECTIONS:-} -o "$OUT/ncu_$c" \
           python3 -m benchmarks.attention_kernel --cases $c --no-reference --runs 1 --warmup 0 --inner 1
       $NCU --import "$OUT/ncu_$c.ncu-rep" --page raw --csv > "$OUT/ncu_$c.csv" 2>&1
