@@ -333,14 +333,16 @@ for s in $sections; do case $s in
   # Issue 27: decode attention at the serving workload's contexts (32 / 128 / 256 rows of 512 tokens), both
   # kernels timed, then Nsight Compute's view of every kernel one call of each runs (duration, DRAM
   # throughput, occupancy; scripts/ncu_table.py), at 256 and 32 rows: why a short context reads the cache
-  # below copy bandwidth. ATTN_NCU_CASES picks the profiled cases, ATTN_NCU_SECTIONS more ncu sections.
+  # below copy bandwidth. ATTN_NCU_CASES picks the profiled cases, ATTN_TIME_CASES the timed ones (comma-separated),
+  # ATTN_NCU_SECTIONS adds ncu sections.
   attn-ncu)
-    run_section attn-decode-512 python3 -m benchmarks.attention_kernel --cases decode_b32_c512,decode_b128_c512,decode_b256_c512 \
+    cases=${ATTN_NCU_CASES:-decode_b256_c512 decode_b32_c512}
+    run_section attn-decode-512 python3 -m benchmarks.attention_kernel --cases ${ATTN_TIME_CASES:-${cases// /,},decode_b128_c512} \
         --no-reference --kernel-split --output-json "$OUT/attention_decode_512.json"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     # The attention kernels only (the Triton one is named after its function), without JAX's memory pool:
     # each replay saves and restores the device memory in use.
-    for c in ${ATTN_NCU_CASES:-decode_b256_c512 decode_b32_c512}; do
+    for c in $cases; do
       run_section ncu-$c env XLA_FLAGS="--xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_PREALLOCATE=false \
           $NCU --clock-control none -k regex:'rpa|attention|merge' --launch-count 8 \
           --section SpeedOfLight --section Occupancy --section LaunchStats ${ATTN_NCU_SECTIONS:-} -o "$OUT/ncu_$c" \
