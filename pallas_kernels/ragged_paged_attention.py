@@ -199,15 +199,18 @@ def _rpa_kernel(
     bt_row = jnp.minimum(row, R - 1) * max_blocks
     cache_row0 = (layer_ref[0] * num_blocks) * num_kv_heads + kv_head
 
-    def attend(chunk, carry, masked):
+    def pages(chunk):
+        """The page of each key of a chunk (clamped to the row's table: a chunk past it reads a real entry)."""
+        kv = chunk * BN + jnp.arange(BN, dtype=jnp.int32)
+        return pltriton.load(bt_ref.at[bt_row + jnp.minimum(lax.div(kv, block_size), max_blocks - 1)])
+
+    def attend(chunk, carry, masked, blk=None):
         acc, m_i, l_i = carry
         kv = chunk * BN + jnp.arange(BN, dtype=jnp.int32)
-        page = lax.div(kv, block_size)
         if masked:
             kv_ok = kv < kv_hi
-            blk = pltriton.load(bt_ref.at[bt_row + jnp.minimum(page, max_blocks - 1)], mask=kv_ok, other=0)
-        else:  # every key of the chunk is < kv_hi <= seq_len: no mask needed
-            blk = pltriton.load(bt_ref.at[bt_row + page])
+            page = jnp.minimum(lax.div(kv, block_size), max_blocks - 1)
+            blk = pltriton.load(bt_ref.at[bt_row + page], mask=kv_ok, other=0)
         kv_row = (cache_row0 + blk * num_kv_heads) * block_size + lax.rem(kv, block_size)
         if masked:
             kv_mask = jnp.broadcast_to(kv_ok[:, None], (BN, head_dim))
@@ -238,12 +241,18 @@ def _rpa_kernel(
     masked_body = functools.partial(attend, masked=True)
     if window is not None:  # chunks cut by the window's lower edge
         carry = lax.fori_loop(s_lo, jnp.minimum(c_full_lo, s_hi), masked_body, carry)
-    carry = lax.fori_loop(
-        jnp.maximum(c_full_lo, s_lo),
-        jnp.minimum(c_full_hi, s_hi),
-        functools.partial(attend, masked=False),
-        carry,
-    )
+    # The unmasked chunks (every key < kv_hi <= seq_len) read their pages one chunk ahead: the K/V
+    # loads then depend on nothing loaded in their own iteration, which is what lets Triton's pipeliner
+    # keep num_stages - 1 chunks of K and V in flight (with the table read in the same iteration it
+    # keeps one buffer and waits for it before every chunk, whatever num_stages says).
+    def attend_unmasked(chunk, carry_and_pages):
+        *carry, blk = carry_and_pages
+        return (*attend(chunk, carry, masked=False, blk=blk), pages(chunk + 1))
+
+    unmasked_lo = jnp.maximum(c_full_lo, s_lo)
+    *carry, _ = lax.fori_loop(unmasked_lo, jnp.minimum(c_full_hi, s_hi), attend_unmasked,
+                              (*carry, pages(unmasked_lo)))
+    carry = tuple(carry)
     carry = lax.fori_loop(jnp.maximum(c_full_hi, s_lo), s_hi, masked_body, carry)
     acc, m_i, l_i = carry
 

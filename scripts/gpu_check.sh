@@ -350,6 +350,20 @@ for s in $sections; do case $s in
       $NCU --import "$OUT/ncu_$c.ncu-rep" --page raw --csv > "$OUT/ncu_$c.csv" 2>&1
       python3 scripts/ncu_table.py "$OUT/ncu_$c.csv" | tee "$OUT/ncu_$c.table"
     done ;;
+  # Issue 27: the Triton attention kernel by pipeline depth (its unmasked chunks read their pages a chunk
+  # ahead since session 65, so num_stages - 1 chunks of K and V can be in flight) at the serving workload's
+  # decode shapes and the prefill cases. ATTN_STAGE_ARMS: "label|tuning flags" lines.
+  attn-stages)
+    while IFS='|' read -r label flags; do
+      [ -n "$label" ] || continue
+      run_section attn-stages-$label python3 -m benchmarks.attention_kernel --no-mgpu --no-reference \
+          --cases ${ATTN_STAGE_CASES:-decode_b256_c512,decode_b128_c512,decode_b32_c512,prefill_b1_c4096,prefill_b8_c1024} \
+          $flags --output-json "$OUT/attention_stages_$label.json"
+      grep -E "^(decode|prefill)" "$OUT/attn-stages-$label.log"
+    done <<< "${ATTN_STAGE_ARMS:-default|
+st3|--num-stages 3
+st4|--num-stages 4
+n32st4|--block-n 32 --num-stages 4}" ;;
   wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl; find_tokenizer ;;
   vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh'
     find_tokenizer ;;

@@ -362,8 +362,10 @@ QWEN3 = dict(Hq=16, Hkv=8, D=128, bs=16)
         dict(block_m=16, block_n=64, num_kv_splits=8),
         dict(block_m=64, block_n=64, num_kv_splits=1),
         dict(block_m=128, block_n=32, num_warps=8),
+        dict(block_m=16, block_n=64, num_kv_splits=1, num_stages=4),
+        dict(block_m=64, block_n=64, num_kv_splits=1, num_stages=3),
     ],
-    ids=["default", "m16n64s8", "m64n64", "m128n32w8"],
+    ids=["default", "m16n64s8", "m64n64", "m128n32w8", "m16n64st4", "m64n64st3"],
 )
 def test_gpu_qwen3_mixed_bf16(tuning):
     rng = np.random.default_rng(11)
@@ -402,3 +404,41 @@ def test_gpu_f32_and_window():
     rows = [(1, 1000), (300, 700), (1, 5)]
     b = build_batch(rows, T=512, R=4, **QWEN3, num_blocks=256, max_blocks=64, dtype=jnp.bfloat16, seed=14)
     check_kernel(b, sm_scale=128**-0.5, window=256, tol=2e-2)
+
+
+@pytest.mark.parametrize("num_stages, ring", [(2, 1), (3, 2), (4, 3)])
+def test_triton_pipelines_the_unmasked_chunks_num_stages_minus_one_deep(num_stages, ring):
+    """Compiled for sm_90 by the `triton` package (where installed; not a project dependency): the K
+    and V tiles of the unmasked loop get a ring of num_stages - 1 shared-memory buffers, i.e. that many
+    chunks in flight. With the block table read in the same iteration as the K/V loads, Triton's
+    pipeliner kept one buffer at any num_stages."""
+    pytest.importorskip("triton")
+    import importlib.util
+    import pathlib
+    import re
+
+    path = pathlib.Path(__file__).parents[2] / "scripts" / "triton_ptx.py"
+    spec = importlib.util.spec_from_file_location("triton_ptx", path)
+    triton_ptx = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(triton_ptx)
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    R, ctx, Hq, Hkv, D, bs = 8, 512, 16, 8, 128, 16
+    blocks = R * ctx // bs + 4
+    shapes = (((R, Hq, D), jnp.bfloat16), ((1, blocks, Hkv, bs, D), jnp.bfloat16),
+              ((1, blocks, Hkv, bs, D), jnp.bfloat16), ((), jnp.int32), ((R, ctx // bs), jnp.int32),
+              ((R,), jnp.int32), ((R + 1,), jnp.int32), ((), jnp.int32))
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, block_m=16, block_n=64, num_kv_splits=1,
+                           num_warps=4, num_stages=num_stages)
+    (module,) = triton_ptx.triton_modules(fn, *args)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = pathlib.Path(tmp, "kernel.ttir")
+        source.write_text(module)
+        compiled = triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_stages": num_stages})
+    rings = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x128xbf16", compiled.asm["ttgir"])
+    assert rings and int(rings[0]) == ring and rings[:2] == [rings[0]] * 2, rings  # K's ring, then V's
