@@ -364,6 +364,31 @@ for s in $sections; do case $s in
 st3|--num-stages 3
 st4|--num-stages 4
 n32st4|--block-n 32 --num-stages 4}" ;;
+  # Issue 27: S1@256 (bench ab, v2-async) with the Triton attention's default pipeline depth changed, one copy
+  # of the tree per arm in /tmp (default_tuning's return patched: decode-shaped buckets' block_n and num_stages,
+  # the others' num_stages). ATTN_ENGINE_ARMS: "label|decode block_n|decode stages|prefill stages" lines.
+  attn-stages-s1)
+    while IFS='|' read -r label dbn dst pst; do
+      [ -n "$label" ] || continue
+      tree=/tmp/attn_tree_$label; rm -rf $tree; mkdir -p $tree; cp -r mrv2_jax pallas_kernels benchmarks $tree/
+      python3 - "$tree/pallas_kernels/ragged_paged_attention.py" "$dbn" "$dst" "$pst" <<'PATCH'
+import pathlib, sys
+path, dbn, dst, pst = sys.argv[1:]
+p = pathlib.Path(path); s = p.read_text()
+old = "return dict(block_m=block_m, block_n=block_n, num_kv_splits=splits, num_warps=4, num_stages=2)"
+new = (f"return dict(block_m=block_m, block_n={dbn} if decode_like else block_n, num_kv_splits=splits, "
+       f"num_warps=4, num_stages={dst} if decode_like else {pst})")
+assert old in s, "default_tuning's return changed: update attn-stages-s1"
+p.write_text(s.replace(old, new))
+PATCH
+      (cd $tree && run_section attn-stages-s1-$label timeout 300 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
+          --load-format dummy --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 "${S1_ENGINE[@]}" \
+          --output-json "$OUT/attention_stages_s1_$label.json")
+      grep -E "out tok/s|output tok" "$OUT/attn-stages-s1-$label.log" | tail -2
+    done <<< "${ATTN_ENGINE_ARMS:-st2|64|2|2
+st3|64|3|3
+n32st4|32|4|3
+st2-again|64|2|2}" ;;
   wheels) run_section wheels python3 -m pip install -q --no-index --no-deps --target $SITE .whl/*.whl; find_tokenizer ;;
   vllm-payload) run_section vllm-payload bash -c 'cd /tmp/vx && cat payload.tar.part-* | tar x && bash payload/setup.sh'
     find_tokenizer ;;
