@@ -34,7 +34,8 @@
 # and that allocator end to end (alloc-ab), and the engine's Python on this machine's CPU, caches hot and cold
 # (host-step-cpu), issue 24's offline S1@256 figure at the defaults (throughput-s1), and the 256-row call
 # with XLA's command-buffer VA remapping (the VMM allocator with SKIP_TEMP or SKIP_PROFILED: vmm-skip-temp,
-# and the GPU tests under it: vmm-tests).
+# and the GPU tests under it: vmm-tests), decode attention at the serving workload's context under Nsight Compute
+# (attn-ncu) and the Triton attention by pipeline depth (attn-stages; in S1@256: attn-stages-s1).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
