@@ -360,7 +360,6 @@ for s in $sections; do case $s in
       run_section attn-stages-$label python3 -m benchmarks.attention_kernel --no-mgpu --no-reference \
           --cases ${ATTN_STAGE_CASES:-decode_b256_c512,decode_b128_c512,decode_b32_c512,prefill_b1_c4096,prefill_b8_c1024} \
           $flags --output-json "$OUT/attention_stages_$label.json"
-      grep -E "^(decode|prefill)" "$OUT/attn-stages-$label.log"
     done <<< "${ATTN_STAGE_ARMS:-default|
 st3|--num-stages 3
 st4|--num-stages 4
@@ -385,7 +384,6 @@ PATCH
       (cd $tree && run_section attn-stages-s1-$label timeout 300 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
           --load-format dummy --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 "${S1_ENGINE[@]}" \
           --output-json "$OUT/attention_stages_s1_$label.json")
-      grep -E "out tok/s|output tok" "$OUT/attn-stages-s1-$label.log" | tail -2
     done <<< "${ATTN_ENGINE_ARMS:-st2|64|2|2
 st3|64|3|3
 n32st4|32|4|3
