@@ -64,9 +64,9 @@ def triton_modules(fn, *args) -> list[str]:
     return modules
 
 
-def ptx_facts(module: str, num_warps: int, num_stages: int = 1) -> dict:
-    """`module` (Triton IR text) compiled for sm_90 -> registers, spills, shared memory and instruction
-    counts of its PTX. SystemExit naming the install when `triton` is missing."""
+def compile_module(module: str, num_warps: int, num_stages: int = 1):
+    """`module` (Triton IR text) compiled for sm_90: triton's compiled kernel, whose `asm` holds each stage's
+    text ("ttgir", "ptx", ...). SystemExit naming the install when `triton` is missing."""
     try:
         import triton
         from triton.backends.compiler import GPUTarget
@@ -75,8 +75,16 @@ def ptx_facts(module: str, num_warps: int, num_stages: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp, "kernel.ttir")
         source.write_text(module)
-        kernel = triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": num_warps, "num_stages": num_stages})
+        return triton.compile(str(source), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def ptx_facts(module: str, num_warps: int, num_stages: int = 1) -> dict:
+    """`module` (Triton IR text) compiled for sm_90 -> registers, spills, shared memory and instruction
+    counts of its PTX. SystemExit naming the install when `triton` is missing."""
+    kernel = compile_module(module, num_warps, num_stages)
+    import triton  # present: compile_module has used it
+    with tempfile.TemporaryDirectory() as tmp:
         ptx = kernel.asm["ptx"]
         ptx_file = Path(tmp, "kernel.ptx")
         ptx_file.write_text(ptx)

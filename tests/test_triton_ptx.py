@@ -49,3 +49,28 @@ def test_a_missing_triton_package_is_named_with_its_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
     with pytest.raises(SystemExit, match=r"pip install triton==3\.6\.0"):
         script.ptx_facts("module {}", num_warps=4)
+
+
+@pytest.mark.parametrize(("num_stages", "ring"), [(2, 1), (3, 2), (4, 3)])
+def test_the_attention_kernel_keeps_num_stages_minus_one_chunks_in_flight(num_stages, ring):
+    """ragged_paged_attention compiled for sm_90 (where `triton` is installed): the K and V tiles of its
+    unmasked loop each get a ring of num_stages - 1 shared-memory buffers. With the block table read in
+    the same iteration as the K/V loads, Triton's pipeliner kept one buffer at any num_stages."""
+    pytest.importorskip("triton")
+    import functools
+    import re
+
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    R, ctx, Hq, Hkv, D, bs = 8, 512, 16, 8, 128, 16
+    blocks = R * ctx // bs + 4
+    S, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    args = (S((R, Hq, D), bf16), S((1, blocks, Hkv, bs, D), bf16), S((1, blocks, Hkv, bs, D), bf16), S((), i32),
+            S((R, ctx // bs), i32), S((R,), i32), S((R + 1,), i32), S((), i32))
+    fn = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, block_m=16, block_n=64, num_kv_splits=1,
+                           num_warps=4, num_stages=num_stages)
+    script = load_script()
+    (module,) = script.triton_modules(fn, *args)
+    ttgir = script.compile_module(module, num_warps=4, num_stages=num_stages).asm["ttgir"]
+    rings = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x128xbf16", ttgir)
+    assert rings[:2] == [str(ring)] * 2, rings  # K's ring, then V's: the unmasked loop's, first in the kernel
