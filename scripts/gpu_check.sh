@@ -348,7 +348,7 @@ for s in $sections; do case $s in
           $NCU --clock-control none -k regex:'rpa|attention|merge' --launch-count 8 \
           --section SpeedOfLight --section Occupancy --section LaunchStats ${ATTN_NCU_SECTIONS:-} -o "$OUT/ncu_$c" \
           python3 -m benchmarks.attention_kernel --cases $c --no-reference --runs 1 --warmup 0 --inner 1
-      $NCU --import "$OUT/ncu_$c.ncu-rep" --page raw --csv > "$OUT/ncu_$c.csv" 2>&1
+      $NCU --import "$OUT/ncu_$c.ncu-rep" --page raw --csv > "$OUT/ncu_$c.csv" 2> "$OUT/ncu_$c.csv.err"
       python3 scripts/ncu_table.py "$OUT/ncu_$c.csv" | tee "$OUT/ncu_$c.table"
     done ;;
   # Issue 27: the Triton attention kernel by pipeline depth (its unmasked chunks read their pages a chunk
