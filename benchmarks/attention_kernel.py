@@ -498,9 +498,13 @@ def main(argv=None):
                               ("dense_anchor", r.get("dense_anchor_config")), ("reference", {})):
                 if impl in r:
                     print(fmt_row(name, impl, cfg, r[impl]), flush=True)
-                for k in r.get(impl + "_kernels", []):
+                kernels = r.get(impl + "_kernels", [])
+                for k in kernels:
                     print(f"{'':22s}   {k['us_per_call']:9.2f} us x{k['launches_per_call']:.0f}  {k['kernel'][:70]}",
                           flush=True)
+                if kernels:  # the device's share of the wall time above (the rest: the host's dispatch, gaps)
+                    print(f"{'':22s}   {sum(k['us_per_call'] for k in kernels):9.2f} us of kernels a call, "
+                          f"{r[impl]['ms'] * 1e3:.2f} us wall", flush=True)
             if "max_rel_err" in r:
                 print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}", flush=True)
             if "mgpu_max_rel_err" in r:
