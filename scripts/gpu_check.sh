@@ -21,8 +21,8 @@
 # Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms),
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
 # benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each and on the
-# Mosaic GPU ragged kernel; fused-attn: fused decode at batch 1 / 8 / 32 on the three), mixed-step attention on Mosaic GPU against
-# Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
+# Mosaic GPU ragged kernel; fused-attn: fused decode at batch 1 / 8 / 32 on the three), mixed-step attention
+# on Mosaic GPU against Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
 # cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
 # KV cache filling the GPU (large-kv), fused decode with the layer loop and with every layer unrolled
 # (fused-layer-unroll), fused decode, the old tree against this one (fused-before-after), batch 1 in a
@@ -331,9 +331,9 @@ for s in $sections; do case $s in
         --output-json "$OUT/kv_write.json" ;;
   attn-sweep) run_section attn-sweep python3 -m benchmarks.attention_kernel --sweep decode_b256_c512 \
       --output-json "$OUT/attention_sweep_c512.json" ;;
-  # Issue 27: decode attention at the serving workload's contexts (32 / 128 / 256 rows of 512 tokens), both
-  # kernels timed, then Nsight Compute's view of every kernel one call of each runs (duration, DRAM
-  # throughput, occupancy; scripts/ncu_table.py), at 256 and 32 rows: why a short context reads the cache
+  # Issue 27: decode attention at the serving workload's contexts (32 / 128 / 256 rows of 512 tokens), the three
+  # kernels timed with their calls' kernel split, then Nsight Compute's view of each attention kernel (duration,
+  # DRAM throughput, occupancy; scripts/ncu_table.py) at 256 and 32 rows: why a short context reads the cache
   # below copy bandwidth. ATTN_NCU_CASES picks the profiled cases, ATTN_TIME_CASES the timed ones (comma-separated),
   # ATTN_NCU_SECTIONS adds ncu sections.
   attn-ncu)
@@ -381,9 +381,11 @@ new = (f"return dict(block_m=block_m, block_n={dbn} if decode_like else block_n,
 assert old in s, "default_tuning's return changed: update attn-stages-s1"
 p.write_text(s.replace(old, new))
 PATCH
-      (cd $tree && run_section attn-stages-s1-$label timeout 300 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
+      pushd $tree > /dev/null  # the patched tree's packages first: python -m puts the working directory first
+      run_section attn-stages-s1-$label timeout 300 python3 -m mrv2_jax.bench.ab --model qwen3-0.6b \
           --load-format dummy --arms v2-async --input-len 128 --output-len 512 --num-prompts 1000 "${S1_ENGINE[@]}" \
-          --output-json "$OUT/attention_stages_s1_$label.json")
+          --output-json "$OUT/attention_stages_s1_$label.json"
+      popd > /dev/null
     done <<< "${ATTN_ENGINE_ARMS:-st2|64|2|2
 st3|64|3|3
 n32st4|32|4|3
@@ -683,8 +685,8 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
       --plot "$OUT/${s//-/_}${TAG:-}.png" ;;
   fused) run_section fused python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
       --output-json "$OUT/fused_decode.json" ;;
-  # Issue 26: fused decode at batch 1 / 8 / 32 with its attention on the Triton kernel and on the
-  # Mosaic GPU decode kernel (split over the KV length, so a lone row still spreads over the SMs).
+  # Issue 26: fused decode at batch 1 / 8 / 32 with its attention on the Triton kernel, the Mosaic GPU decode
+  # kernel (split over the KV length, so a lone row still spreads over the SMs) and the Mosaic GPU ragged one.
   fused-attn)
     for k in ${DECODE_ATTN_ARMS:-pallas mgpu mgpu_ragged}; do
       run_section fused-attn-$k python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 16 \
