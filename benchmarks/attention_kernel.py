@@ -166,13 +166,16 @@ def pick_inner(args_inner, work_bytes):
     return int(min(20, max(1, math.ceil(2e-3 / expected_s))))
 
 
-def kernel_split(out, impl, fn, args, inner, opts):
-    """With --kernel-split: the kernels of one chained call of ``fn`` by family (us a call), into
-    ``out[impl + "_kernels"]``: what the call's time holds beside the attention kernel itself."""
+def measure(out, impl, attn, args, inner, opts, nbytes, flops):
+    """The chained call of ``attn`` timed into ``out[impl]``; with --kernel-split also its kernels by family
+    (us a call) into ``out[impl + "_kernels"]``, traced on the same compiled chain (a fresh one would compile
+    inside the trace, under the profiler)."""
+    chained = chained_attention(attn, inner)
+    out[impl] = figures(time_call(chained, args, inner=inner, runs=opts.runs, warmup=opts.warmup), nbytes, flops)
     if getattr(opts, "kernel_split", False):
         out[impl + "_kernels"] = [dict(kernel=k["kernel"], us_per_call=1e3 * k["ms_per_step"] / inner,
                                        launches_per_call=k["launches_per_step"] / inner)
-                                  for k in profile_kernels(chained_attention(fn, inner), args, calls=3)]
+                                  for k in profile_kernels(chained, args, calls=3)]
 
 
 def figures(seconds, nbytes, flops):
@@ -222,31 +225,16 @@ def bench_attention(case, tuning, opts, *, with_reference=True, with_mgpu=True):
     resolved.update({k: v for k, v in tuning.items() if v is not None})
     attn = functools.partial(ragged_paged_attention, sm_scale=scale, interpret=opts.interpret, **resolved)
     out = dict(config=resolved, inner=inner, bytes=nbytes, flops=flops)
-    out["kernel"] = figures(
-        time_call(chained_attention(attn, inner), args, inner=inner, runs=opts.runs, warmup=opts.warmup),
-        nbytes,
-        flops,
-    )
-    kernel_split(out, "kernel", attn, args, inner, opts)
+    measure(out, "kernel", attn, args, inner, opts, nbytes, flops)
     mgpu, mgpu_config = mgpu_attention(case, opts, args[4].shape[1]) if with_mgpu else (None, None)
     if mgpu is not None:
         out["mgpu_config"] = mgpu_config
-        out["mgpu"] = figures(
-            time_call(chained_attention(mgpu, inner), args, inner=inner, runs=opts.runs, warmup=opts.warmup),
-            nbytes,
-            flops,
-        )
-        kernel_split(out, "mgpu", mgpu, args, inner, opts)
+        measure(out, "mgpu", mgpu, args, inner, opts, nbytes, flops)
     ragged = None
     if with_mgpu and not getattr(opts, "no_mgpu", False):
         ragged, out["mgpu_ragged_config"] = mgpu_ragged_attention(opts)
         try:  # the newest kernel fails alone: the case keeps the other kernels' figures
-            out["mgpu_ragged"] = figures(
-                time_call(chained_attention(ragged, inner), args, inner=inner, runs=opts.runs, warmup=opts.warmup),
-                nbytes,
-                flops,
-            )
-            kernel_split(out, "mgpu_ragged", ragged, args, inner, opts)
+            measure(out, "mgpu_ragged", ragged, args, inner, opts, nbytes, flops)
         except Exception as e:
             out["mgpu_ragged_error"], ragged = f"{type(e).__name__}: {e}"[:2000], None
     if with_mgpu and not getattr(opts, "no_mgpu", False) and not opts.interpret and is_prefill(case):

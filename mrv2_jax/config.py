@@ -161,10 +161,8 @@ class KernelConfig:
 
     ``attention``: the paged attention and KV write, "pallas" or "reference".
     ``decode_attention``: with ``attention`` "pallas", the kernel of fused decode's steps (every row one
-    token): "pallas" (the ragged kernel of every other step), "mgpu" (the decode kernel on Mosaic
-    GPU, pallas_kernels/paged_decode_attention_mgpu.py; Hopper-class GPUs) or "mgpu_ragged" (the Mosaic
-    GPU ragged kernel, which then also keeps a mixed step's one-token rows when ``ragged_attention`` is
-    "mgpu").
+    token): "pallas" (the ragged kernel of every other step) or "mgpu" (the decode kernel on Mosaic
+    GPU, pallas_kernels/paged_decode_attention_mgpu.py; Hopper-class GPUs).
     ``ragged_attention``: with ``attention`` "pallas", the kernel of every other step (mixed prefill and
     decode rows): "pallas" (the Triton kernel, pallas_kernels/ragged_paged_attention.py) or "mgpu" (the
     Mosaic GPU kernel, pallas_kernels/ragged_paged_attention_mgpu.py; Hopper-class GPUs; a mixed step's
@@ -206,7 +204,7 @@ class KernelConfig:
         "sampler_noise_pass": ("MRV2_SAMPLER_NOISE_PASS", envs.SWITCHES["MRV2_SAMPLER_NOISE_PASS"].allowed),
         "sampler_slow_path": ("MRV2_SAMPLER_SLOW_PATH", envs.SWITCHES["MRV2_SAMPLER_SLOW_PATH"].allowed),
         "moe_backend": ("MRV2_MOE_BACKEND", envs.SWITCHES["MRV2_MOE_BACKEND"].allowed),
-        "decode_attention": (None, ("auto", "pallas", "mgpu", "mgpu_ragged")),
+        "decode_attention": (None, ("auto", "pallas", "mgpu")),
         "ragged_attention": (None, ("auto", "pallas", "mgpu")),
         "sampler_truncation": (None, ("auto", "threshold", "sort")),
         "decode_projections": (None, ("auto", "xla", "gemv")),

@@ -20,8 +20,8 @@
 # against Triton (kv-write: its GPU tests and the benchmark's kv_write cases), the MoE grouped GEMM on
 # Mosaic GPU against Triton (moe-mgpu: its GPU tests and the MoE benchmark's pallas and mgpu arms),
 # decode attention on Mosaic GPU against Triton (decode-attn-mgpu: its GPU tests and the attention
-# benchmark's decode cases, both kernels; decode-attn-engine: S1@256 with fused decode on each and on the
-# Mosaic GPU ragged kernel; fused-attn: fused decode at batch 1 / 8 / 32 on the three), mixed-step attention
+# benchmark's decode cases, both kernels; decode-attn-engine: S1@256 through `bench throughput`, whose
+# 256-row decode runs fused, on each; fused-attn: fused decode at batch 1 / 8 / 32 on each), mixed-step attention
 # on Mosaic GPU against Triton (ragged-mgpu: its GPU tests and the attention benchmark's prefill, S2-step and 32-row decode
 # cases; ragged-attn-engine / ragged-attn-s1: S2 / S1@256 v2-async with each kernel), the engine at a
 # KV cache filling the GPU (large-kv), fused decode with the layer loop and with every layer unrolled
@@ -258,14 +258,15 @@ for s in $sections; do case $s in
         tests/kernels/test_paged_decode_attention_mgpu.py
     run_section decode-attn-mgpu python3 -m benchmarks.attention_kernel --cases decode \
         --output-json "$OUT/attention_decode_mgpu.json" ;;
-  # Issue 27: fused decode's attention in the engine, S1@256 v2-async, by --kernels decode_attention
-  # (DECODE_ATTN_ARMS: the Triton ragged kernel, the Mosaic GPU decode kernel, the Mosaic GPU ragged one).
+  # Issue 27: fused decode's attention in the engine by --kernels decode_attention (DECODE_ATTN_ARMS: the
+  # Triton ragged kernel, the Mosaic GPU decode kernel): S1@256 through `bench throughput`, whose decode-only
+  # steps run fused (`bench ab` runs one step per call, where this switch changes nothing).
   decode-attn-engine)
-    for k in ${DECODE_ATTN_ARMS:-pallas mgpu mgpu_ragged}; do
-      run_section decode-attn-engine-$k python3 -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy \
-          --arms v2-async --input-len 128 --output-len 512 --num-prompts 256 \
+    for k in ${DECODE_ATTN_ARMS:-pallas mgpu}; do
+      run_section decode-attn-engine-$k python3 -m mrv2_jax.bench.throughput --model qwen3-0.6b \
+          --load-format dummy --input-len 128 --output-len 512 --num-prompts 512 \
           "${S1_ENGINE[@]}" --kernels decode_attention=$k \
-          --output-json "$OUT/ab_s1_decode_attention_$k.json"
+          --output-json "$OUT/throughput_s1_decode_attention_$k.json"
     done ;;
   # Issue 27: the mixed prefill/decode attention on Mosaic GPU (ragged_paged_attention_mgpu) against the
   # Triton kernel: its GPU tests, then the attention benchmark (every case runs both kernels; S2's step
@@ -685,10 +686,10 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
       --plot "$OUT/${s//-/_}${TAG:-}.png" ;;
   fused) run_section fused python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" \
       --output-json "$OUT/fused_decode.json" ;;
-  # Issue 26: fused decode at batch 1 / 8 / 32 with its attention on the Triton kernel, the Mosaic GPU decode
-  # kernel (split over the KV length, so a lone row still spreads over the SMs) and the Mosaic GPU ragged one.
+  # Issue 26: fused decode at batch 1 / 8 / 32 with its attention on the Triton kernel and on the Mosaic GPU
+  # decode kernel (split over the KV length, so a lone row still spreads over the SMs).
   fused-attn)
-    for k in ${DECODE_ATTN_ARMS:-pallas mgpu mgpu_ragged}; do
+    for k in ${DECODE_ATTN_ARMS:-pallas mgpu}; do
       run_section fused-attn-$k python3 -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 16 \
           --kernels decode_attention=$k --output-json "$OUT/fused_decode_attention_$k.json"
     done ;;

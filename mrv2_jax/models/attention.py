@@ -79,14 +79,12 @@ class PagedAttention(AttentionBackend):
     use_kernels: bool = True
     interpret: bool = False
     # Fused decode: every row holds at most one query token, so with `decode_kernel` "mgpu" the
-    # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i]; with
-    # "mgpu_ragged" it is the Mosaic GPU ragged kernel (a row's token is one lane group of a tile).
+    # kernels' attention is the Mosaic GPU decode kernel, which takes row i's token at q[i].
     one_token_rows: bool = False
     decode_kernel: str = "pallas"
-    # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU). One-token rows take the
-    # Mosaic GPU ragged kernel only where decode_kernel is "mgpu_ragged" (a row's token fills G of a
-    # tile's 64 lanes); otherwise decode_kernel's, in fused decode and in mixed steps alike
-    # (_mixed_rows_mgpu).
+    # The kernel of every other step: "pallas" (Triton) or "mgpu" (Mosaic GPU). One-token rows never
+    # take the Mosaic GPU one (a row's token would fill G of its 64 lanes): they take decode_kernel's,
+    # in fused decode and in mixed steps alike (_mixed_rows_mgpu).
     ragged_kernel: str = "pallas"
     # Tensor parallelism: the jax.sharding.Mesh whose AXIS splits the heads of q, k, v and of the
     # KV cache; each device then writes and attends its own heads (shard_map), with the same
@@ -156,10 +154,6 @@ class PagedAttention(AttentionBackend):
                 attend = functools.partial(_mixed_rows_mgpu, decode_kernel=self.decode_kernel, interpret=self.interpret)
             if self.one_token_rows and self.decode_kernel == "mgpu":
                 attend = functools.partial(_one_token_rows_mgpu, interpret=self.interpret)
-            if self.decode_kernel == "mgpu_ragged" and (self.one_token_rows or self.ragged_kernel == "mgpu"):
-                from pallas_kernels.ragged_paged_attention_mgpu import ragged_paged_attention_mgpu
-
-                attend = functools.partial(ragged_paged_attention_mgpu, interpret=self.interpret)
         out = attend(q, *kv_cache, layer, self.block_tables, self.seq_lens,
                      self.query_start_loc, self.num_seqs, sm_scale=scale)
         return out, kv_cache

@@ -100,7 +100,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             -> (kv_cache, state, sampler_state, SamplerOutput with [max_steps, R, ...] fields).
     `mesh`: tensor parallelism's mesh for the attention (models/attention.py), or None.
     `on_step`: a host function that gets each step's tokens during the call (see above), or None.
-    `decode_kernel`: the attention kernel of its steps, "pallas", "mgpu" or "mgpu_ragged" (models/attention.py);
+    `decode_kernel`: the attention kernel of its steps, "pallas" or "mgpu" (models/attention.py);
     `ragged_kernel`: the one used where `decode_kernel` is "pallas".
     `unroll_layers`: every decoder layer unrolled in the step's body (else the model's `layer_unroll`).
     `gemv_projections` (the one-row bucket): the family's layer runs its projections through the GEMV

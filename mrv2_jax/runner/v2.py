@@ -155,9 +155,9 @@ class ModelRunnerV2(RunnerBase):
         unrolled program while a full decode batch keeps the loop.
         `tensor_parallel` (runner/tensor_parallel.py): the mesh the layers and KV heads are split
         over; the device state is replicated on it; not with a spec decoder. `decode_attention`: the
-        attention kernel of fused decode, "pallas", "mgpu" or "mgpu_ragged" (KernelConfig.decode_attention);
+        attention kernel of fused decode, "pallas" or "mgpu" (KernelConfig.decode_attention);
         `ragged_attention` that of every other step (KernelConfig.ragged_attention), whose one-token
-        rows take `decode_attention`'s where it is "mgpu" or "mgpu_ragged". `decode_projections`: "gemv" runs the
+        rows take `decode_attention`'s where it is "mgpu". `decode_projections`: "gemv" runs the
         projections of fused decode's one-row bucket as the GEMV kernels, one token (the family's
         `gemv_weights`; models/gemv_projections.py), and adds a one-token, one-row bucket whose step
         program runs them too (a lone decode row without fused decode, e.g. one stream); "xla" leaves

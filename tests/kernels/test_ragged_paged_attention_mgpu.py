@@ -163,7 +163,7 @@ def test_interpreted_kernel_matches_reference(case):
         assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize("decode_kernel", ["pallas", "mgpu", "mgpu_ragged"])
+@pytest.mark.parametrize("decode_kernel", ["pallas", "mgpu"])
 def test_engine_attention_through_the_ragged_kernel_matches_the_reference_path(decode_kernel):
     """PagedAttention as the runners build it with `ragged_kernel="mgpu"` (G = 2): prefill chunks over
     earlier context (one off the 8-token grid), decode rows side by side (through `decode_kernel`'s
@@ -206,9 +206,6 @@ def test_engine_attention_through_the_ragged_kernel_matches_the_reference_path(d
     (False, "mgpu", {"ragged_paged_attention_mgpu", "paged_decode_attention_mgpu"}),
     (True, "pallas", {"ragged_paged_attention"}),  # fused decode: one token per row, the Triton kernel
     (True, "mgpu", {"paged_decode_attention_mgpu"}),
-    # decode_kernel "mgpu_ragged": the Mosaic GPU ragged kernel alone, for every row of either step.
-    (False, "mgpu_ragged", {"ragged_paged_attention_mgpu"}),
-    (True, "mgpu_ragged", {"ragged_paged_attention_mgpu"}),
 ])
 def test_one_token_rows_never_take_the_mosaic_gpu_ragged_kernel(one_token_rows, decode_kernel, kernels):
     """With `ragged_kernel="mgpu"`, the kernels a step's program calls: the Mosaic GPU ragged kernel and
