@@ -111,7 +111,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import check_weight_tile, device_sm_count
+from pallas_kernels.mgpu_common import check_weight_tile, device_sm_count, one_kernel_per_shape
 
 __all__ = ["GroupedConfig", "default_config", "grouped_gemm_mgpu", "num_tiles", "tile_schedule"]
 
@@ -307,6 +307,7 @@ def _grouped_kernel(meta_gmem, lhs_gmem, rhs_gmem, *rest, num_groups, tiles, ste
         pl.run_scoped(zeros, out_tile)
 
 
+@one_kernel_per_shape("config", "scale_block", "interpret")
 def grouped_gemm_mgpu(lhs, rhs, group_sizes, rhs_scale=None, *, config: GroupedConfig | None = None,
                       scale_block: int = 128, interpret=False):
     """``lhs [M, K]`` (rows sorted by group) x ``rhs [G, K, N]`` per ``group_sizes [G]`` -> ``[M, N]``.

@@ -1,6 +1,8 @@
 """What the Mosaic GPU kernels here share: whether the GPU has wgmma, the SM count their default
-configs plan for, the input checks of the paged attention kernels, and the tile rules of a wgmma whose M
-side is a weight tile."""
+configs plan for, one kernel per shape for their wrappers, the input checks of the paged attention
+kernels, and the tile rules of a wgmma whose M side is a weight tile."""
+
+import functools
 
 import jax
 
@@ -20,6 +22,16 @@ def device_sm_count() -> int:
     if jax.default_backend() == "gpu":
         return jax.devices()[0].core_count
     return H200_SMS
+
+
+def one_kernel_per_shape(*static_argnames: str):
+    """A kernel wrapper's decorator: the wrapper jitted with these arguments static, so that its calls at
+    one set of shapes and static arguments share one lowering, hence one Mosaic GPU module and one
+    ``kernel_hash``. JAX's Mosaic GPU lowering names every module it lowers with a process-wide counter
+    (the ``mosaic_gpu.dump_basename`` attribute), so N plain calls of one kernel in a program (a model's
+    unrolled layers) reach XLA as N distinct kernels, each compiled and loaded on its own. XLA inlines
+    the jitted call: the program runs the same kernels either way."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
 def check_bf16_paged_attention(q, k_cache, v_cache) -> None:

@@ -93,7 +93,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import check_bf16_paged_attention, device_sm_count
+from pallas_kernels.mgpu_common import check_bf16_paged_attention, device_sm_count, one_kernel_per_shape
 
 __all__ = ["DecodeConfig", "default_config", "paged_decode_attention_mgpu"]
 
@@ -265,6 +265,7 @@ def _decode_kernel(layer_gmem, num_seqs_gmem, seq_lens_gmem, bt_gmem, q_gmem, k_
     )
 
 
+@one_kernel_per_shape("sm_scale", "config", "interpret")
 def paged_decode_attention_mgpu(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, *, layer, sm_scale,
                                 config: DecodeConfig | None = None, interpret=False):
     """Attention of each row's single query token over its paged context (the module docstring).

@@ -73,7 +73,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import check_bf16_paged_attention
+from pallas_kernels.mgpu_common import check_bf16_paged_attention, one_kernel_per_shape
 
 __all__ = ["META_FIELDS", "RaggedConfig", "num_tiles", "ragged_paged_attention_mgpu", "tile_schedule"]
 
@@ -327,6 +327,7 @@ def _store_rows(o_smem, out_gmem, smem_row, token, count, q_head, *, tq):
         size //= 2
 
 
+@one_kernel_per_shape("sm_scale", "sliding_window", "config", "interpret")
 def ragged_paged_attention_mgpu(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, *,
                                 sm_scale, sliding_window=None, config: RaggedConfig | None = None,
                                 interpret=False):
