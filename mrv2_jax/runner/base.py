@@ -26,6 +26,23 @@ from mrv2_jax.sample.tensors import SamplingRow, sampling_row
 from mrv2_jax.xla_flags import step_compiler_options
 
 
+def reading_slot_tables(step):
+    """`step(param_leaves, *state, sampler_state, packed, spec_params, spec_state)` as the program
+    `_compile_steps` compiles: the SlotState comes in split (counts, tables) and only its counts go
+    back out, the tables being read only."""
+    def program(param_leaves, *args):
+        *carried, counts, tables, packed, spec_params, spec_state = args
+        *carried, sampler_state, out, spec_state = step(param_leaves, *carried, slot_state.join(counts, tables),
+                                                        packed, spec_params, spec_state)
+        new_counts, new_tables = slot_state.split(sampler_state)
+        if any(a is not b for a, b in zip(jax.tree.leaves(new_tables), jax.tree.leaves(tables), strict=True)):
+            raise ValueError("a step program changed the SlotState's tables, which steps take read only; "
+                             "write them with their own program (sample/slot_state.py)")
+        return *carried, new_counts, out, spec_state
+
+    return program
+
+
 class RunnerBase:
     """Shared state of both runners; each subclass adds its own tables, then compiles."""
 
@@ -112,20 +129,25 @@ class RunnerBase:
         `steps`: {key: (PackedLayout, make_fn)}, `make_fn(layout, features)` returning
             fn(param_leaves, *device_state, packed, spec_params, spec_state)
                 -> (*device_state, sampler output, spec_state);
-        `device_state`: the arrays the step updates (donated, like the spec state).
+        `device_state`: the arrays the step updates (donated, like the spec state), the runner's
+        SlotState last. The compiled program takes that SlotState split (`reading_slot_tables`):
+        its counts donated, its tables read only.
         -> {key: (layout, the compiled programs of its sampler variants, in order)}."""
-        num_state = len(device_state)
-        donate = (*range(1, 1 + num_state), num_state + 3)
+        *carried, sampler_state = device_state
+        counts, tables = slot_state.split(sampler_state)
+        num_donated = len(carried) + 1
+        donate = (*range(1, 1 + num_donated), num_donated + 4)
         options = step_compiler_options(self.params.leaves)
         # Tensor parallelism: the packed input is replicated and every output keeps its place, so
         # that the donated state comes back where the next call expects it.
-        packed_sharding, out = self.tp.step_shardings(device_state) if self.tp else (None, None)
+        packed_sharding, out = self.tp.step_shardings((*carried, counts)) if self.tp else (None, None)
         sharded = {} if self.tp is None else {"out_shardings": out}
 
         def lower(layout, make_fn, i):
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=packed_sharding)
-            return jax.jit(make_fn(layout, self.sampler_variants[i]), donate_argnums=donate, **sharded).lower(
-                self.params.leaves, *device_state, packed, self.spec_params, self.spec_state)
+            program = reading_slot_tables(make_fn(layout, self.sampler_variants[i]))
+            return jax.jit(program, donate_argnums=donate, **sharded).lower(
+                self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
 
         num_variants = len(self.sampler_variants)
         store = self.program_store

@@ -202,8 +202,10 @@ class ModelRunnerV1(RunnerBase):
         return StepResult(sampled, sampled_logprobs, prompt_token_logprobs(result, spans))
 
     def call_step(self, compiled, packed):
-        self.kv_cache, self.slot_state, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, self.slot_state, packed, self.spec_params, self.spec_state)
+        counts, tables = slot_state.split(self.slot_state)
+        self.kv_cache, counts, result, self.spec_state = compiled(
+            self.params.leaves, self.kv_cache, counts, tables, packed, self.spec_params, self.spec_state)
+        self.slot_state = slot_state.join(counts, tables)
         return result
 
     def _prompt_targets(self, layout, packed, req_ids, rows, counts) -> dict:

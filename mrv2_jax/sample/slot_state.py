@@ -85,6 +85,18 @@ def write_request(state: SlotState, slot, bias_ids, bias_values, stop_ids, token
                           stop_ids=state.stop_ids.at[slot].set(stop_ids))
 
 
+def split(state: SlotState) -> tuple[jax.Array, tuple]:
+    """-> (the counts a step updates, the tables it only reads). A step program takes the tables
+    without donating them, so that its call neither returns nor replaces them: every array a call
+    donates and returns costs the host more than one it only reads."""
+    return state.output_counts, state[1:]
+
+
+def join(counts: jax.Array, tables: tuple) -> SlotState:
+    """The inverse of `split`."""
+    return SlotState(counts, *tables)
+
+
 def count_sampled(state: SlotState, table_rows: jax.Array, tokens: jax.Array) -> SlotState:
     """Inside the step: +1 for each sampled token of a row with table rows (-1: skipped)."""
     s = state.output_counts.shape[0]
