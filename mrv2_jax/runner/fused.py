@@ -120,9 +120,12 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
         # ONE_ROW_TOKENS, so that its projections stay GEMMs, unless they run as the GEMV kernels.
         num_tokens = ONE_ROW_TOKENS if num_rows == 1 and not gemv_projections else num_rows
         no_chunk = jnp.zeros((num_tokens,), jnp.int32)
+        # The loop carries the penalty counts only: the sampler's other tables are read, never written.
+        counts, tables = slot_state.split(sampler_state)
 
         def one_step(step, carry):
-            kv_cache, state, sampler_state, active, produced, outs = carry
+            kv_cache, state, counts, active, produced, outs = carry
+            sampler_state = slot_state.join(counts, tables)
             active = active & (step < x["num_steps"])
             # An inactive row schedules 0 tokens: no KV write, no sample, no token appended.
             state, inputs = prepare.prepare_inputs(state, idx, active.astype(jnp.int32), num_reqs, no_chunk,
@@ -156,7 +159,7 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
                 io_callback(on_step, None, x["call_tag"], jnp.where(sampled, out.tokens, -1), output_index,
                             ordered=False)
             active = sampled & (produced < budget) & ~rows_ended(state, idx)
-            return kv_cache, state, sampler_state, active, produced, outs
+            return kv_cache, state, sampler_state.output_counts, active, produced, outs
 
         def body(loop):
             step, carry = loop
@@ -169,11 +172,11 @@ def make_fused_decode(layout: PackedLayout, features: SamplerFeatures, *, params
             return (step < x["num_steps"]) & jnp.any(carry[3])
 
         outs = _empty_outputs(max_steps, num_rows, features)
-        carry = (kv_cache, state, sampler_state, active, jnp.zeros(num_rows, jnp.int32), outs)
-        _, (kv_cache, state, sampler_state, _, _, outs) = jax.lax.while_loop(
+        carry = (kv_cache, state, counts, active, jnp.zeros(num_rows, jnp.int32), outs)
+        _, (kv_cache, state, counts, _, _, outs) = jax.lax.while_loop(
             keep_going, body, (jnp.int32(0), carry))
         first = jnp.where(diverged, prepare.DIVERGED, outs.tokens[0])  # the host stops on it (prepare.py)
-        return kv_cache, state, sampler_state, outs._replace(tokens=outs.tokens.at[0].set(first))
+        return kv_cache, state, slot_state.join(counts, tables), outs._replace(tokens=outs.tokens.at[0].set(first))
 
     return fused
 
