@@ -22,12 +22,16 @@ def test_a_step_replaces_the_counts_and_keeps_the_tables(runner):
     engine_runner = llm.engine.runner
     counts, tables = slot_state.split(engine_runner.slot_state)
     held = [np.asarray(a) for a in jax.tree.leaves(tables)]
-    layout, variants = next(iter(engine_runner._step_programs.values()))
-    engine_runner.call_step(variants[-1], engine_runner.empty_batch(layout))
+    if runner == "v2":  # its programs are keyed (kind, bucket): fused decode's are among them
+        assert {kind for kind, _ in engine_runner._step_programs} == {"step", "fused"}
+    for layout, variants in engine_runner._step_programs.values():  # every bucket's program, on an empty batch
+        engine_runner.call_step(variants[-1], engine_runner.empty_batch(layout))
 
-    new_counts, new_tables = slot_state.split(engine_runner.slot_state)
-    assert counts.is_deleted() and not new_counts.is_deleted()  # donated, and a new one returned
-    assert all(a is b and not a.is_deleted() for a, b in zip(jax.tree.leaves(new_tables), jax.tree.leaves(tables)))
+        new_counts, new_tables = slot_state.split(engine_runner.slot_state)
+        assert counts.is_deleted() and not new_counts.is_deleted()  # donated, and a new one returned
+        assert all(a is b and not a.is_deleted()
+                   for a, b in zip(jax.tree.leaves(new_tables), jax.tree.leaves(tables), strict=True))
+        counts = new_counts
     for kept, before in zip(jax.tree.leaves(new_tables), held):
         np.testing.assert_array_equal(np.asarray(kept), before)
     assert np.asarray(new_tables[1]).max() == 5  # bias_ids: the request's logit bias is still there
