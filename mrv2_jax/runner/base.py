@@ -193,6 +193,16 @@ class RunnerBase:
         -> the step's device result."""
         raise NotImplementedError
 
+    def _call_program(self, compiled, carried: tuple, packed) -> tuple:
+        """One call of a program `_compile_steps` compiled, in its argument order: `carried` (the
+        device state before the SlotState) donated, the SlotState split, the spec state donated. Sets the
+        new SlotState and spec state -> (the new `carried`, the step's device result)."""
+        counts, tables = slot_state.split(self.slot_state)
+        *carried, counts, result, self.spec_state = compiled(
+            self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
+        self.slot_state = slot_state.join(counts, tables)
+        return carried, result
+
     def empty_batch(self, layout) -> np.ndarray:
         """A packed step input that holds no request: every row is padding."""
         packed = layout.empty()

@@ -202,10 +202,7 @@ class ModelRunnerV1(RunnerBase):
         return StepResult(sampled, sampled_logprobs, prompt_token_logprobs(result, spans))
 
     def call_step(self, compiled, packed):
-        counts, tables = slot_state.split(self.slot_state)
-        self.kv_cache, counts, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, counts, tables, packed, self.spec_params, self.spec_state)
-        self.slot_state = slot_state.join(counts, tables)
+        (self.kv_cache,), result = self._call_program(compiled, (self.kv_cache,), packed)
         return result
 
     def _prompt_targets(self, layout, packed, req_ids, rows, counts) -> dict:

@@ -464,10 +464,7 @@ class ModelRunnerV2(RunnerBase):
         -> the step's device result. Benchmarks replay captured steps through it."""
         if self.tp is not None and self.tp.multi_process:  # every process passes the same buffer
             packed = self.tp.put(packed, self.tp.replicated)
-        counts, tables = slot_state.split(self.slot_state)
-        self.kv_cache, self.state, counts, result, self.spec_state = compiled(
-            self.params.leaves, self.kv_cache, self.state, counts, tables, packed, self.spec_params, self.spec_state)
-        self.slot_state = slot_state.join(counts, tables)
+        (self.kv_cache, self.state), result = self._call_program(compiled, (self.kv_cache, self.state), packed)
         return result
 
     def _write_new_requests(self, out: SchedulerOutput, view):
