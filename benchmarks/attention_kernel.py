@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import dense_attention_anchor
-from benchmarks.timing import burst_seconds, time_calls
+from benchmarks.timing import burst_seconds, copy_bandwidth, time_calls
 from mrv2_jax.bench.environment import describe_environment
 from mrv2_jax.bench.trace import profile_kernels
 from pallas_kernels.kv_write import write_kv, write_kv_reference
@@ -455,6 +455,10 @@ def main(argv=None):
     print(
         f"# {report['date']}  jax {jax.__version__}  {report['device']}  sha {report['git_sha']}", flush=True
     )
+    copy_bw = copy_bandwidth() if jax.default_backend() == "gpu" else None
+    report["copy_bw"] = copy_bw
+    if copy_bw:
+        print(f"# this device's copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s", flush=True)
 
     cases = all_cases()
     if opts.sweep:
@@ -498,8 +502,12 @@ def main(argv=None):
                     print(f"{'':22s}   {k['us_per_call']:9.2f} us x{k['launches_per_call']:.0f}  {k['kernel'][:70]}",
                           flush=True)
                 if kernels:  # the device's share of the wall time above (the rest: the host's dispatch, gaps)
-                    print(f"{'':22s}   {sum(k['us_per_call'] for k in kernels):9.2f} us of kernels a call, "
-                          f"{r[impl]['ms'] * 1e3:.2f} us wall", flush=True)
+                    device_us = sum(k["us_per_call"] for k in kernels)
+                    rate = f", {r['bytes'] / device_us / 1e6:.2f} TB/s" if impl != "reference" else ""
+                    if rate and copy_bw:
+                        rate += f", {100 * r['bytes'] / (device_us * 1e-6) / copy_bw:.1f}% of copy"
+                    print(f"{'':22s}   {device_us:9.2f} us of kernels a call, "
+                          f"{r[impl]['ms'] * 1e3:.2f} us wall{rate}", flush=True)
             if "max_rel_err" in r:
                 print(f"{'':22s} max relative error kernel vs reference: {r['max_rel_err']:.2e}", flush=True)
             if "mgpu_max_rel_err" in r:

@@ -3,6 +3,7 @@
 import time
 
 import jax
+import jax.numpy as jnp
 
 from mrv2_jax.bench.trace import profile_kernels
 
@@ -36,3 +37,15 @@ def burst_seconds(fn, args, calls: int) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready([fn(*args) for _ in range(calls)])
     return (time.perf_counter() - t0) / calls
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, calls: int = 20) -> float:
+    """Bytes a second this device reads plus writes adding one to a large bf16 array in place: the ceiling
+    a memory-bound kernel is measured against (a card's DRAM peak is never reached by a plain copy)."""
+    step = jax.jit(lambda a: a + 1, donate_argnums=0)
+    x = jax.block_until_ready(step(jnp.zeros(nbytes // 2, jnp.bfloat16)))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        x = step(x)
+    jax.block_until_ready(x)
+    return 2 * nbytes * calls / (time.perf_counter() - t0)
