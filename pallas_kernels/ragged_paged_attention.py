@@ -3,9 +3,11 @@
 Why the Triton backend: the Mosaic GPU kernel for mixed prefill and decode rows
 (ragged_paged_attention_mgpu.py, ``--kernels ragged_attention=mgpu``) is faster on prompt rows but
 slower on decode rows, which most mixed steps are full of: in the engine it was even with this one at
-S2 and slower at S1@256 (docs/benchmarks.md, sessions 38-39); the decode-only one
-(paged_decode_attention_mgpu.py) measured even with this kernel inside fused decode at S1@256. This
-stays the default until one measures faster. The split-K merge kernel below is Triton too: it gathers a
+S2 and slower at S1@256 (docs/benchmarks.md, sessions 38-39). On decode rows alone this kernel
+reads the cache as fast as either Mosaic GPU kernel by device time (at copy bandwidth at 4K tokens of
+context), and fused decode with the decode-only one (paged_decode_attention_mgpu.py) was even at 1
+and 8 rows and slower at 32 and 256 (sessions 49 and 68). This stays the default until one measures
+faster. The split-K merge kernel below is Triton too: it gathers a
 few kilobytes of this kernel's partials per call, the size at which the Mosaic GPU port of the KV
 write measured slower than its Triton kernel (kv_write.py); no Mosaic GPU merge was tried.
 

@@ -35,7 +35,8 @@
 # (host-step-cpu), issue 24's offline S1@256 figure at the defaults (throughput-s1), and the 256-row call
 # with XLA's command-buffer VA remapping (the VMM allocator with SKIP_TEMP or SKIP_PROFILED: vmm-skip-temp,
 # and the GPU tests under it: vmm-tests), decode attention at the serving workload's context under Nsight Compute
-# (attn-ncu) and the Triton attention by pipeline depth (attn-stages; in S1@256: attn-stages-s1).
+# (attn-ncu), the Triton attention by pipeline depth (attn-stages; in S1@256: attn-stages-s1) and what makes
+# one row's slowest steps slow (step-tail-why).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -671,6 +672,21 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
           --window 0 --disable-tqdm ${STEP_TAIL_ARGS:-} --output-json "$OUT/step_tail_$n${TAG:-}.json"
       kill $clocks
     done ;;
+  # Issue 24: what makes one row's slowest 1% of steps (at one step per call) 2-3x the median, without
+  # nvidia-smi beside it: STEP_TAIL_WHY_ARMS lines "name|environment"; an arm with XLA's command-buffer
+  # log also says how many slow steps recorded a command buffer again (benchmarks.step_tail_updates).
+  step-tail-why)
+    while IFS='|' read -r name environment; do
+      [ -z "$name" ] && continue
+      run_section step-tail-why-$name timeout 240 env MRV2_COMPILATION_CACHE=/tmp/cc_tail $environment \
+          python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --max-num-seqs 1 \
+          --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 6 \
+          --temperature 1.0 --window 0 --disable-tqdm --output-json "$OUT/step_tail_why_$name.json"
+      grep -q "updated_allocs=" "$OUT/step-tail-why-$name.log" && python3 -m benchmarks.step_tail_updates \
+          "$OUT/step_tail_why_$name.json" "$OUT/step-tail-why-$name.log" --output-json "$OUT/step_tail_updates_$name.json"
+    done <<< "${STEP_TAIL_WHY_ARMS:-plain|
+cb-log|TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3
+skip-profiled|XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED}" ;;
   xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
       --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
   # Issue 25: every arm and vLLM's own FULL decode graph, replayed (needs the vLLM payload: /tmp/site
