@@ -352,6 +352,8 @@ for s in $sections; do case $s in
           python3 -m benchmarks.attention_kernel --cases $c --no-reference --runs 1 --warmup 0 --inner 1
       $NCU --import "$OUT/ncu_$c.ncu-rep" --page raw --csv > "$OUT/ncu_$c.csv" 2> "$OUT/ncu_$c.csv.err"
       python3 scripts/ncu_table.py "$OUT/ncu_$c.csv" | tee "$OUT/ncu_$c.table"
+      # The device returns a few files only: keep each case's CSV and table, not the report or an empty log.
+      rm -f "$OUT/ncu_$c.ncu-rep"; [ -s "$OUT/ncu_$c.csv.err" ] || rm -f "$OUT/ncu_$c.csv.err"
     done ;;
   # Issue 27: the Triton attention kernel by pipeline depth (its unmasked chunks read their pages a chunk
   # ahead since session 65, so num_stages - 1 chunks of K and V can be in flight) at the serving workload's
