@@ -677,23 +677,24 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
   # Issue 24: what makes one row's slowest 1% of steps (at one step per call) 2-3x the median, without
   # nvidia-smi beside it: STEP_TAIL_WHY_ARMS lines "name|environment"; an arm with XLA's command-buffer
   # log also says how many slow steps recorded a command buffer again (benchmarks.step_tail_updates).
-  # The default arms: an engine that compiled its programs (the cache written to disk, then to tmpfs) and
-  # one that loaded them (session 68 saw the tail only after compiles); the host's dirty pages before each.
+  # The default arms: an engine that compiled its programs (the cache written to disk, then to tmpfs, then
+  # to disk with two minutes' wait before the timed run) and one that loaded them (session 68 saw the tail
+  # only after compiles); the host's dirty pages before each. An arm's third field: more timeline arguments.
   step-tail-why)
     cat /sys/kernel/mm/transparent_hugepage/enabled /proc/sys/vm/dirty_expire_centisecs
-    while IFS='|' read -r name environment; do
+    while IFS='|' read -r name environment extra; do
       [ -z "$name" ] && continue
       grep -E "^(Dirty|Writeback):" /proc/meminfo | tr '\n' ' '; echo "(before $name)"
-      run_section step-tail-why-$name timeout 240 env MRV2_COMPILATION_CACHE=/tmp/cc_tail $environment \
+      run_section step-tail-why-$name timeout 360 env MRV2_COMPILATION_CACHE=/tmp/cc_tail $environment \
           python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --max-num-seqs 1 \
           --max-num-batched-tokens 8192 --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 6 \
-          --temperature 1.0 --window 0 --disable-tqdm --output-json "$OUT/step_tail_why_$name.json"
+          --temperature 1.0 --window 0 --disable-tqdm $extra --output-json "$OUT/step_tail_why_$name.json"
       grep -q "updated_allocs=" "$OUT/step-tail-why-$name.log" && python3 -m benchmarks.step_tail_updates \
           "$OUT/step_tail_why_$name.json" "$OUT/step-tail-why-$name.log" --output-json "$OUT/step_tail_updates_$name.json"
     done <<< "${STEP_TAIL_WHY_ARMS:-cold-disk|MRV2_COMPILATION_CACHE=/tmp/cc_why_disk
 warm-disk|MRV2_COMPILATION_CACHE=/tmp/cc_why_disk
 cold-tmpfs|MRV2_COMPILATION_CACHE=/dev/shm/cc_why
-cold-disk-2|MRV2_COMPILATION_CACHE=/tmp/cc_why_disk2}" ;;
+cold-disk-settled|MRV2_COMPILATION_CACHE=/tmp/cc_why_disk2|--settle-s 120}" ;;
   xla-vs-cudagraph) run_section xla-vs-cudagraph python3 -m mrv2_jax.bench.xla_vs_cudagraph --model qwen3-0.6b \
       --batches 1,32,256 --context 512 --output-json "$OUT/xla_vs_cudagraph.json" ;;
   # Issue 25: every arm and vLLM's own FULL decode graph, replayed (needs the vLLM payload: /tmp/site

@@ -296,8 +296,11 @@ def run(args) -> dict:
                             structured_outputs=constraint)
     if args.sampling == "all":  # every sampler feature on every request (bench ab --sampling all)
         params = sampling_params("all", args.output_len, llm.model_state.vocab_size)
+    warm_up_start = time.perf_counter()
     llm.generate(prompts[: min(len(prompts), 16)], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
+    warm_up = time.perf_counter() - warm_up_start
+    time.sleep(args.settle_s)  # whatever start-up left the host doing (disk writes, reclaim) runs out first
     rows = min(args.max_num_seqs, len(prompts))
     trace_dir = tempfile.mkdtemp(prefix="mrv2-trace-") if args.window > 0 else None
     recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir,
@@ -336,7 +339,8 @@ def run(args) -> dict:
     config = llm.config
     report = {
         **describe_environment(), "settings": vars(args), "runner": config.runner,
-        "async_scheduling": llm.engine.async_scheduling, "startup_s": startup, "elapsed_s": elapsed,
+        "async_scheduling": llm.engine.async_scheduling, "startup_s": startup, "warm_up_s": warm_up,
+        "elapsed_s": elapsed,
         "output_tokens_per_s": num_out / elapsed, "num_steps": len(steps), "steady_decode_rows": rows,
         "num_steady_steps": len(steady), "num_window_steps": len(window),
         "window_tokens_per_step": statistics.median(s["num_tokens"] for s in window) if window else None,
@@ -411,6 +415,8 @@ def main(argv=None, prog=None):
     p.add_argument("--structured-outputs", default=None,
                    help="a JSON object of StructuredOutputsParams fields given to every timed request (needs "
                         "--tokenizer for a preset; EOS then ends a request where its constraint allows)")
+    p.add_argument("--settle-s", type=float, default=0.0,
+                   help="seconds to wait between the warm-up and the timed run (default 0)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
     add_engine_args(p)

@@ -124,10 +124,13 @@ def test_bench_timeline_host_breakdown(tmp_path):
     """On the CPU there are no device events: the host breakdown is complete, the device part is
     None with a note, and the trace of the window is still exported."""
     out = tmp_path / "timeline.json"
+    before = time.time()
     assert cli.main(["bench", "timeline", "--num-prompts", "8", "--input-len", "8", "--output-len", "12",
-                     "--skip-steps", "2", "--window", "4", "--disable-tqdm", "--runner", "v2",
+                     "--skip-steps", "2", "--window", "4", "--disable-tqdm", "--runner", "v2", "--settle-s", "1.5",
                      "--output-json", str(out), *ENGINE]) == 0
     report = json.loads(out.read_text())
+    # the timed run began after start-up, the warm-up and the wait
+    assert report["run_start_epoch_s"] - before >= report["startup_s"] + report["warm_up_s"] + 1.5
     assert ENVIRONMENT_KEYS <= report.keys()
     assert report["runner"] == "v2" and report["async_scheduling"] is True
     assert report["num_window_steps"] == 4 and report["num_steady_steps"] > 4
