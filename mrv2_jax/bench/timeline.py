@@ -34,6 +34,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -138,13 +139,13 @@ class StepRecorder(StepHooks):
                                       "fused_steps": 1,
                                       "new_reqs": 0, "new_blocks": 0, "gc_ms": 0.0, "gc_gen": -1,
                                       "schedule_ms": 0.0, "dispatch_ms": 0.0, "call_ms": 0.0, "wait_ms": 0.0,
-                                      "update_ms": 0.0, "traced": self.tracing}
+                                      "update_ms": 0.0, "traced": self.tracing, "usage": usage()}
             if self.tracing:
                 with jax.profiler.TraceAnnotation(STEP_ANNOTATION, step=index):
                     outputs = step()
             else:
                 outputs = step()
-            record["end"] = time.perf_counter()
+            record["end"], record["end_usage"] = time.perf_counter(), usage()
             self.steps.append(record)
             if steady_decode(record, self.rows):
                 self._steady_seen += 1
@@ -193,6 +194,10 @@ class StepRecorder(StepHooks):
             record["outside_ms"] = 1e3 * (following["start"] - record["end"]) if following else 0.0
             record["wall_ms"] = 1e3 * (following["start"] - record["start"]) if following else engine_ms
             record["host_ms"] = record["wall_ms"] - record["wait_ms"]  # all but the wait for the device
+            until = following["usage"] if following else record["end_usage"]  # over the step's wall time
+            record.update(zip(USAGE_KEYS, (b - a for a, b in zip(record["usage"], until))))
+        for record in self.steps:
+            del record["usage"], record["end_usage"]
         return self.steps
 
 
@@ -256,7 +261,18 @@ def steady_decode(step: dict, rows: int) -> bool:
 
 TAIL_FLAGS = {"with gc": lambda s: s["gc_ms"] > 0, "new requests": lambda s: s["new_reqs"] > 0,
               "new blocks": lambda s: s["new_blocks"] > 0,
-              "prefill": lambda s: s["num_tokens"] > s["num_reqs"] * s["fused_steps"]}
+              "prefill": lambda s: s["num_tokens"] > s["num_reqs"] * s["fused_steps"],
+              "page faults": lambda s: s.get("page_faults", 0) > 0,
+              "preempted": lambda s: s.get("involuntary_switches", 0) > 0}
+USAGE_KEYS = ("page_faults", "involuntary_switches", "voluntary_switches")
+_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # Linux's: the calling thread alone
+
+
+def usage() -> tuple[int, int, int]:
+    """The process's page faults (minor and major) and the calling thread's involuntary and voluntary
+    context switches so far: a step that stalled on memory or lost its CPU shows in their growth."""
+    process, thread = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(_THREAD)
+    return process.ru_minflt + process.ru_majflt, thread.ru_nivcsw, thread.ru_nvcsw
 
 
 def tail(steps: list[dict], parts, quantile: float = 0.99) -> dict | None:
@@ -272,7 +288,7 @@ def tail(steps: list[dict], parts, quantile: float = 0.99) -> dict | None:
 
     def describe(group):
         shares = {name: sum(map(test, group)) / len(group) for name, test in TAIL_FLAGS.items()}
-        return {"num_steps": len(group), "median": medians(group, (*parts, "gc_ms")), "share": shares}
+        return {"num_steps": len(group), "median": medians(group, (*parts, "gc_ms", *USAGE_KEYS)), "share": shares}
 
     return {"quantile": quantile, "wall_p50_ms": walls[len(walls) // 2], "wall_cut_ms": cut,
             "slow": describe(slow), "all": describe(steps)}

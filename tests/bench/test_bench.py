@@ -140,6 +140,7 @@ def test_bench_timeline_host_breakdown(tmp_path):
         for key in ("schedule_ms", "dispatch_ms", "wait_ms", "update_ms", "outside_ms", "engine_ms", "wall_ms"):
             assert s[key] >= 0, (key, s)
         assert s["schedule_ms"] + s["dispatch_ms"] + s["wait_ms"] + s["update_ms"] <= s["engine_ms"] + 1e-3
+        assert min(s["page_faults"], s["involuntary_switches"], s["voluntary_switches"]) >= 0, s
         assert s["engine_ms"] <= s["wall_ms"] + 1e-3
         host_parts = ("schedule_ms", "dispatch_ms", "update_ms", "host_other_ms", "outside_ms")
         assert abs(s["host_ms"] - sum(s[k] for k in host_parts)) < 1e-3  # all the host did, the wait aside
@@ -166,16 +167,20 @@ def test_timeline_tail_sets_the_slowest_steps_beside_all():
     from mrv2_jax.bench.timeline import tail
 
     steps = [{"traced": False, "num_tokens": 4, "num_reqs": 4, "fused_steps": 1, "wall_ms": float(i),
-              "dispatch_ms": 1.0, "gc_ms": 0.0, "new_reqs": 0, "new_blocks": 0} for i in range(1, 201)]
+              "dispatch_ms": 1.0, "gc_ms": 0.0, "new_reqs": 0, "new_blocks": 0, "page_faults": 0,
+              "involuntary_switches": 0, "voluntary_switches": 1} for i in range(1, 201)]
     steps[5].update(num_tokens=12, fused_steps=3)  # a fused call of decode rows is no prefill
-    steps[198].update(gc_ms=3.0, dispatch_ms=2.0)
-    steps[199].update(new_blocks=1, dispatch_ms=4.0)
+    steps[198].update(gc_ms=3.0, dispatch_ms=2.0, page_faults=6)
+    steps[199].update(new_blocks=1, dispatch_ms=4.0, involuntary_switches=2, voluntary_switches=3)
     steps[0].update(traced=True)  # traced steps are left out
     t = tail(steps, ("dispatch_ms", "wall_ms"))
     assert t["wall_cut_ms"] == 199.0 and t["wall_p50_ms"] == 101.0 and t["all"]["num_steps"] == 199
     slow = t["slow"]
-    assert slow["num_steps"] == 2 and slow["median"] == {"dispatch_ms": 3.0, "wall_ms": 199.5, "gc_ms": 1.5}
-    assert slow["share"] == {"with gc": 0.5, "new requests": 0.0, "new blocks": 0.5, "prefill": 0.0}
+    assert slow["num_steps"] == 2 and slow["median"] == {"dispatch_ms": 3.0, "wall_ms": 199.5, "gc_ms": 1.5,
+                                                         "page_faults": 3.0, "involuntary_switches": 1.0,
+                                                         "voluntary_switches": 2.0}
+    assert slow["share"] == {"with gc": 0.5, "new requests": 0.0, "new blocks": 0.5, "prefill": 0.0,
+                             "page faults": 0.5, "preempted": 0.5}
     assert t["all"]["share"]["with gc"] == 1 / 199 and t["all"]["share"]["prefill"] == 0.0
 
 
