@@ -675,11 +675,12 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
       kill $clocks
     done ;;
   # Issue 24: what makes one row's slowest 1% of steps (at one step per call) 2-3x the median, without
-  # nvidia-smi beside it: STEP_TAIL_WHY_ARMS lines "name|environment"; an arm with XLA's command-buffer
-  # log also says how many slow steps recorded a command buffer again (benchmarks.step_tail_updates).
+  # nvidia-smi beside it: STEP_TAIL_WHY_ARMS lines "name|environment|timeline arguments"; an arm with XLA's
+  # command-buffer log also says how many slow steps recorded a command buffer again
+  # (benchmarks.step_tail_updates).
   # The default arms: an engine that compiled its programs (the cache written to disk, then to tmpfs, then
   # to disk with two minutes' wait before the timed run) and one that loaded them (session 68 saw the tail
-  # only after compiles); the host's dirty pages before each. An arm's third field: more timeline arguments.
+  # only after compiles); the host's dirty pages before each (~8 minutes in all).
   step-tail-why)
     cat /sys/kernel/mm/transparent_hugepage/enabled /proc/sys/vm/dirty_expire_centisecs
     while IFS='|' read -r name environment extra; do
