@@ -503,9 +503,9 @@ def main(argv=None):
                           flush=True)
                 if kernels:  # the device's share of the wall time above (the rest: the host's dispatch, gaps)
                     device_us = sum(k["us_per_call"] for k in kernels)
-                    rate = f", {r['bytes'] / device_us / 1e6:.2f} TB/s" if impl != "reference" else ""
-                    if rate and copy_bw:
-                        rate += f", {100 * r['bytes'] / (device_us * 1e-6) / copy_bw:.1f}% of copy"
+                    bytes_per_s = r["bytes"] / (device_us * 1e-6)
+                    rate = f", {bytes_per_s / 1e12:.2f} TB/s" + (f", {100 * bytes_per_s / copy_bw:.1f}% of copy"
+                                                                 if copy_bw else "")
                     print(f"{'':22s}   {device_us:9.2f} us of kernels a call, "
                           f"{r[impl]['ms'] * 1e3:.2f} us wall{rate}", flush=True)
             if "max_rel_err" in r:

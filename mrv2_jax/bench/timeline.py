@@ -145,7 +145,7 @@ class StepRecorder(StepHooks):
                     outputs = step()
             else:
                 outputs = step()
-            record["end"], record["end_usage"] = time.perf_counter(), usage()
+            record["end"] = time.perf_counter()
             self.steps.append(record)
             if steady_decode(record, self.rows):
                 self._steady_seen += 1
@@ -194,10 +194,10 @@ class StepRecorder(StepHooks):
             record["outside_ms"] = 1e3 * (following["start"] - record["end"]) if following else 0.0
             record["wall_ms"] = 1e3 * (following["start"] - record["start"]) if following else engine_ms
             record["host_ms"] = record["wall_ms"] - record["wait_ms"]  # all but the wait for the device
-            until = following["usage"] if following else record["end_usage"]  # over the step's wall time
+            until = following["usage"] if following else usage()  # over the step's wall time (the last: to now)
             record.update(zip(USAGE_KEYS, (b - a for a, b in zip(record["usage"], until))))
         for record in self.steps:
-            del record["usage"], record["end_usage"]
+            del record["usage"]
         return self.steps
 
 
