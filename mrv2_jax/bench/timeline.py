@@ -294,6 +294,36 @@ def tail(steps: list[dict], parts, quantile: float = 0.99) -> dict | None:
             "slow": describe(slow), "all": describe(steps)}
 
 
+def memory_kb(*fields: str) -> dict[str, int]:
+    """The host's /proc/meminfo fields in kB (empty where the file is missing)."""
+    try:
+        lines = open("/proc/meminfo").read().splitlines()
+    except OSError:
+        return {}
+    values = {line.split(":")[0]: int(line.split()[1]) for line in lines}
+    return {field: values[field] for field in fields if field in values}
+
+
+def settle_host(args) -> dict:
+    """What runs between the warm-up and the timed run, so that whatever start-up left the host doing
+    runs out first: flush dirty file pages (--settle-sync), hand freed heap back to the OS
+    (--settle-trim), wait (--settle-s). -> the host's dirty pages before and after, and the actions' times."""
+    report = {"before": memory_kb("Dirty", "Writeback")}
+    if args.settle_sync:
+        t0 = time.perf_counter()
+        os.sync()
+        report["sync_s"] = time.perf_counter() - t0
+    if args.settle_trim:
+        import ctypes
+
+        t0 = time.perf_counter()
+        report["trim_released"] = bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+        report["trim_s"] = time.perf_counter() - t0
+    time.sleep(args.settle_s)
+    report["after"] = memory_kb("Dirty", "Writeback")
+    return report
+
+
 def run(args) -> dict:
     from mrv2_jax.llm import LLM
     from mrv2_jax.sampling_params import SamplingParams
@@ -316,7 +346,7 @@ def run(args) -> dict:
     llm.generate(prompts[: min(len(prompts), 16)], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
     warm_up = time.perf_counter() - warm_up_start
-    time.sleep(args.settle_s)  # whatever start-up left the host doing (disk writes, reclaim) runs out first
+    settle = settle_host(args)
     rows = min(args.max_num_seqs, len(prompts))
     trace_dir = tempfile.mkdtemp(prefix="mrv2-trace-") if args.window > 0 else None
     recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir,
@@ -356,6 +386,7 @@ def run(args) -> dict:
     report = {
         **describe_environment(), "settings": vars(args), "runner": config.runner,
         "async_scheduling": llm.engine.async_scheduling, "startup_s": startup, "warm_up_s": warm_up,
+        "settle": settle,
         "elapsed_s": elapsed,
         "output_tokens_per_s": num_out / elapsed, "num_steps": len(steps), "steady_decode_rows": rows,
         "num_steady_steps": len(steady), "num_window_steps": len(window),
@@ -433,6 +464,10 @@ def main(argv=None, prog=None):
                         "--tokenizer for a preset; EOS then ends a request where its constraint allows)")
     p.add_argument("--settle-s", type=float, default=0.0,
                    help="seconds to wait between the warm-up and the timed run (default 0)")
+    p.add_argument("--settle-sync", action="store_true",
+                   help="flush the host's dirty file pages (sync) between the warm-up and the timed run")
+    p.add_argument("--settle-trim", action="store_true",
+                   help="hand the heap's free memory back to the OS (glibc malloc_trim) before the timed run")
     p.add_argument("--output-json", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
     add_engine_args(p)
