@@ -47,11 +47,17 @@ SERVERS = ("mrv2", "vllm")
 # (or the next step's hand-over), after it in the server, or past the server.
 STEP_INTERVAL = "mrv2_step_output_interval_seconds"
 STEP_DISPATCH = "mrv2_step_dispatch_seconds"
+# The engine process's side of the step interval (its messages' send times) and the API side (from a
+# message leaving the engine to its outputs reaching their streams): which of the two a long gap is in.
+ENGINE_INTERVAL = "mrv2_engine_step_interval_seconds"
+STEP_DELIVERY = "mrv2_step_output_delivery_seconds"
 SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval": STEP_INTERVAL,
                "decode_step_interval": f'{STEP_INTERVAL}{{step="decode"}}',
                "prefill_step_interval": f'{STEP_INTERVAL}{{step="prefill"}}',
                "decode_dispatch": f'{STEP_DISPATCH}{{step="decode"}}',
-               "prefill_dispatch": f'{STEP_DISPATCH}{{step="prefill"}}'}
+               "prefill_dispatch": f'{STEP_DISPATCH}{{step="prefill"}}',
+               "engine_decode_interval": f'{ENGINE_INTERVAL}{{step="decode"}}',
+               "decode_delivery": f'{STEP_DELIVERY}{{step="decode"}}'}
 VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
                "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
                "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())")
@@ -174,7 +180,7 @@ def measure_level(args, server: str, client: str, url: str, concurrency: int, wo
     """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level
     (the steps' hand-over to the runner among them) and the share of step intervals that ended with a
     step computing prompt tokens."""
-    names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL, STEP_DISPATCH)
+    names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL, STEP_DISPATCH, ENGINE_INTERVAL, STEP_DELIVERY)
     before = scrape(url, names, by="step") if server == "mrv2" else None
     metrics = run_clients(args, client, url, concurrency, work_dir)
     if before is not None:
@@ -232,6 +238,10 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                 print(f"{server:5} C={c:4}: host hand-over of a step to the runner: with prompt tokens P50 "
                       f"{_ms(m['prefill_dispatch_p50_ms'])} / P99 {_ms(m['prefill_dispatch_p99_ms'])} ms; decode-only "
                       f"P50 {_ms(m['decode_dispatch_p50_ms'])} / P99 {_ms(m['decode_dispatch_p99_ms'])} ms", flush=True)
+                print(f"{server:5} C={c:4}: decode steps leaving the engine process every P50 "
+                      f"{_ms(m['engine_decode_interval_p50_ms'])} / P99 {_ms(m['engine_decode_interval_p99_ms'])} ms; "
+                      f"their delivery to the streams P50 {_ms(m['decode_delivery_p50_ms'])} / P99 "
+                      f"{_ms(m['decode_delivery_p99_ms'])} ms", flush=True)
             if m["failed"]:
                 print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
         return {"startup_s": s.startup_s, "warmup": warm, "levels": levels}

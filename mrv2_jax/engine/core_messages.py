@@ -90,6 +90,10 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     # (-1: none) and its prompt tokens (EngineCore.dispatched).
     dispatch_s: float = -1.0
     dispatch_prefill_tokens: int = 0
+    # When the engine process built this message (time.monotonic, one clock for every process of the
+    # host), and the seconds since its previous step's message (-1: none, or the engine was idle between).
+    sent_at: float = -1.0
+    since_step_s: float = -1.0
 
 
 class StreamedTokens(msgspec.Struct, tag="tokens", array_like=True):

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import zmq
@@ -115,6 +116,7 @@ class EngineCoreProc:
         self.num_steps = 0
         self.num_dropped_messages = 0  # step messages to another API process whose queue was full
         self._errors: list[tuple[str, str]] = []
+        self._last_step_sent: float | None = None  # while requests ran after it: when that step's message left
         self._compiles = BackgroundCompiles(engine.compiler)
         self._stream_outs = list(stream_outs)
         self._stream_lock = threading.Lock()  # XLA may call back from more than one thread
@@ -159,7 +161,7 @@ class EngineCoreProc:
             if engine.has_work():
                 outputs = engine.step()
                 self.num_steps += 1
-                self._send(outputs, engine.outputs_prefill_tokens, engine.dispatched)
+                self._send(outputs, engine.outputs_prefill_tokens, engine.dispatched, step=True)
             elif changed:
                 self._send([])  # e.g. an abort while idle: the freed blocks show in the counters
 
@@ -200,17 +202,22 @@ class EngineCoreProc:
         for request_id in request_ids:
             self._owner.pop(request_id, None)
 
-    def _send(self, outputs, prefill_tokens: int = 0, dispatched: tuple[float, int] | None = None) -> None:
+    def _send(self, outputs, prefill_tokens: int = 0, dispatched: tuple[float, int] | None = None,
+              step: bool = False) -> None:
         """One message per API server process: its requests' outputs and failed adds, the prompt
         tokens of the step whose outputs these are, the hand-over of the step dispatched in the same
-        iteration (EngineCore.dispatched), and the counters (every process serves /metrics and /health)."""
+        iteration (EngineCore.dispatched), when it left and how long after the previous step's (`step`:
+        these are a step's outputs), and the counters (every process serves /metrics and /health)."""
         errors, self._errors = self._errors, []
         stats = self.stats()
         dispatch_s, dispatch_prefill = (-1.0, 0) if dispatched is None else dispatched
+        sent_at = time.monotonic()
+        since = sent_at - self._last_step_sent if step and self._last_step_sent is not None else -1.0
+        self._last_step_sent = sent_at if step and self.engine.has_work() else None
 
         def message(client_outputs, client_errors):
             return self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats, prefill_tokens,
-                                                     dispatch_s, dispatch_prefill))
+                                                     dispatch_s, dispatch_prefill, sent_at, since))
 
         if len(self.outs) == 1:
             self.outs[0].send(message(outputs, errors), copy=False)

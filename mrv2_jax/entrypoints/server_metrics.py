@@ -126,6 +126,17 @@ class ServerMetrics:
                              "decode rows (step=decode).", labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
         self.step_dispatch = {kind: dispatch.labels(model_name, kind) for kind in ("decode", "prefill")}
         engine.on_step_dispatch = self._observe_step_dispatch
+        engine_interval = Histogram("mrv2_engine_step_interval_seconds", "Time between two engine steps' outputs "
+                                    "leaving the engine process, while requests ran, by the later step's kind (engine "
+                                    "in its own process only).", labels + ["step"], buckets=_GAP_BUCKETS,
+                                    registry=reg)
+        self.engine_step_interval = {kind: engine_interval.labels(model_name, kind) for kind in ("decode", "prefill")}
+        delivery = Histogram("mrv2_step_output_delivery_seconds", "Time from a step's outputs leaving the engine "
+                             "process to their reaching their streams in this API process (transport, "
+                             "detokenization), by the step's kind (engine in its own process only).",
+                             labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
+        self.step_delivery = {kind: delivery.labels(model_name, kind) for kind in ("decode", "prefill")}
+        engine.on_engine_step = self._observe_engine_step
         self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
                              labels, buckets=_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self._engine_collector = _EngineCollector(engine, model_name)
@@ -137,6 +148,12 @@ class ServerMetrics:
 
     def _observe_step_dispatch(self, seconds: float, prefill: bool) -> None:
         self.step_dispatch["prefill" if prefill else "decode"].observe(seconds)
+
+    def _observe_engine_step(self, since_s: float | None, delivery_s: float, prefilled: bool) -> None:
+        kind = "prefill" if prefilled else "decode"
+        if since_s is not None:
+            self.engine_step_interval[kind].observe(since_s)
+        self.step_delivery[kind].observe(delivery_s)
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

@@ -11,13 +11,14 @@ import json
 import math
 import os
 import re
+import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.async_llm import AsyncLLM
-from mrv2_jax.bench.serve_compare import STEP_DISPATCH, STEP_INTERVAL
+from mrv2_jax.bench.serve_compare import ENGINE_INTERVAL, STEP_DELIVERY, STEP_DISPATCH, STEP_INTERVAL
 from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
@@ -102,6 +103,13 @@ def _step_counts(url: str, name: str = STEP_INTERVAL) -> dict[str, float]:
     return {kind: count(None, found.get(f'{name}{{step="{kind}"}}', {})) for kind in ("decode", "prefill")}
 
 
+def _decode_sum(url: str, name: str) -> float:
+    """The seconds the server's histogram `name` has summed for decode steps."""
+    text = httpx.get(url + "/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == name
+               for sample in family.samples if sample.name == f"{name}_sum" and sample.labels["step"] == "decode")
+
+
 def _text(events: list[dict]) -> str:
     return "".join(e["choices"][0]["text"] for e in events)
 
@@ -131,11 +139,14 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     engine = server.engine
     steps = engine.stats.num_steps
     intervals, dispatches = _step_counts(server.url), _step_counts(server.url, STEP_DISPATCH)
+    engine_intervals, deliveries = _step_counts(server.url, ENGINE_INTERVAL), _step_counts(server.url, STEP_DELIVERY)
+    engine_seconds, began = _decode_sum(server.url, ENGINE_INTERVAL), time.monotonic()
     # logprobs=0: each chunk lists its tokens, which shows how many tokens it carries.
     events = asyncio.run(_stream_with_client(server, {"prompt": LONG_PROMPT, "logprobs": 0, **FUSED}))
     sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
     assert _text(events) == reference["fused"] and sum(sizes) == FUSED["max_tokens"]
     wait_until(lambda: _all_blocks_free(engine), what="the streamed request to finish")
+    took = time.monotonic() - began
     # Its prompt was computed in one step: the engine process's message says so, and exactly one
     # step interval of the server's histogram ends with a step that computed prompt tokens.
     after = _step_counts(server.url)
@@ -146,6 +157,14 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     handed = _step_counts(server.url, STEP_DISPATCH)
     assert handed["prefill"] - dispatches["prefill"] == 1
     assert 1 <= handed["decode"] - dispatches["decode"] <= engine.stats.num_steps - steps
+    # The engine process stamped each step's message: one delivery per step message here, and as many
+    # intervals between them by the engine's clock as between their arrivals here, all within the request.
+    delivered = _step_counts(server.url, STEP_DELIVERY)
+    assert delivered["prefill"] - deliveries["prefill"] == 1
+    assert delivered["decode"] - deliveries["decode"] == engine.stats.num_steps - steps - 1
+    by_engine = _step_counts(server.url, ENGINE_INTERVAL)
+    assert {k: by_engine[k] - engine_intervals[k] for k in by_engine} == {k: after[k] - intervals[k] for k in after}
+    assert 0 < _decode_sum(server.url, ENGINE_INTERVAL) - engine_seconds < took
     # The engine ran at most STREAM_INTERVAL decode steps per call for it. (Counted in the engine: a
     # reader that falls behind gets two calls' tokens in one chunk, request_stream.py.)
     assert engine.stats.num_steps - steps >= math.ceil((FUSED["max_tokens"] - 1) / STREAM_INTERVAL)
