@@ -396,7 +396,7 @@ def run(args) -> dict:
         "window_median": medians(window, parts) | medians([s for s in window if "device_busy_ms" in s],
                                                           device_parts),
         "tail": tail(steps, parts),
-        "device": {k: v for k, v in device.items() if k != "steps"},
+        "device_trace": {k: v for k, v in device.items() if k != "steps"},  # ("device" names the GPU)
         "run_start_epoch_s": epoch_at_t0,
         "steps": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()
                    if k not in ("start", "end")} | {"start_s": round(s["start"] - t0, 6)} for s in steps],
@@ -427,7 +427,7 @@ def print_summary(report: dict) -> None:
             print(f"{label + ' steps (' + str(group['num_steps']) + ')':20} "
                   + " ".join(f"{fmt(m.get(k)):>9}" for k in HOST_PARTS) + f" {fmt(m.get('call_ms')):>10} "
                   + f"{fmt(m.get('wall_ms')):>9}   " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
-    device = report["device"]
+    device = report["device_trace"]
     if device.get("busy_fraction") is not None:
         print(f"GPU busy fraction over the window: {device['busy_fraction']:.1%} "
               f"({device['window_busy_ms']:.1f} of {device['window_span_ms']:.1f} ms; {device['device_source']})")
