@@ -305,20 +305,9 @@ def memory_kb(*fields: str) -> dict[str, int]:
 
 
 def settle_host(args) -> dict:
-    """What runs between the warm-up and the timed run, so that whatever start-up left the host doing
-    runs out first: flush dirty file pages (--settle-sync), hand freed heap back to the OS
-    (--settle-trim), wait (--settle-s). -> the host's dirty pages before and after, and the actions' times."""
+    """Wait --settle-s between the warm-up and the timed run, so that whatever start-up left the host
+    doing runs out first. -> the host's dirty file pages before and after."""
     report = {"before": memory_kb("Dirty", "Writeback")}
-    if args.settle_sync:
-        t0 = time.perf_counter()
-        os.sync()
-        report["sync_s"] = time.perf_counter() - t0
-    if args.settle_trim:
-        import ctypes
-
-        t0 = time.perf_counter()
-        report["trim_released"] = bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-        report["trim_s"] = time.perf_counter() - t0
     time.sleep(args.settle_s)
     report["after"] = memory_kb("Dirty", "Writeback")
     return report
@@ -464,10 +453,6 @@ def main(argv=None, prog=None):
                         "--tokenizer for a preset; EOS then ends a request where its constraint allows)")
     p.add_argument("--settle-s", type=float, default=0.0,
                    help="seconds to wait between the warm-up and the timed run (default 0)")
-    p.add_argument("--settle-sync", action="store_true",
-                   help="flush the host's dirty file pages (sync) between the warm-up and the timed run")
-    p.add_argument("--settle-trim", action="store_true",
-                   help="hand the heap's free memory back to the OS (glibc malloc_trim) before the timed run")
     p.add_argument("--output-json", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
     add_engine_args(p)

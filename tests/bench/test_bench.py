@@ -127,13 +127,11 @@ def test_bench_timeline_host_breakdown(tmp_path):
     before = time.time()
     assert cli.main(["bench", "timeline", "--num-prompts", "8", "--input-len", "8", "--output-len", "12",
                      "--skip-steps", "2", "--window", "4", "--disable-tqdm", "--runner", "v2", "--settle-s", "1.5",
-                     "--settle-sync", "--settle-trim",
                      "--output-json", str(out), *ENGINE]) == 0
     report = json.loads(out.read_text())
     # the timed run began after start-up, the warm-up and the wait
     assert report["run_start_epoch_s"] - before >= report["startup_s"] + report["warm_up_s"] + 1.5
     settle = report["settle"]
-    assert settle["sync_s"] >= 0 and isinstance(settle["trim_released"], bool) and settle["trim_s"] >= 0
     assert settle["before"].keys() == settle["after"].keys() == {"Dirty", "Writeback"}
     assert ENVIRONMENT_KEYS <= report.keys()
     assert report["runner"] == "v2" and report["async_scheduling"] is True
