@@ -181,10 +181,11 @@ class AsyncLLM:
         self.on_step_interval: Callable[[float, bool], None] | None = None
         # Called with (host seconds, computes prompt tokens) for each step the engine handed to its runner.
         self.on_step_dispatch: Callable[[float, bool], None] | None = None
-        # With the engine in its own process, called on the reader thread for each step's message: the
-        # seconds since the engine's previous step's message left it (None: the engine was idle between),
-        # from this one leaving it to its outputs reaching their streams here, and whether the step
-        # computed prompt tokens. Beside on_step_interval they tell a late step from a late delivery.
+        # With the engine in its own process, called on the reader thread for each step's message that
+        # brings outputs of this process's requests: the seconds since the engine's previous step's
+        # message left it (None: the engine was idle between), from this one leaving it to its outputs
+        # reaching their streams here, and whether the step computed prompt tokens. Beside
+        # on_step_interval they tell a late step from a late delivery.
         self.on_engine_step: Callable[[float | None, float, bool], None] | None = None
         self._last_step_at: float | None = None
         self._stats = EngineStats()
@@ -550,7 +551,7 @@ class AsyncLLM:
         self._note_step(msg.stats.num_running_reqs + msg.stats.num_waiting_reqs > 0, msg.prefill_tokens)
         self._note_dispatch(None if msg.dispatch_s < 0 else (msg.dispatch_s, msg.dispatch_prefill_tokens))
         self._deliver(outputs)
-        if msg.sent_at >= 0 and self.on_engine_step is not None:
+        if msg.outputs and msg.sent_at >= 0 and self.on_engine_step is not None:  # (steps of this process's requests)
             self.on_engine_step(None if msg.since_step_s < 0 else msg.since_step_s, time.monotonic() - msg.sent_at,
                                 msg.prefill_tokens > 0)
         self._publish_core_stats(msg.stats)

@@ -127,13 +127,15 @@ class ServerMetrics:
         self.step_dispatch = {kind: dispatch.labels(model_name, kind) for kind in ("decode", "prefill")}
         engine.on_step_dispatch = self._observe_step_dispatch
         engine_interval = Histogram("mrv2_engine_step_interval_seconds", "Time between two engine steps' outputs "
-                                    "leaving the engine process, while requests ran, by the later step's kind (engine "
-                                    "in its own process only).", labels + ["step"], buckets=_GAP_BUCKETS,
+                                    "leaving the engine process, while requests ran, for the steps with outputs of "
+                                    "this API process's requests, by the later step's kind (engine in its own "
+                                    "process only).", labels + ["step"], buckets=_GAP_BUCKETS,
                                     registry=reg)
         self.engine_step_interval = {kind: engine_interval.labels(model_name, kind) for kind in ("decode", "prefill")}
         delivery = Histogram("mrv2_step_output_delivery_seconds", "Time from a step's outputs leaving the engine "
                              "process to their reaching their streams in this API process (transport, "
-                             "detokenization), by the step's kind (engine in its own process only).",
+                             "detokenization), for the steps with outputs of its requests, by the step's kind "
+                             "(engine in its own process only).",
                              labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
         self.step_delivery = {kind: delivery.labels(model_name, kind) for kind in ("decode", "prefill")}
         engine.on_engine_step = self._observe_engine_step
