@@ -297,7 +297,8 @@ def tail(steps: list[dict], parts, quantile: float = 0.99) -> dict | None:
 def memory_kb(*fields: str) -> dict[str, int]:
     """The host's /proc/meminfo fields in kB (empty where the file is missing)."""
     try:
-        lines = open("/proc/meminfo").read().splitlines()
+        with open("/proc/meminfo") as f:
+            lines = f.read().splitlines()
     except OSError:
         return {}
     values = {line.split(":")[0]: int(line.split()[1]) for line in lines}
