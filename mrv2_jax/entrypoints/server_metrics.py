@@ -38,6 +38,8 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1
 # A step's hand-over to the runner: fine buckets below a millisecond (a small step's call), coarser above.
 _DISPATCH_BUCKETS = (0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0008, 0.001, 0.0012, 0.0015, 0.002, 0.0025,
                      0.003, 0.004, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 1.0)
+# A message's delivery from the engine process: as fine below 10 ms, and up to seconds for a reader far behind.
+_DELIVERY_BUCKETS = _DISPATCH_BUCKETS[:-1] + (0.2, 0.5, 1.0, 2.0, 5.0, 30.0)
 # Fine in 1-20 ms, where decode steps and their tails lie, so that a P99 can be read from them.
 _GAP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009,
                 0.01, 0.012, 0.014, 0.016, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 5.0)
@@ -136,7 +138,7 @@ class ServerMetrics:
                              "process to their reaching their streams in this API process (transport, "
                              "detokenization), for the steps with outputs of its requests, by the step's kind "
                              "(engine in its own process only).",
-                             labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
+                             labels + ["step"], buckets=_DELIVERY_BUCKETS, registry=reg)
         self.step_delivery = {kind: delivery.labels(model_name, kind) for kind in ("decode", "prefill")}
         engine.on_engine_step = self._observe_engine_step
         self.e2e = Histogram("mrv2_e2e_request_latency_seconds", "Request received -> last token out.",
