@@ -305,11 +305,11 @@ def memory_kb(*fields: str) -> dict[str, int]:
     return {field: values[field] for field in fields if field in values}
 
 
-def settle_host(args) -> dict:
-    """Wait --settle-s between the warm-up and the timed run, so that whatever start-up left the host
-    doing runs out first. -> the host's dirty file pages before and after."""
+def settle_host(seconds: float) -> dict:
+    """Wait `seconds` (--settle-s) between the warm-up and the timed run, so that whatever start-up left
+    the host doing runs out first. -> the host's dirty file pages before and after."""
     report = {"before": memory_kb("Dirty", "Writeback")}
-    time.sleep(args.settle_s)
+    time.sleep(seconds)
     report["after"] = memory_kb("Dirty", "Writeback")
     return report
 
@@ -336,7 +336,7 @@ def run(args) -> dict:
     llm.generate(prompts[: min(len(prompts), 16)], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
     warm_up = time.perf_counter() - warm_up_start
-    settle = settle_host(args)
+    settle = settle_host(args.settle_s)
     rows = min(args.max_num_seqs, len(prompts))
     trace_dir = tempfile.mkdtemp(prefix="mrv2-trace-") if args.window > 0 else None
     recorder = StepRecorder(llm.engine, rows, skip=args.skip_steps, window=args.window, trace_dir=trace_dir,
