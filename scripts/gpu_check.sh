@@ -36,7 +36,7 @@
 # with XLA's command-buffer VA remapping (the VMM allocator with SKIP_TEMP or SKIP_PROFILED: vmm-skip-temp,
 # and the GPU tests under it: vmm-tests), decode attention at the serving workload's context under Nsight Compute
 # (attn-ncu), the Triton attention by pipeline depth (attn-stages; in S1@256: attn-stages-s1) and what makes
-# one row's slowest steps slow (step-tail-why), and one API process against the default count (serve-api-count).
+# one row's slowest steps slow (step-tail-why), and how the OS schedules a server's engine process (serve-cpus).
 # Logs and JSON go to $OUT. Set MRV2_GIT_SHA to the literal sha, written into the device command
 # here: the device's copy may carry a stale .git, so a $(git rev-parse ...) run there reads it.
 #   bash scripts/gpu_check.sh [sections...]   (default: env tests oracle load attention throughput)
@@ -76,6 +76,10 @@ PROMPT_DISPATCH_ARGS="--model qwen3-0.6b --load-format dummy --rows 118 --admit 
 UNROLLED_ARMS="default||
 unrolled-128||--unrolled-layers-max-tokens 128
 cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|"
+# Arms of serve-cpus (issue 24): name|serve_compare flags.
+SERVE_CPU_DEFAULT_ARMS="default|
+api1|--mrv2-serve-arg=--api-server-count=1
+pin2|--pin-engine-cpus 2"
 # serve-compare on the serving workload (issue 24), with extra arguments after the common ones.
 serve_compare() {
   env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
@@ -659,18 +663,19 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
           --concurrency ${SERVE_ROUND_CONCURRENCY:-1 8 32} --log-dir "$OUT/serve_round_$round" \
           --output-json "$OUT/serve_round_$round.json"
     done ;;
-  # Issue 24: our server alone at 1 and 8 streams (SERVE_API_STREAMS) with one API process, then with
-  # the default count, on one machine: does every API process getting every step's message lengthen a
-  # stream's steps? Needs `wheels` first. JSON per arm: $OUT/serve_api_<count>.json.
-  serve-api-count)
-    for count in 1 default; do
-      extra=(); [ $count = default ] || extra=(--mrv2-serve-arg=--api-server-count=$count)
-      mkdir -p "$OUT/serve_api_$count"
-      run_section serve-api-$count serve_compare --servers mrv2 --client mrv2 "${extra[@]}" \
-          --concurrency ${SERVE_API_STREAMS:-1 8} --log-dir "$OUT/serve_api_$count" \
-          --output-json "$OUT/serve_api_$count.json"
-    done
-    grep -h "C=" "$OUT"/serve-api-*.log ;;
+  # Issue 24: our server alone at 1 and 8 streams (SERVE_CPU_STREAMS) in the arms of SERVE_CPU_ARMS, on one
+  # machine: the defaults, one API process instead of the default count, the engine process on 2 CPUs of its
+  # own (the rest for the API processes and clients). Each level reports how the OS scheduled the engine's
+  # main thread (CPU, run-queue wait, preemptions per second). Needs `wheels` first. JSON: $OUT/serve_cpus_<arm>.json.
+  serve-cpus)
+    while IFS='|' read -r arm flags; do
+      [ -n "$arm" ] || continue
+      mkdir -p "$OUT/serve_cpus_$arm"
+      run_section serve-cpus-$arm serve_compare --servers mrv2 --client mrv2 $flags \
+          --concurrency ${SERVE_CPU_STREAMS:-1 8} --log-dir "$OUT/serve_cpus_$arm" \
+          --output-json "$OUT/serve_cpus_$arm.json"
+    done <<< "${SERVE_CPU_ARMS:-$SERVE_CPU_DEFAULT_ARMS}"
+    grep -h "C=\|pinned" "$OUT"/serve-cpus-*.log ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.

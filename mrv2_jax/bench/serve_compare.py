@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mrv2_jax.bench import sched_stats
 from mrv2_jax.bench.compare import vllm_available, vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.process_cpu import CpuSampler
@@ -176,13 +177,19 @@ def run_clients(args, client: str, url: str, concurrency: int, work_dir: str, pr
     return metrics
 
 
-def measure_level(args, server: str, client: str, url: str, concurrency: int, work_dir: str) -> dict:
+def measure_level(args, server: str, client: str, url: str, concurrency: int, work_dir: str,
+                  server_pid: int | None = None) -> dict:
     """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level
     (the steps' hand-over to the runner among them) and the share of step intervals that ended with a
-    step computing prompt tokens."""
+    step computing prompt tokens; for a server launched here, how the OS scheduled its processes."""
     names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL, STEP_DISPATCH, ENGINE_INTERVAL, STEP_DELIVERY)
     before = scrape(url, names, by="step") if server == "mrv2" else None
+    sched_before, t0 = (sched_stats.snapshot(server_pid), time.perf_counter()) if server_pid else (None, 0.0)
     metrics = run_clients(args, client, url, concurrency, work_dir)
+    if sched_before is not None:
+        engine = sched_stats.engine_pid(server_pid)
+        metrics["sched"] = sched_stats.delta(sched_before, sched_stats.snapshot(server_pid),
+                                             time.perf_counter() - t0, engine)
     if before is not None:
         after = scrape(url, names, by="step")
         for key, name in SERVER_GAPS.items():
@@ -218,9 +225,12 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
     if server == "mrv2":
         launcher.command += ["--served-model-name", args.served_model_name, *args.mrv2_serve_arg]
     with launcher as s:
+        pinned = sched_stats.pin_engine(s.process.pid, args.pin_engine_cpus) if args.pin_engine_cpus else None
+        if pinned:
+            print(f"pinned: {pinned}", flush=True)
         warm, levels = warm_up(args, client, s.url, work_dir), []
         for c in args.concurrency:
-            levels.append(measure_level(args, server, client, s.url, c, work_dir))
+            levels.append(measure_level(args, server, client, s.url, c, work_dir, server_pid=s.process.pid))
             m = levels[-1]
             print(f"{server:5} C={c:4}: {m['output_throughput']:9.0f} out tok/s, TTFT {m['mean_ttft_ms']:7.1f} ms "
                   f"(median {m['median_ttft_ms']:.1f}, max {m['max_ttft_ms']:.1f}), "
@@ -242,9 +252,15 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                       f"{_ms(m['engine_decode_interval_p50_ms'])} / P99 {_ms(m['engine_decode_interval_p99_ms'])} ms; "
                       f"their delivery to the streams P50 {_ms(m['decode_delivery_p50_ms'])} / P99 "
                       f"{_ms(m['decode_delivery_p99_ms'])} ms", flush=True)
+            engine_rows = [row for row in (m.get("sched") or {}).values() if row["engine"]]
+            if engine_rows:
+                e = engine_rows[0]
+                print(f"{server:5} C={c:4}: engine process main thread per second: CPU {e['main_cpu_s_per_s']:.3f} s, "
+                      f"waiting for a CPU {1e3 * e['main_runqueue_wait_s_per_s']:.2f} ms, "
+                      f"preempted {e['main_preempted_per_s']:.1f} times", flush=True)
             if m["failed"]:
                 print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
-        return {"startup_s": s.startup_s, "warmup": warm, "levels": levels}
+        return {"startup_s": s.startup_s, "warmup": warm, "levels": levels, "pinned": pinned}
 
 
 def _ms(value: float | None) -> str:
@@ -301,6 +317,9 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
     p.add_argument("--mrv2-serve-arg", action="append", default=[],
                    help="extra `mrv2-jax serve` argument (repeatable), e.g. --mrv2-serve-arg=--api-server-count=4")
+    p.add_argument("--pin-engine-cpus", type=int, default=0,
+                   help="an experiment: the engine process on this many CPUs of its own, the server's other "
+                        "processes and the clients on the rest (0: the OS decides)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None)

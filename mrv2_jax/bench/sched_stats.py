@@ -1,0 +1,104 @@
+"""How the OS scheduled a server's processes while a benchmark ran (Linux /proc): for each process
+under the server, its threads' CPU time, their time waiting in a run queue for a CPU, and how often
+they were switched out against their will. A step that leaves the engine process late while the
+device has long finished was either working or waiting for a CPU; these numbers tell the two apart.
+
+`pin_engine` is the experiment beside it: the engine process (the descendant with the most threads:
+JAX's thread pools live there) on CPUs of its own, everything else of the server and the benchmark's
+own process (whose client processes inherit it) on the rest."""
+
+from __future__ import annotations
+
+import os
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def threads_of(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def thread_sched(pid: int, tid: int) -> dict | None:
+    """A thread's CPU seconds, run-queue wait seconds and involuntary context switches (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            on_cpu_ns, wait_ns, _ = (int(x) for x in f.read().split())
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            preempted = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
+    except (OSError, ValueError, StopIteration):
+        return None
+    return {"cpu_s": on_cpu_ns / 1e9, "runqueue_wait_s": wait_ns / 1e9, "preempted": preempted}
+
+
+def snapshot(root_pid: int) -> dict[int, dict]:
+    """Per process under `root_pid` (and itself): its main thread's and all its threads' totals."""
+    out = {}
+    for pid in [root_pid, *descendants(root_pid)]:
+        per_thread = [s for tid in threads_of(pid) if (s := thread_sched(pid, tid)) is not None]
+        main = thread_sched(pid, pid)
+        if main is None:
+            continue
+        total = {k: sum(s[k] for s in per_thread) for k in main}
+        out[pid] = {"threads": len(per_thread), "main": main, "all": total}
+    return out
+
+
+def engine_pid(root_pid: int) -> int | None:
+    """The engine process under a launched server: the descendant with the most threads."""
+    below = [(len(threads_of(p)), p) for p in descendants(root_pid)]
+    return max(below)[1] if below else None
+
+
+def delta(before: dict[int, dict], after: dict[int, dict], seconds: float, engine: int | None) -> dict:
+    """Per process present in both snapshots, per wall second of the interval: CPU, run-queue wait
+    and involuntary switches of its main thread and of all its threads; the engine's marked."""
+    rows = {}
+    for pid, now in after.items():
+        then = before.get(pid)
+        if then is None or seconds <= 0:
+            continue
+        rows[str(pid)] = {"engine": pid == engine, "threads": now["threads"]} | {
+            f"{part}_{key}_per_s": (now[part][key] - then[part][key]) / seconds
+            for part in ("main", "all") for key in now[part]}
+    return rows
+
+
+def pin_engine(root_pid: int, num_cpus: int) -> dict:
+    """The engine process's threads on the first `num_cpus` CPUs this process may use; the server's
+    other processes and this process on the rest. -> what went where."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 < num_cpus < len(cpus):
+        raise ValueError(f"--pin-engine-cpus {num_cpus}: this process may use {len(cpus)} CPUs")
+    engine, others = set(cpus[:num_cpus]), set(cpus[num_cpus:])
+    found = engine_pid(root_pid)
+    if found is None:
+        raise RuntimeError(f"no engine process found under server pid {root_pid}")
+    for pid in [root_pid, *descendants(root_pid)]:
+        for tid in threads_of(pid):
+            try:
+                os.sched_setaffinity(tid, engine if pid == found else others)
+            except OSError:
+                pass  # a thread that just ended
+    os.sched_setaffinity(0, others)
+    return {"engine_pid": found, "engine_cpus": sorted(engine), "other_cpus": sorted(others)}
