@@ -179,8 +179,9 @@ class AsyncLLM:
         # arriving here while requests ran on both sides of it, and whether the later step
         # computed prompt tokens beside its decode rows; the server's metrics set it.
         self.on_step_interval: Callable[[float, bool], None] | None = None
-        # Called with (host seconds, computes prompt tokens) for each step the engine handed to its runner.
-        self.on_step_dispatch: Callable[[float, bool], None] | None = None
+        # Called with (host seconds, computes prompt tokens, seconds of those the engine thread was off
+        # the CPU) for each step the engine handed to its runner.
+        self.on_step_dispatch: Callable[[float, bool, float], None] | None = None
         # With the engine in its own process, called on the reader thread for each step's message that
         # brings outputs of this process's requests: the seconds since the engine's previous step's
         # message left it (None: the engine was idle between), from this one leaving it to its outputs
@@ -424,9 +425,10 @@ class AsyncLLM:
             self.on_step_interval(now - self._last_step_at, prefill_tokens > 0)
         self._last_step_at = now if still_busy else None
 
-    def _note_dispatch(self, dispatched: tuple[float, int] | None) -> None:
+    def _note_dispatch(self, dispatched: tuple[float, int, float] | None) -> None:
         if dispatched is not None and self.on_step_dispatch is not None:
-            self.on_step_dispatch(dispatched[0], dispatched[1] > 0)
+            seconds, prefill_tokens, cpu_s = dispatched
+            self.on_step_dispatch(seconds, prefill_tokens > 0, max(0.0, seconds - cpu_s))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the step's outputs over with one wake-up per event loop, not per output."""
@@ -549,7 +551,8 @@ class AsyncLLM:
         if stopped:
             self._client.send(M.FinishRequests(stopped))
         self._note_step(msg.stats.num_running_reqs + msg.stats.num_waiting_reqs > 0, msg.prefill_tokens)
-        self._note_dispatch(None if msg.dispatch_s < 0 else (msg.dispatch_s, msg.dispatch_prefill_tokens))
+        self._note_dispatch(None if msg.dispatch_s < 0 else
+                            (msg.dispatch_s, msg.dispatch_prefill_tokens, max(msg.dispatch_cpu_s, 0.0)))
         self._deliver(outputs)
         if msg.outputs and msg.sent_at >= 0 and self.on_engine_step is not None:  # (steps of this process's requests)
             self.on_engine_step(None if msg.since_step_s < 0 else msg.since_step_s, time.monotonic() - msg.sent_at,

@@ -94,6 +94,9 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     # host), and the seconds since its previous step's message (-1: none, or the engine was idle between).
     sent_at: float = -1.0
     since_step_s: float = -1.0
+    # The engine thread's CPU seconds in that hand-over (-1: none): its seconds minus these were spent
+    # waiting (for a CPU, a page, a lock), not working.
+    dispatch_cpu_s: float = -1.0
 
 
 class StreamedTokens(msgspec.Struct, tag="tokens", array_like=True):

@@ -210,14 +210,14 @@ class EngineCoreProc:
         these are a step's outputs), and the counters (every process serves /metrics and /health)."""
         errors, self._errors = self._errors, []
         stats = self.stats()
-        dispatch_s, dispatch_prefill = (-1.0, 0) if dispatched is None else dispatched
+        dispatch_s, dispatch_prefill, dispatch_cpu_s = (-1.0, 0, -1.0) if dispatched is None else dispatched
         sent_at = time.monotonic()
         since = sent_at - self._last_step_sent if step and self._last_step_sent is not None else -1.0
         self._last_step_sent = sent_at if step and self.engine.has_work() else None
 
         def message(client_outputs, client_errors):
             return self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats, prefill_tokens,
-                                                     dispatch_s, dispatch_prefill, sent_at, since))
+                                                     dispatch_s, dispatch_prefill, sent_at, since, dispatch_cpu_s))
 
         if len(self.outs) == 1:
             self.outs[0].send(message(outputs, errors), copy=False)

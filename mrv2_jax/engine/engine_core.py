@@ -45,9 +45,10 @@ class EngineCore:
         # Prompt tokens computed by the step whose outputs step() last returned (0: none returned).
         self.outputs_prefill_tokens = 0
         # The step the last step() call handed to the runner: (host seconds of `runner.execute`,
-        # that step's prompt tokens); None when it handed over no tokens. (A fused call that streams
-        # from inside holds the host until it ends, so its seconds are the whole call's.)
-        self.dispatched: tuple[float, int] | None = None
+        # that step's prompt tokens, the calling thread's CPU seconds in it: the rest it spent off the
+        # CPU, waiting); None when it handed over no tokens. (A fused call that streams from inside
+        # holds the host until it ends, so its seconds are the whole call's.)
+        self.dispatched: tuple[float, int, float] | None = None
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this engine cannot serve."""
@@ -136,10 +137,11 @@ class EngineCore:
             read_early = self._read_and_stream_in_flight()
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
-        handed = time.perf_counter()
+        handed, handed_cpu = time.perf_counter(), time.thread_time()
         result = self.runner.execute(scheduled)
         if scheduled.total_num_scheduled_tokens:
-            self.dispatched = (time.perf_counter() - handed, scheduled.num_prefill_tokens)
+            self.dispatched = (time.perf_counter() - handed, scheduled.num_prefill_tokens,
+                               time.thread_time() - handed_cpu)
         if synchronous:
             return self._update(scheduled, result)
         previous = self._in_flight

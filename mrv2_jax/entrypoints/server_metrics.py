@@ -12,7 +12,8 @@ Four sources:
     `on_step_interval`): set beside the inter-token gaps, it says whether a long gap was a
     long step or time spent after the step, in this process or on the way to the client;
   * the host time the engine took to hand each step to its runner (AsyncLLM's `on_step_dispatch`):
-    an interval that ends with one step's outputs also holds the hand-over of the next step.
+    an interval that ends with one step's outputs also holds the hand-over of the next step; and of
+    that time, how long the engine's thread was off the CPU (a late hand-over that waited, not worked).
 
 Each app has its own registry, so several servers in one process (tests) do not collide. With
 several API server processes (`--api-server-count`), the request metrics live in
@@ -127,6 +128,10 @@ class ServerMetrics:
                              "device has run it), by whether that step computes prompt tokens (step=prefill) or only "
                              "decode rows (step=decode).", labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
         self.step_dispatch = {kind: dispatch.labels(model_name, kind) for kind in ("decode", "prefill")}
+        off_cpu = Histogram("mrv2_step_dispatch_off_cpu_seconds", "Of mrv2_step_dispatch_seconds, the time the "
+                            "engine's thread was not on a CPU (waiting for one, for a page, for a lock), by the "
+                            "step's kind.", labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
+        self.step_dispatch_off_cpu = {kind: off_cpu.labels(model_name, kind) for kind in ("decode", "prefill")}
         engine.on_step_dispatch = self._observe_step_dispatch
         engine_interval = Histogram("mrv2_engine_step_interval_seconds", "Time between two engine steps' outputs "
                                     "leaving the engine process, while requests ran, for the steps with outputs of "
@@ -150,8 +155,10 @@ class ServerMetrics:
     def _observe_step_interval(self, seconds: float, prefilled: bool) -> None:
         self.step_interval["prefill" if prefilled else "decode"].observe(seconds)
 
-    def _observe_step_dispatch(self, seconds: float, prefill: bool) -> None:
-        self.step_dispatch["prefill" if prefill else "decode"].observe(seconds)
+    def _observe_step_dispatch(self, seconds: float, prefill: bool, off_cpu_s: float) -> None:
+        kind = "prefill" if prefill else "decode"
+        self.step_dispatch[kind].observe(seconds)
+        self.step_dispatch_off_cpu[kind].observe(off_cpu_s)
 
     def _observe_engine_step(self, since_s: float | None, delivery_s: float, prefilled: bool) -> None:
         kind = "prefill" if prefilled else "decode"

@@ -18,7 +18,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mrv2_jax.async_llm import AsyncLLM
-from mrv2_jax.bench.serve_compare import ENGINE_INTERVAL, STEP_DELIVERY, STEP_DISPATCH, STEP_INTERVAL
+from mrv2_jax.bench.serve_compare import (
+    ENGINE_INTERVAL,
+    STEP_DELIVERY,
+    STEP_DISPATCH,
+    STEP_DISPATCH_OFF_CPU,
+    STEP_INTERVAL,
+)
 from mrv2_jax.bench.server_histograms import count, scrape
 from mrv2_jax.core_client import EngineStartupError
 from mrv2_jax.entrypoints.openai_server import ServerThread
@@ -141,6 +147,8 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     intervals, dispatches = _step_counts(server.url), _step_counts(server.url, STEP_DISPATCH)
     engine_intervals, deliveries = _step_counts(server.url, ENGINE_INTERVAL), _step_counts(server.url, STEP_DELIVERY)
     engine_seconds, began = _decode_sum(server.url, ENGINE_INTERVAL), time.monotonic()
+    off_cpu_before = _step_counts(server.url, STEP_DISPATCH_OFF_CPU)
+    off_cpu_seconds, dispatch_seconds = (_decode_sum(server.url, n) for n in (STEP_DISPATCH_OFF_CPU, STEP_DISPATCH))
     # logprobs=0: each chunk lists its tokens, which shows how many tokens it carries.
     events = asyncio.run(_stream_with_client(server, {"prompt": LONG_PROMPT, "logprobs": 0, **FUSED}))
     sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
@@ -157,6 +165,11 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     handed = _step_counts(server.url, STEP_DISPATCH)
     assert handed["prefill"] - dispatches["prefill"] == 1
     assert 1 <= handed["decode"] - dispatches["decode"] <= engine.stats.num_steps - steps
+    # Each hand-over's time off the engine thread's CPU came with it, and is a part of it.
+    off_cpu = _step_counts(server.url, STEP_DISPATCH_OFF_CPU)
+    assert {k: off_cpu[k] - off_cpu_before[k] for k in off_cpu} == {k: handed[k] - dispatches[k] for k in handed}
+    assert 0 <= _decode_sum(server.url, STEP_DISPATCH_OFF_CPU) - off_cpu_seconds <= \
+        _decode_sum(server.url, STEP_DISPATCH) - dispatch_seconds
     # The engine process stamped each step's message: one delivery per message that brought outputs
     # (a step may bring none: the first one hands the prompt's step over and has nothing to read yet),
     # and for each of them the interval since the engine's previous step message, all within the request.
