@@ -19,8 +19,8 @@ a weight or stack of ``2**31`` elements or more (the kernel's element offsets ar
 Why Triton. At batch 1 a projection multiplies each weight element once: its speed is the rate at
 which loads keep HBM busy, and the norm before and the add or SwiGLU after belong in the same kernel
 (no small kernels between). A Mosaic GPU kernel reads global memory through TMA into shared memory,
-and at these sizes that streamed Qwen3-0.6B's weights at 0.8-1.6 TB/s, where plain wide loads into
-registers (XLA's own row reduction, or this kernel) do better (docs/benchmarks.md, session 51).
+and at these sizes that streamed Qwen3-0.6B's weights more slowly than plain wide loads into registers
+(XLA's own row reduction, or this kernel) do (docs/benchmarks.md, session 51).
 
 Algorithm. Grid ``(N_out / block_n,)``: a program owns ``block_n`` outputs (with SwiGLU, their gate
 rows and the matching up rows) for every row of x. It walks K in ``block_k`` chunks, unrolled, and

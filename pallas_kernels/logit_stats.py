@@ -4,8 +4,8 @@ types to them and says what each output is for.
 
 Why the Triton backend: a streaming pass over each row with no matrix product, whose speed is the
 rate of its loads. Mosaic GPU reaches global memory through TMA copies into shared memory, which
-streamed one-row weights at 0.8-1.6 TB/s where plain wide loads into registers did better
-(docs/benchmarks.md, sessions 50 and 51); a Mosaic GPU port of this pass is not measured.
+streamed one-row weights more slowly than plain wide loads into registers (docs/benchmarks.md,
+sessions 50 and 51); a Mosaic GPU port of this pass is not measured.
 
 ``logit_stats``: grid (R, cdiv(NB, tile_blocks)); program (r, c) reads ids of blocks
 [c * tile_blocks, (c + 1) * tile_blocks) of row r as one tile (or, with tiles_per_program > 1,

@@ -3,8 +3,8 @@ skipped one by one, next to its pure-jnp reference; mrv2_jax/sample/noise_pass.p
 
 Why the Triton backend: a streaming pass over each row with no matrix product, whose speed is the
 rate of its loads. Mosaic GPU reaches global memory through TMA copies into shared memory, which
-streamed one-row weights at 0.8-1.6 TB/s where plain wide loads into registers did better
-(docs/benchmarks.md, sessions 50 and 51); a Mosaic GPU port of this pass is not measured.
+streamed one-row weights more slowly than plain wide loads into registers (docs/benchmarks.md,
+sessions 50 and 51); a Mosaic GPU port of this pass is not measured.
 
 The pass: argmax over each row of (processed / divisor, cut below keep_from, plus the row's
 Gumbel noise); greedy rows take the argmax of the processed logits.

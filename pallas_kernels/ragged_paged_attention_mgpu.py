@@ -11,9 +11,9 @@ anything, NaN included. ``ragged_paged_attention_reference`` is the reference. S
 take raise ``ValueError``: ``D`` a multiple of 64, ``G`` one of 1, 2, 4, 8, ``block_size`` a multiple of
 8 that divides 64 or is a multiple of 64.
 
-Why. Half of an S2 step (input 1024 / output 128) is this attention, and its prefill part is bound by
-the tensor cores: the Triton kernel reaches ~200 TFLOP/s on an H200. Mosaic GPU reaches Hopper's wgmma
-and TMA, which FlashAttention-3 is built on.
+Why. Attention is a large share of an S2 step (input 1024 / output 128), and its prefill part is bound
+by the tensor cores, which the Triton kernel leaves far from their peak (docs/benchmarks.md, "Paged
+attention kernel"). Mosaic GPU reaches Hopper's wgmma and TMA, which FlashAttention-3 is built on.
 
 Algorithm. One CTA of one warpgroup per (work tile, KV head).
 

@@ -4,8 +4,8 @@ mrv2_jax/sample/topk_topp.py (same thresholds: the tests compare them).
 
 Why the Triton backend: a streaming pass over each row with no matrix product, whose speed is the
 rate of its loads. Mosaic GPU reaches global memory through TMA copies into shared memory, which
-streamed one-row weights at 0.8-1.6 TB/s where plain wide loads into registers did better
-(docs/benchmarks.md, sessions 50 and 51); a Mosaic GPU port of this pass is not measured.
+streamed one-row weights more slowly than plain wide loads into registers (docs/benchmarks.md,
+sessions 50 and 51); a Mosaic GPU port of this pass is not measured.
 
 Both kernels have one program per row (grid (R,)), which does nothing but write a neutral value
 when its row is not `needed`, and otherwise loops over the row in tiles of `tile_blocks` blocks:

@@ -18,7 +18,7 @@ from mrv2_jax.engine.output import Logprob
 from mrv2_jax.runner.token_logprobs import LogprobRow
 
 # A row keeps its whole step's arrays alive. A request's rows older than this many tokens are
-# detached (copied into lists, ~2 us each) so that one long request does not pin the arrays of
+# detached (copied into lists, a small cost each) so that one long request does not pin the arrays of
 # every step it lived through; shorter requests never pay for it.
 ROWS_KEPT = 1024
 

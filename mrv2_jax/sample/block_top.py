@@ -1,7 +1,8 @@
 """The top n entries of each row of a wide array, exactly, without sorting whole rows.
 
-`lax.top_k` over a 152K-wide row runs as a full sort on the GPU for n > 16 (~3.4 ms for
-256 rows on an H200). Block maxima narrow the work to n small blocks instead:
+`lax.top_k` over a 152K-wide row runs as a full sort on the GPU for n > 16, which at hundreds of
+rows costs milliseconds (docs/benchmarks.md, "Sampler"). Block maxima narrow the work to n small
+blocks instead:
 
   1. cut each row into blocks of `block` ids and take every block's maximum (one fused pass);
   2. keep the n blocks with the largest maxima (a top_k over R x V/block values);
@@ -15,9 +16,8 @@ dropped blocks, so none of those is in the top n.
 
 Step 3 is itself a top n over a row (n * block wide, its ids still increasing along it), so the
 narrowing repeats with smaller blocks: `blocks=(128, 16)` keeps n blocks of 128, then n
-sub-blocks of 16 among them, and sorts n * 16 values at the end. On an H200 (256 rows, n = 64)
-the one sort over 64 x 128 candidates took 128 us of a 1.2 ms sampler call; docs/benchmarks.md
-("Sampler: fewer conditionals") has the split after the second level.
+sub-blocks of 16 among them, and sorts n * 16 values at the end; docs/benchmarks.md ("Sampler:
+fewer conditionals") has what one level and two cost.
 """
 
 import jax
