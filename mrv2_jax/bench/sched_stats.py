@@ -85,12 +85,13 @@ def delta(before: dict[int, dict], after: dict[int, dict], seconds: float, engin
 
 
 def pin_engine(root_pid: int, num_cpus: int) -> dict:
-    """The engine process's threads on the first `num_cpus` CPUs this process may use; the server's
-    other processes and this process on the rest. -> what went where."""
+    """The engine process's threads on the last `num_cpus` CPUs this process may use (the first ones
+    often take the host's interrupts); the server's other processes and this process on the rest.
+    -> what went where."""
     cpus = sorted(os.sched_getaffinity(0))
     if not 0 < num_cpus < len(cpus):
         raise ValueError(f"--pin-engine-cpus {num_cpus}: this process may use {len(cpus)} CPUs")
-    engine, others = set(cpus[:num_cpus]), set(cpus[num_cpus:])
+    engine, others = set(cpus[-num_cpus:]), set(cpus[:-num_cpus])
     found = engine_pid(root_pid)
     if found is None:
         raise RuntimeError(f"no engine process found under server pid {root_pid}")
