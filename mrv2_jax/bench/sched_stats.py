@@ -55,11 +55,11 @@ def snapshot(root_pid: int) -> dict[int, dict]:
     """Per process under `root_pid` (and itself): its main thread's and all its threads' totals."""
     out = {}
     for pid in [root_pid, *descendants(root_pid)]:
-        per_thread = [s for tid in threads_of(pid) if (s := thread_sched(pid, tid)) is not None]
-        main = thread_sched(pid, pid)
+        per_thread = {tid: s for tid in threads_of(pid) if (s := thread_sched(pid, tid)) is not None}
+        main = per_thread.get(pid)  # (one read for both totals)
         if main is None:
             continue
-        total = {k: sum(s[k] for s in per_thread) for k in main}
+        total = {k: sum(s[k] for s in per_thread.values()) for k in main}
         out[pid] = {"threads": len(per_thread), "main": main, "all": total}
     return out
 

@@ -71,7 +71,7 @@ def test_a_trees_cpu_time_and_its_engine_match_the_processes_own_accounts():
     assert own["child_cpu"] - 0.05 <= child_cpu <= own["child_cpu"] + 0.15
     assert own["grandchild"]["cpu"] - 0.05 <= grandchild_cpu <= own["grandchild"]["cpu"] + 0.15
     # A process's threads together ran at least as long as its main thread.
-    assert rows[str(grandchild)]["all_cpu_s_per_s"] >= rows[str(grandchild)]["main_cpu_s_per_s"]
+    assert rows[str(grandchild)]["all_cpu_s_per_s"] >= rows[str(grandchild)]["main_cpu_s_per_s"] - 1e-9
 
 
 SPIN = """
