@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from mrv2_jax.bench import sched_stats
 from mrv2_jax.bench.environment import describe_environment, write_report
 from mrv2_jax.bench.serve import LaunchedServer, free_port
 from mrv2_jax.entrypoints.cli import add_engine_args
@@ -33,18 +34,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
 
 
-def num_threads(pid: int) -> int:
-    return next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("Threads:"))
-
-
 def server_processes(pid: int) -> tuple[int, list[int]]:
     """(engine pid, API process pids) of a running `mrv2-jax serve`."""
-    children = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children |= {int(k) for k in (task / "children").read_text().split()}
-    spawned = [c for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
-    engine = max(spawned, key=num_threads)
+    spawned = [c for c in sched_stats.children(pid)
+               if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    engine = sched_stats.engine_pid(pid)
     return engine, [pid] + [c for c in spawned if c != engine]
 
 

@@ -12,21 +12,23 @@ from __future__ import annotations
 import os
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, their children, ...), read from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def children(pid: int) -> list[int]:
+    """The child processes of `pid`, as its threads list them in /proc (empty once it is gone)."""
+    found = []
+    for tid in threads_of(pid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
             continue
-        children.setdefault(ppid, []).append(int(entry))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...)."""
     found, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for child in children(todo.pop()):
             found.append(child)
             todo.append(child)
     return found
