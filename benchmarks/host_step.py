@@ -58,6 +58,7 @@ class StandInRunner:
     supports_prompt_logprobs = False
     max_fused_rows = 0
     num_fused_calls = 0
+    call_seconds = 0.0  # no compiled calls
     automaton_capacity = (0, 0)  # no structured outputs
     eos_token_ids = ()  # (read for streaming requests; no engine process streams from inside calls here)
 

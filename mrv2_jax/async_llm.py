@@ -47,6 +47,7 @@ from mrv2_jax.core_client import AttachedCoreClient, CoreClient, EngineProcessDi
 from mrv2_jax.data_parallel import EngineReplicas
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine import distributed
+from mrv2_jax.engine.engine_core import Dispatch
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request
@@ -179,9 +180,8 @@ class AsyncLLM:
         # arriving here while requests ran on both sides of it, and whether the later step
         # computed prompt tokens beside its decode rows; the server's metrics set it.
         self.on_step_interval: Callable[[float, bool], None] | None = None
-        # Called with (host seconds, computes prompt tokens, seconds of those the engine thread was off
-        # the CPU) for each step the engine handed to its runner.
-        self.on_step_dispatch: Callable[[float, bool, float], None] | None = None
+        # Called with each step's hand-over to the engine's runner (engine_core.Dispatch).
+        self.on_step_dispatch: Callable[[Dispatch], None] | None = None
         # With the engine in its own process, called on the reader thread for each step's message that
         # brings outputs of this process's requests: the seconds since the engine's previous step's
         # message left it (None: the engine was idle between), from this one leaving it to its outputs
@@ -425,10 +425,9 @@ class AsyncLLM:
             self.on_step_interval(now - self._last_step_at, prefill_tokens > 0)
         self._last_step_at = now if still_busy else None
 
-    def _note_dispatch(self, dispatched: tuple[float, int, float] | None) -> None:
+    def _note_dispatch(self, dispatched: Dispatch | None) -> None:
         if dispatched is not None and self.on_step_dispatch is not None:
-            seconds, prefill_tokens, cpu_s = dispatched
-            self.on_step_dispatch(seconds, prefill_tokens > 0, max(0.0, seconds - cpu_s))
+            self.on_step_dispatch(dispatched)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand the step's outputs over with one wake-up per event loop, not per output."""
@@ -551,8 +550,8 @@ class AsyncLLM:
         if stopped:
             self._client.send(M.FinishRequests(stopped))
         self._note_step(msg.stats.num_running_reqs + msg.stats.num_waiting_reqs > 0, msg.prefill_tokens)
-        self._note_dispatch(None if msg.dispatch_s < 0 else
-                            (msg.dispatch_s, msg.dispatch_prefill_tokens, max(msg.dispatch_cpu_s, 0.0)))
+        self._note_dispatch(None if msg.dispatch_s < 0 else Dispatch(
+            msg.dispatch_s, msg.dispatch_prefill_tokens, msg.dispatch_cpu_s, msg.dispatch_call_s))
         self._deliver(outputs)
         if msg.outputs and msg.sent_at >= 0 and self.on_engine_step is not None:  # (steps of this process's requests)
             self.on_engine_step(None if msg.since_step_s < 0 else msg.since_step_s, time.monotonic() - msg.sent_at,

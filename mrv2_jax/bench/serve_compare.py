@@ -49,6 +49,7 @@ SERVERS = ("mrv2", "vllm")
 STEP_INTERVAL = "mrv2_step_output_interval_seconds"
 STEP_DISPATCH = "mrv2_step_dispatch_seconds"
 STEP_DISPATCH_OFF_CPU = "mrv2_step_dispatch_off_cpu_seconds"  # of it, the engine thread waiting, not working
+STEP_DISPATCH_CALL = "mrv2_step_dispatch_call_seconds"  # of it, inside the compiled calls (the rest: Python)
 # The engine process's side of the step interval (its messages' send times) and the API side (from a
 # message leaving the engine to its outputs reaching their streams): which of the two a long gap is in.
 ENGINE_INTERVAL = "mrv2_engine_step_interval_seconds"
@@ -59,6 +60,7 @@ SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval"
                "decode_dispatch": f'{STEP_DISPATCH}{{step="decode"}}',
                "prefill_dispatch": f'{STEP_DISPATCH}{{step="prefill"}}',
                "decode_dispatch_off_cpu": f'{STEP_DISPATCH_OFF_CPU}{{step="decode"}}',
+               "decode_dispatch_call": f'{STEP_DISPATCH_CALL}{{step="decode"}}',
                "engine_decode_interval": f'{ENGINE_INTERVAL}{{step="decode"}}',
                "decode_delivery": f'{STEP_DELIVERY}{{step="decode"}}'}
 VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
@@ -184,8 +186,8 @@ def measure_level(args, server: str, client: str, url: str, concurrency: int, wo
     """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level
     (the steps' hand-over to the runner among them) and the share of step intervals that ended with a
     step computing prompt tokens; for a server launched here, how the OS scheduled its processes."""
-    names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL, STEP_DISPATCH, STEP_DISPATCH_OFF_CPU, ENGINE_INTERVAL,
-             STEP_DELIVERY)
+    names = ("mrv2_inter_token_latency_seconds", STEP_INTERVAL, STEP_DISPATCH, STEP_DISPATCH_OFF_CPU,
+             STEP_DISPATCH_CALL, ENGINE_INTERVAL, STEP_DELIVERY)
     before = scrape(url, names, by="step") if server == "mrv2" else None
     sched_before, t0 = (sched_stats.snapshot(server_pid), time.perf_counter()) if server_pid else (None, 0.0)
     metrics = run_clients(args, client, url, concurrency, work_dir)
@@ -252,7 +254,9 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                       f"{_ms(m['prefill_dispatch_p50_ms'])} / P99 {_ms(m['prefill_dispatch_p99_ms'])} ms; decode-only "
                       f"P50 {_ms(m['decode_dispatch_p50_ms'])} / P99 {_ms(m['decode_dispatch_p99_ms'])} ms "
                       f"(off the CPU: P50 {_ms(m['decode_dispatch_off_cpu_p50_ms'])} / "
-                      f"P99 {_ms(m['decode_dispatch_off_cpu_p99_ms'])} ms)", flush=True)
+                      f"P99 {_ms(m['decode_dispatch_off_cpu_p99_ms'])} ms; in the compiled calls: P50 "
+                      f"{_ms(m['decode_dispatch_call_p50_ms'])} / P99 {_ms(m['decode_dispatch_call_p99_ms'])} ms)",
+                      flush=True)
                 print(f"{server:5} C={c:4}: decode steps leaving the engine process every P50 "
                       f"{_ms(m['engine_decode_interval_p50_ms'])} / P99 {_ms(m['engine_decode_interval_p99_ms'])} ms; "
                       f"their delivery to the streams P50 {_ms(m['decode_delivery_p50_ms'])} / P99 "

@@ -97,6 +97,8 @@ class StepOutputs(msgspec.Struct, tag="step", array_like=True):
     # The engine thread's CPU seconds in that hand-over (-1: none): its seconds minus these were spent
     # waiting (for a CPU, a page, a lock), not working.
     dispatch_cpu_s: float = -1.0
+    # Of its seconds, those inside the runner's compiled step calls (-1: none): the rest was the runner's Python.
+    dispatch_call_s: float = -1.0
 
 
 class StreamedTokens(msgspec.Struct, tag="tokens", array_like=True):

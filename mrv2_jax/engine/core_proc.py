@@ -34,7 +34,7 @@ from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.background_compiles import POLL_S, BackgroundCompiles
 from mrv2_jax.engine.builder import build_engine
 from mrv2_jax.engine.engine_config import EngineConfig
-from mrv2_jax.engine.engine_core import EngineCore
+from mrv2_jax.engine.engine_core import Dispatch, EngineCore
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.request_checks import check_request_fits
 from mrv2_jax.gc_heap import prepare_serving_heap
@@ -202,7 +202,7 @@ class EngineCoreProc:
         for request_id in request_ids:
             self._owner.pop(request_id, None)
 
-    def _send(self, outputs, prefill_tokens: int = 0, dispatched: tuple[float, int] | None = None,
+    def _send(self, outputs, prefill_tokens: int = 0, dispatched: Dispatch | None = None,
               step: bool = False) -> None:
         """One message per API server process: its requests' outputs and failed adds, the prompt
         tokens of the step whose outputs these are, the hand-over of the step dispatched in the same
@@ -210,14 +210,15 @@ class EngineCoreProc:
         these are a step's outputs), and the counters (every process serves /metrics and /health)."""
         errors, self._errors = self._errors, []
         stats = self.stats()
-        dispatch_s, dispatch_prefill, dispatch_cpu_s = (-1.0, 0, -1.0) if dispatched is None else dispatched
+        dispatch = Dispatch(-1.0, 0, -1.0, -1.0) if dispatched is None else dispatched
         sent_at = time.monotonic()
         since = sent_at - self._last_step_sent if step and self._last_step_sent is not None else -1.0
         self._last_step_sent = sent_at if step and self.engine.has_work() else None
 
         def message(client_outputs, client_errors):
             return self.encoder.encode(M.StepOutputs(client_outputs, client_errors, stats, prefill_tokens,
-                                                     dispatch_s, dispatch_prefill, sent_at, since, dispatch_cpu_s))
+                                                     dispatch.seconds, dispatch.prefill_tokens, sent_at, since,
+                                                     dispatch.cpu_s, dispatch.call_s))
 
         if len(self.outs) == 1:
             self.outs[0].send(message(outputs, errors), copy=False)

@@ -10,6 +10,7 @@ computes its next mask from the tokens so far (runner/grammar_masks.py).
 
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from mrv2_jax.engine.request import Request, RequestStatus
 from mrv2_jax.engine.request_checks import check_automaton_fits, check_request
@@ -20,6 +21,14 @@ from mrv2_jax.runner.fused import stops_on_device
 from mrv2_jax.runner.interface import Runner, StepOutcome
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.structured.compiler import ConstraintCompiler
+
+
+class Dispatch(NamedTuple):
+    """A step's hand-over to the runner (`runner.execute`), as the host saw it."""
+    seconds: float  # wall seconds
+    prefill_tokens: int  # the step's prompt tokens
+    cpu_s: float  # the calling thread's CPU seconds in it: the rest it spent off the CPU, waiting
+    call_s: float  # of the seconds, those inside compiled step calls: the rest was the runner's Python
 
 
 class EngineCore:
@@ -44,11 +53,10 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list | None] = {}
         # Prompt tokens computed by the step whose outputs step() last returned (0: none returned).
         self.outputs_prefill_tokens = 0
-        # The step the last step() call handed to the runner: (host seconds of `runner.execute`,
-        # that step's prompt tokens, the calling thread's CPU seconds in it: the rest it spent off the
-        # CPU, waiting); None when it handed over no tokens. (A fused call that streams from inside
-        # holds the host until it ends, so its seconds are the whole call's.)
-        self.dispatched: tuple[float, int, float] | None = None
+        # The step the last step() call handed to the runner; None when it handed over no tokens. (A
+        # fused call that streams from inside holds the host until it ends, so its seconds are the
+        # whole call's.)
+        self.dispatched: Dispatch | None = None
 
     def check_request(self, params) -> None:
         """Raise ValueError for what this engine cannot serve."""
@@ -137,11 +145,11 @@ class EngineCore:
             read_early = self._read_and_stream_in_flight()
         # Always handed to the runner, even with no tokens: it may carry finished requests
         # whose slots the runner must free.
-        handed, handed_cpu = time.perf_counter(), time.thread_time()
+        handed, handed_cpu, calls = time.perf_counter(), time.thread_time(), self.runner.call_seconds
         result = self.runner.execute(scheduled)
         if scheduled.total_num_scheduled_tokens:
-            self.dispatched = (time.perf_counter() - handed, scheduled.num_prefill_tokens,
-                               time.thread_time() - handed_cpu)
+            self.dispatched = Dispatch(time.perf_counter() - handed, scheduled.num_prefill_tokens,
+                                       time.thread_time() - handed_cpu, self.runner.call_seconds - calls)
         if synchronous:
             return self._update(scheduled, result)
         previous = self._in_flight

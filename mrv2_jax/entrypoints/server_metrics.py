@@ -13,7 +13,8 @@ Four sources:
     long step or time spent after the step, in this process or on the way to the client;
   * the host time the engine took to hand each step to its runner (AsyncLLM's `on_step_dispatch`):
     an interval that ends with one step's outputs also holds the hand-over of the next step; and of
-    that time, how long the engine's thread was off the CPU (a late hand-over that waited, not worked).
+    that time, how long the engine's thread was off the CPU (a late hand-over that waited, not worked)
+    and how long it was inside the compiled calls (XLA's side, against the runner's Python).
 
 Each app has its own registry, so several servers in one process (tests) do not collide. With
 several API server processes (`--api-server-count`), the request metrics live in
@@ -32,6 +33,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from mrv2_jax import envs
 from mrv2_jax.async_llm import AsyncLLM
+from mrv2_jax.engine.engine_core import Dispatch
 from mrv2_jax.engine.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -132,6 +134,11 @@ class ServerMetrics:
                             "engine's thread was not on a CPU (waiting for one, for a page, for a lock), by the "
                             "step's kind.", labels + ["step"], buckets=_DISPATCH_BUCKETS, registry=reg)
         self.step_dispatch_off_cpu = {kind: off_cpu.labels(model_name, kind) for kind in ("decode", "prefill")}
+        in_calls = Histogram("mrv2_step_dispatch_call_seconds", "Of mrv2_step_dispatch_seconds, the time inside the "
+                             "runner's compiled step calls (XLA's side of a call: arguments, the input's copy, the "
+                             "launch; the rest is the runner's Python), by the step's kind.", labels + ["step"],
+                             buckets=_DISPATCH_BUCKETS, registry=reg)
+        self.step_dispatch_call = {kind: in_calls.labels(model_name, kind) for kind in ("decode", "prefill")}
         engine.on_step_dispatch = self._observe_step_dispatch
         engine_interval = Histogram("mrv2_engine_step_interval_seconds", "Time between two engine steps' outputs "
                                     "leaving the engine process, while requests ran, for the steps with outputs of "
@@ -155,10 +162,11 @@ class ServerMetrics:
     def _observe_step_interval(self, seconds: float, prefilled: bool) -> None:
         self.step_interval["prefill" if prefilled else "decode"].observe(seconds)
 
-    def _observe_step_dispatch(self, seconds: float, prefill: bool, off_cpu_s: float) -> None:
-        kind = "prefill" if prefill else "decode"
-        self.step_dispatch[kind].observe(seconds)
-        self.step_dispatch_off_cpu[kind].observe(off_cpu_s)
+    def _observe_step_dispatch(self, dispatch: Dispatch) -> None:
+        kind = "prefill" if dispatch.prefill_tokens else "decode"
+        self.step_dispatch[kind].observe(dispatch.seconds)
+        self.step_dispatch_off_cpu[kind].observe(max(0.0, dispatch.seconds - max(dispatch.cpu_s, 0.0)))
+        self.step_dispatch_call[kind].observe(max(0.0, dispatch.call_s))
 
     def _observe_engine_step(self, since_s: float | None, delivery_s: float, prefilled: bool) -> None:
         kind = "prefill" if prefilled else "decode"

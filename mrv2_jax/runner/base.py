@@ -6,6 +6,7 @@ persistent device tables), so each keeps its own step function, packed layout an
 """
 
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -51,6 +52,7 @@ class RunnerBase:
     _none_pending = False  # num_programs_pending reached 0
     stream_in_call = False  # V2 may stream fused steps' tokens (runner/fused.py)
     token_sink = None
+    call_seconds = 0.0  # host seconds in compiled step calls so far (runner/interface.py)
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
     automaton_pool = None
     # Packed fields in which -1 means "none" (every other field is empty at 0); each runner names its own.
@@ -198,8 +200,10 @@ class RunnerBase:
         device state before the SlotState) donated, the SlotState split, the spec state donated. Sets the
         new SlotState and spec state -> (the new `carried`, the step's device result)."""
         counts, tables = slot_state.split(self.slot_state)
+        start = time.perf_counter()
         *carried, counts, result, self.spec_state = compiled(
             self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
+        self.call_seconds += time.perf_counter() - start
         self.slot_state = slot_state.join(counts, tables)
         return carried, result
 

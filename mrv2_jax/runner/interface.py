@@ -47,6 +47,10 @@ class Runner(Protocol):
     max_fused_rows: int
     # Fused decode calls run so far (benchmarks report it); always 0 when max_fused_rows is 0.
     num_fused_calls: int
+    # Host seconds spent inside compiled step calls so far (argument handling, the input's copy, the
+    # launch; not the device's work), summed over every call: the rest of an `execute` is the runner's
+    # own Python.
+    call_seconds: float
     # Step programs planned but not compiled yet: lazy makes each at its first use, background
     # beside the engine; 0 in compile mode eager.
     num_programs_pending: int

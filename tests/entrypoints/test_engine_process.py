@@ -22,6 +22,7 @@ from mrv2_jax.bench.serve_compare import (
     ENGINE_INTERVAL,
     STEP_DELIVERY,
     STEP_DISPATCH,
+    STEP_DISPATCH_CALL,
     STEP_DISPATCH_OFF_CPU,
     STEP_INTERVAL,
 )
@@ -147,8 +148,9 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     intervals, dispatches = _step_counts(server.url), _step_counts(server.url, STEP_DISPATCH)
     engine_intervals, deliveries = _step_counts(server.url, ENGINE_INTERVAL), _step_counts(server.url, STEP_DELIVERY)
     engine_seconds, began = _decode_sum(server.url, ENGINE_INTERVAL), time.monotonic()
-    off_cpu_before = _step_counts(server.url, STEP_DISPATCH_OFF_CPU)
-    off_cpu_seconds, dispatch_seconds = (_decode_sum(server.url, n) for n in (STEP_DISPATCH_OFF_CPU, STEP_DISPATCH))
+    off_cpu_before, calls_before = (_step_counts(server.url, n) for n in (STEP_DISPATCH_OFF_CPU, STEP_DISPATCH_CALL))
+    off_cpu_seconds, call_seconds, dispatch_seconds = (
+        _decode_sum(server.url, n) for n in (STEP_DISPATCH_OFF_CPU, STEP_DISPATCH_CALL, STEP_DISPATCH))
     # logprobs=0: each chunk lists its tokens, which shows how many tokens it carries.
     events = asyncio.run(_stream_with_client(server, {"prompt": LONG_PROMPT, "logprobs": 0, **FUSED}))
     sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events if e["choices"][0]["logprobs"]]
@@ -169,6 +171,11 @@ def test_stream_interval_bounds_chunks_and_non_streaming_keeps_full_k(server, re
     off_cpu = _step_counts(server.url, STEP_DISPATCH_OFF_CPU)
     assert {k: off_cpu[k] - off_cpu_before[k] for k in off_cpu} == {k: handed[k] - dispatches[k] for k in handed}
     assert 0 <= _decode_sum(server.url, STEP_DISPATCH_OFF_CPU) - off_cpu_seconds <= \
+        _decode_sum(server.url, STEP_DISPATCH) - dispatch_seconds
+    # So did its time inside the runner's compiled calls: every decode hand-over made at least one.
+    in_calls = _step_counts(server.url, STEP_DISPATCH_CALL)
+    assert {k: in_calls[k] - calls_before[k] for k in in_calls} == {k: handed[k] - dispatches[k] for k in handed}
+    assert 0 < _decode_sum(server.url, STEP_DISPATCH_CALL) - call_seconds <= \
         _decode_sum(server.url, STEP_DISPATCH) - dispatch_seconds
     # The engine process stamped each step's message: one delivery per message that brought outputs
     # (a step may bring none: the first one hands the prompt's step over and has nothing to read yet),

@@ -78,7 +78,7 @@ def test_engine_uses_only_the_declared_runner_interface():
     members = protocol_members(Runner)
     assert members == {"is_async_capable", "supports_prompt_logprobs", "max_fused_rows", "num_fused_calls",
                        "automaton_capacity", "automaton_pool", "eos_token_ids", "stream_in_call", "token_sink",
-                       "num_programs_pending", "execute", "warm_up", "wait_for_compiles"}
+                       "num_programs_pending", "call_seconds", "execute", "warm_up", "wait_for_compiles"}
     used = set()
     for path in ENGINE_FILES:
         text = path.read_text()
