@@ -6,9 +6,9 @@ arrays and gives N back, three ways, for N in `--counts`:
   one table    the same data as one [N, rows] array, donated and returned
 
 Reported: the host time of the call alone (median; each call waited for before the next). The
-step program donates and returns ~32 arrays (the KV cache, DeviceState, SlotState, the result),
-and its call's native profile puts ~40% of the call in making and freeing arrays
-(docs/benchmarks.md, session 31): this says what each one costs, apart from any model.
+step program donates and returns the KV cache, DeviceState, SlotState's counts and the result, and
+a native profile of its call found a large share in making and freeing arrays (docs/benchmarks.md):
+this says what each one costs, apart from any model.
 
     python -m benchmarks.carried_arrays --counts 1 8 16 32 64 --output-json carried_arrays.json
 """

@@ -88,7 +88,7 @@ def rows_ended(state: DeviceState, idx_mapping) -> jax.Array:
     num_tokens = state.num_tokens[idx_mapping]
     last = state.token_ids[idx_mapping, jnp.maximum(num_tokens - 1, 0)]
     outputs = num_tokens - state.num_prompt[idx_mapping]
-    may_stop = outputs >= jnp.maximum(state.sampling["min_tokens"][idx_mapping], 1)
+    may_stop = outputs >= jnp.maximum(state.scalars["min_tokens"][idx_mapping], 1)
     return may_stop & jnp.any(state.stop_ids[idx_mapping] == last[:, None], axis=-1)
 
 

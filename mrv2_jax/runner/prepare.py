@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mrv2_jax.runner.device_state import DeviceState
+from mrv2_jax.runner.device_state import SAMPLING_FIELDS, DeviceState
 from mrv2_jax.sample import automata
 from mrv2_jax.sample.tensors import SamplingTensors
 
@@ -33,19 +33,14 @@ def apply_new_requests(state: DeviceState, slot, prefill_len, num_computed, num_
     """Initialise the rows of newly added (or resumed) requests; `slot == -1` entries are unused.
     Fields not given keep their defaults for those rows (prompt = prefill, no sampler tables,
     neutral = greedy sampling, no stop ids)."""
-    s = state.num_tokens.shape[0]
+    s = state.token_ids.shape[0]
     idx = jnp.where(slot >= 0, slot, s)  # out of bounds -> dropped
-    put = lambda table, values: table.at[idx].set(values, mode="drop")  # noqa: E731
-    neutral = SamplingTensors.neutral(slot.shape[0])
-    sampling = sampling or {}
-    return state._replace(
-        num_tokens=put(state.num_tokens, prefill_len), prefill_len=put(state.prefill_len, prefill_len),
-        num_computed=put(state.num_computed, num_computed),
-        num_prompt=put(state.num_prompt, prefill_len if num_prompt is None else num_prompt),
-        sampler_row=put(state.sampler_row, -1 if sampler_row is None else sampler_row),
-        sampling={name: put(table, sampling.get(name, getattr(neutral, name)))
-                  for name, table in state.sampling.items()},
-        stop_ids=put(state.stop_ids, -1 if stop_ids is None else stop_ids))
+    scalars = state.scalars.put_rows(idx, {
+        **(sampling or {}), "num_tokens": prefill_len, "prefill_len": prefill_len, "num_computed": num_computed,
+        "num_prompt": prefill_len if num_prompt is None else num_prompt,
+        "sampler_row": -1 if sampler_row is None else sampler_row})
+    stop_ids = state.stop_ids.at[idx].set(-1 if stop_ids is None else stop_ids, mode="drop")
+    return state._replace(scalars=scalars, stop_ids=stop_ids)
 
 
 # The token a step returns for a row whose table entries contradict its schedule (diverged_rows).
@@ -69,12 +64,11 @@ def batch_sampling(state: DeviceState, idx_mapping, num_reqs) -> tuple[SamplingT
     num_rows = idx_mapping.shape[0]
     real_row = jnp.arange(num_rows) < num_reqs
     neutral = SamplingTensors.neutral(num_rows)
-    scalars = {name: jnp.where(real_row, table[idx_mapping], getattr(neutral, name))
-               for name, table in state.sampling.items()}
-    outputs = state.num_tokens[idx_mapping] - state.num_prompt[idx_mapping]
-    scalars["num_output_tokens"] = jnp.where(real_row, outputs, 0)
+    rows = state.scalars.rows(idx_mapping)
+    scalars = {name: jnp.where(real_row, rows[name], getattr(neutral, name)) for name in SAMPLING_FIELDS}
+    scalars["num_output_tokens"] = jnp.where(real_row, rows["num_tokens"] - rows["num_prompt"], 0)
     tensors = SamplingTensors(**scalars, bias_ids=None, bias_values=None, stop_ids=None)
-    return tensors, jnp.where(real_row, state.sampler_row[idx_mapping], -1)
+    return tensors, jnp.where(real_row, rows["sampler_row"], -1)
 
 
 def apply_block_writes(state: DeviceState, slot, index, block_id) -> DeviceState:
@@ -126,20 +120,20 @@ def prepare_inputs(state: DeviceState, idx_mapping, num_scheduled, num_reqs, chu
 
 def post_update(state: DeviceState, idx_mapping, num_reqs, inputs: StepInputs, sampled) -> DeviceState:
     """Advance num_computed and append each sampling row's token to its slot's token table."""
-    s = state.num_tokens.shape[0]
+    s = state.token_ids.shape[0]
     real_row = jnp.arange(idx_mapping.shape[0]) < num_reqs
     rows = jnp.where(real_row, idx_mapping, s)
-    num_computed = state.num_computed.at[rows].set(inputs.seq_lens, mode="drop")
     sample_rows = jnp.where(inputs.samples, idx_mapping, s)
     token_ids = state.token_ids.at[sample_rows, inputs.seq_lens].set(sampled, mode="drop")
-    num_tokens = state.num_tokens.at[sample_rows].set(inputs.seq_lens + 1, mode="drop")
-    return state._replace(num_computed=num_computed, token_ids=token_ids, num_tokens=num_tokens)
+    scalars = (state.scalars.set_at("num_computed", rows, inputs.seq_lens)
+               .set_at("num_tokens", sample_rows, inputs.seq_lens + 1))
+    return state._replace(token_ids=token_ids, scalars=scalars)
 
 
 def advance_automata(state: DeviceState, idx_mapping, inputs: StepInputs, tables, states, sampled) -> DeviceState:
     """Structured outputs: each sampling row's automaton state after its sampled token (rows
     without a constraint keep -1); `states` i32[R] as the step read them (batch_sampling)."""
-    s = state.num_tokens.shape[0]
+    s = state.token_ids.shape[0]
     rows = jnp.where(inputs.samples & (states >= 0), idx_mapping, s)
-    table = state.sampling["automaton_state"].at[rows].set(automata.advance(tables, states, sampled), mode="drop")
-    return state._replace(sampling={**state.sampling, "automaton_state": table})
+    advanced = automata.advance(tables, states, sampled)
+    return state._replace(scalars=state.scalars.set_at("automaton_state", rows, advanced))

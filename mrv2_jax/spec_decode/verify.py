@@ -91,19 +91,19 @@ def post_update(state: DeviceState, idx_mapping, num_reqs, inputs, out: SpecSamp
     token; num_computed covers the positions whose KV holds final tokens (the last known token's
     KV is computed by the next step, as without speculation; rejected drafts' KV is stale and is
     overwritten then)."""
-    s = state.num_tokens.shape[0]
+    s = state.token_ids.shape[0]
     r, width = out.tokens.shape
     real_row = jnp.arange(r) < num_reqs
     first = inputs.seq_lens - num_draft  # position of the first token sampled by a row
     computed = jnp.where(inputs.samples, first + out.num_accepted, inputs.seq_lens)
-    num_computed = state.num_computed.at[jnp.where(real_row, idx_mapping, s)].set(computed, mode="drop")
     sample_rows = jnp.where(inputs.samples, idx_mapping, s)
     j = jnp.arange(width)[None, :]
     keep = inputs.samples[:, None] & (j <= out.num_accepted[:, None])
     rows = jnp.where(keep, idx_mapping[:, None], s)
     token_ids = state.token_ids.at[rows, first[:, None] + j].set(out.tokens, mode="drop")
-    num_tokens = state.num_tokens.at[sample_rows].set(first + out.num_sampled, mode="drop")
-    return state._replace(num_computed=num_computed, token_ids=token_ids, num_tokens=num_tokens)
+    scalars = (state.scalars.set_at("num_computed", jnp.where(real_row, idx_mapping, s), computed)
+               .set_at("num_tokens", sample_rows, first + out.num_sampled))
+    return state._replace(token_ids=token_ids, scalars=scalars)
 
 
 def num_drafts_of_rows(state: DeviceState, idx_mapping, inputs, k: int):

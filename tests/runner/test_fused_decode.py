@@ -184,7 +184,8 @@ def test_a_row_whose_device_tables_diverged_stops_the_engine_with_its_name(runs,
     while not any(out.outputs[0].token_ids for out in llm.step()):  # until its prompt is computed
         pass
     slot = runner.slots.slots_of(["diverging"])[0]
-    runner.state = runner.state._replace(num_tokens=runner.state.num_tokens.at[slot].add(-1))
+    state = runner.state
+    runner.state = state._replace(scalars=state.scalars.set_at("num_tokens", slot, state.num_tokens[slot] - 1))
     with pytest.raises(RuntimeError, match=r"\['diverging'\] no longer match their schedule"):
         for _ in range(4):
             llm.step()

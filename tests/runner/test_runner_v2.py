@@ -10,7 +10,7 @@ import pytest
 
 from mrv2_jax.llm import LLM
 from mrv2_jax.runner import prepare, v2
-from mrv2_jax.runner.device_state import init_device_state
+from mrv2_jax.runner.device_state import SAMPLING_FIELDS, init_device_state
 from mrv2_jax.sampling_params import SamplingParams
 from tests.engine_reference import greedy_reference
 from tests.parity import FIXTURES
@@ -56,16 +56,24 @@ def random_state(rng, num_slots=6, max_len=40, max_blocks=10, block_size=4):
     prefill_len = rng.integers(1, 30, num_slots)
     num_tokens = prefill_len + rng.integers(0, 5, num_slots)
     num_computed = np.minimum(rng.integers(0, 30, num_slots), num_tokens - 1)
+    state = with_columns(state, num_tokens=num_tokens, prefill_len=prefill_len, num_computed=num_computed)
     return state._replace(
         token_ids=jnp.asarray(rng.integers(0, 1000, (num_slots, max_len + 1)), jnp.int32),
-        num_tokens=jnp.asarray(num_tokens, jnp.int32), prefill_len=jnp.asarray(prefill_len, jnp.int32),
-        num_computed=jnp.asarray(num_computed, jnp.int32),
         block_table=jnp.asarray(rng.permutation(num_slots * max_blocks).reshape(num_slots, max_blocks), jnp.int32))
+
+
+def with_columns(state, **columns):
+    """`state` with whole per-slot columns (num_tokens, ...) replaced."""
+    scalars, every_slot = state.scalars, jnp.arange(state.token_ids.shape[0])
+    for name, values in columns.items():
+        scalars = scalars.set_at(name, every_slot, jnp.asarray(values))
+    return state._replace(scalars=scalars)
 
 
 def reference_prepare(state, idx_mapping, num_scheduled, num_reqs, chunk_tokens, block_size):
     """The same inputs, built token by token in plain Python."""
-    tables = {k: np.array(v) for k, v in state._asdict().items()}
+    tables = {k: np.array(getattr(state, k)) for k in (
+              "token_ids", "block_table", "num_computed", "prefill_len", "num_tokens")}
     t_pad, r_pad = len(chunk_tokens), len(idx_mapping)
     ids, pos, slots = np.zeros(t_pad, int), np.zeros(t_pad, int), np.full(t_pad, -1)
     qsl, seq_lens, logits_idx, samples = [0], np.zeros(r_pad, int), np.zeros(r_pad, int), np.zeros(r_pad, bool)
@@ -141,9 +149,7 @@ def test_diverged_rows_match_plain_loop(seed):
     kind = rng.integers(0, 3, 6)  # 0: prefilling, 1: decoding, 2: decoding with a count off by one or two
     computed = np.where(kind == 0, rng.integers(0, prefill), prefill + rng.integers(0, 10, 6))
     known = np.where(kind == 0, prefill, computed + 1) + np.where(kind == 2, rng.choice([-1, 1], 6), 0)
-    state = random_state(rng)._replace(prefill_len=jnp.asarray(prefill, jnp.int32),
-                                       num_computed=jnp.asarray(computed, jnp.int32),
-                                       num_tokens=jnp.asarray(known, jnp.int32))
+    state = with_columns(random_state(rng), prefill_len=prefill, num_computed=computed, num_tokens=known)
     num_reqs = int(rng.integers(1, 6))
     idx_mapping = np.zeros(5, np.int32)
     idx_mapping[:num_reqs] = rng.permutation(6)[:num_reqs]
@@ -165,7 +171,7 @@ def test_new_requests_and_block_writes_reuse_freed_slots():
     assert np.array(state.num_computed)[[3, 0]].tolist() == [4, 0]
     assert np.array(state.num_prompt)[[3, 0]].tolist() == [6, 5]
     assert np.array(state.sampler_row)[[3, 0]].tolist() == [3, -1]
-    sampling = {name: np.asarray(table) for name, table in state.sampling.items()}
+    sampling = {name: np.asarray(state.scalars[name]) for name in SAMPLING_FIELDS}
     assert float(sampling["temperature"][3]) == 0.5 and int(sampling["seeds"][0]) == 12
     assert float(sampling["top_p"][3]) == 1.0  # fields not given are neutral
     before = np.array(state.block_table)
