@@ -44,6 +44,18 @@ def reading_slot_tables(step):
     return program
 
 
+def returning_its_input(program):
+    """`program` that also returns its packed input, as a device array (the last output): a decoding
+    batch sends the same packed input step after step, and the V2 runner passes that array back
+    while the bytes repeat (`ModelRunnerV2._dispatch`), which spares a call the host-to-device copy
+    of a fresh host buffer and keeps the argument's address for XLA's recorded command buffers."""
+    def program_and_input(param_leaves, *args):
+        packed = args[-3]  # (*carried, counts, tables, packed, spec_params, spec_state)
+        return *program(param_leaves, *args), packed
+
+    return program_and_input
+
+
 class RunnerBase:
     """Shared state of both runners; each subclass adds its own tables, then compiles."""
 
@@ -53,6 +65,7 @@ class RunnerBase:
     stream_in_call = False  # V2 may stream fused steps' tokens (runner/fused.py)
     token_sink = None
     call_seconds = 0.0  # host seconds in compiled step calls so far (runner/interface.py)
+    last_input = None  # the last call's packed input, as the device array it returned (returning_its_input)
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
     automaton_pool = None
     # Packed fields in which -1 means "none" (every other field is empty at 0); each runner names its own.
@@ -130,7 +143,8 @@ class RunnerBase:
 
         `steps`: {key: (PackedLayout, make_fn)}, `make_fn(layout, features)` returning
             fn(param_leaves, *device_state, packed, spec_params, spec_state)
-                -> (*device_state, sampler output, spec_state);
+                -> (*device_state, sampler output, spec_state)
+        (the compiled program returns its packed input after these: `returning_its_input`);
         `device_state`: the arrays the step updates (donated, like the spec state), the runner's
         SlotState last. The compiled program takes that SlotState split (`reading_slot_tables`):
         its counts donated, its tables read only.
@@ -147,7 +161,7 @@ class RunnerBase:
 
         def lower(layout, make_fn, i):
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=packed_sharding)
-            program = reading_slot_tables(make_fn(layout, self.sampler_variants[i]))
+            program = returning_its_input(reading_slot_tables(make_fn(layout, self.sampler_variants[i])))
             return jax.jit(program, donate_argnums=donate, **sharded).lower(
                 self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
 
@@ -201,7 +215,7 @@ class RunnerBase:
         new SlotState and spec state -> (the new `carried`, the step's device result)."""
         counts, tables = slot_state.split(self.slot_state)
         start = time.perf_counter()
-        *carried, counts, result, self.spec_state = compiled(
+        *carried, counts, result, self.spec_state, self.last_input = compiled(
             self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
         self.call_seconds += time.perf_counter() - start
         self.slot_state = slot_state.join(counts, tables)
