@@ -32,7 +32,7 @@
 # rate by tiling (weight-stream), fused decode's one-row bucket through those kernels against cuBLAS (gemv-projections),
 # and the 256-row step's call in the engine's loop: the GEMM-chain probe, a native profile, another allocator (call-256),
 # and that allocator end to end (alloc-ab), and the engine's Python on this machine's CPU, caches hot and cold
-# (host-step-cpu), issue 24's offline S1@256 figure at the defaults (throughput-s1), and the 256-row call
+# (host-step-cpu), batch 1 at one step per call, the old tree against this one (timeline-b1-before-after), issue 24's offline S1@256 figure at the defaults (throughput-s1), and the 256-row call
 # with XLA's command-buffer VA remapping (the VMM allocator with SKIP_TEMP or SKIP_PROFILED: vmm-skip-temp,
 # and the GPU tests under it: vmm-tests), decode attention at the serving workload's context under Nsight Compute
 # (attn-ncu), the Triton attention by pipeline depth (attn-stages; in S1@256: attn-stages-s1) and what makes
@@ -515,6 +515,18 @@ st2-again|64|2|2}" ;;
   timeline-b1) run_section timeline-b1 python3 -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy \
       --max-num-seqs 1 --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 \
       --num-prompts 1 --disable-tqdm ${TIMELINE_B1_ARGS:-} --output-json "$OUT/timeline_b1${TAG:-}.json" ;;
+  # Issue 25: batch 1 at one step per call (timeline-b1 with --max-fused-steps 1), the old tree (carried
+  # as .ab_old, a git worktree) against this one, ROUNDS rounds in turn; JSON timeline_b1_<tree>_<round>.json.
+  timeline-b1-before-after)
+    for round in $(seq ${ROUNDS:-2}); do
+      for tree in old new; do
+        path=.; [ $tree = old ] && path=.ab_old
+        PYTHONPATH=$path MRV2_CHECKPOINTS=$PWD/checkpoints run_section timeline-b1-$tree-$round \
+            python3 -P -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --max-num-seqs 1 \
+            --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1 \
+            --max-fused-steps 1 --disable-tqdm --output-json "$OUT/timeline_b1_${tree}_$round.json"
+      done
+    done ;;
   # Issue 25: the 256-row step's call costs ~1.4 ms in the engine's loop (the previous step still
   # running) against ~0.7 ms waited for (session 55). The GEMM-chain probe (benchmarks.stacked_weight_call;
   # its `busy call ms` is a call made while the previous one runs) with each allocator, then the
