@@ -47,7 +47,7 @@ from mrv2_jax.core_client import AttachedCoreClient, CoreClient, EngineProcessDi
 from mrv2_jax.data_parallel import EngineReplicas
 from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine import distributed
-from mrv2_jax.engine.engine_core import Dispatch
+from mrv2_jax.engine.hand_over import Dispatch
 from mrv2_jax.engine.output import RequestOutput
 from mrv2_jax.engine.output_processor import OutputProcessor
 from mrv2_jax.engine.request import Request

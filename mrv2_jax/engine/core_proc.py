@@ -34,7 +34,8 @@ from mrv2_jax.engine import core_messages as M
 from mrv2_jax.engine.background_compiles import POLL_S, BackgroundCompiles
 from mrv2_jax.engine.builder import build_engine
 from mrv2_jax.engine.engine_config import EngineConfig
-from mrv2_jax.engine.engine_core import Dispatch, EngineCore
+from mrv2_jax.engine.engine_core import EngineCore
+from mrv2_jax.engine.hand_over import Dispatch
 from mrv2_jax.engine.request import Request
 from mrv2_jax.engine.request_checks import check_request_fits
 from mrv2_jax.gc_heap import prepare_serving_heap

@@ -10,8 +10,8 @@ computes its next mask from the tokens so far (runner/grammar_masks.py).
 
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
+from mrv2_jax.engine.hand_over import Dispatch
 from mrv2_jax.engine.request import Request, RequestStatus
 from mrv2_jax.engine.request_checks import check_automaton_fits, check_request
 from mrv2_jax.engine.scheduler import Scheduler
@@ -21,14 +21,6 @@ from mrv2_jax.runner.fused import stops_on_device
 from mrv2_jax.runner.interface import Runner, StepOutcome
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.structured.compiler import ConstraintCompiler
-
-
-class Dispatch(NamedTuple):
-    """A step's hand-over to the runner (`runner.execute`), as the host saw it."""
-    seconds: float  # wall seconds
-    prefill_tokens: int  # the step's prompt tokens
-    cpu_s: float  # the calling thread's CPU seconds in it: the rest it spent off the CPU, waiting
-    call_s: float  # of the seconds, those inside compiled step calls: the rest was the runner's Python
 
 
 class EngineCore:

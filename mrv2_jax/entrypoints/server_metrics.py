@@ -33,7 +33,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from mrv2_jax import envs
 from mrv2_jax.async_llm import AsyncLLM
-from mrv2_jax.engine.engine_core import Dispatch
+from mrv2_jax.engine.hand_over import Dispatch
 from mrv2_jax.engine.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
