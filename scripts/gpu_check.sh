@@ -78,8 +78,7 @@ unrolled-128||--unrolled-layers-max-tokens 128
 cuda-async|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async|"
 # Arms of serve-cpus (issue 24): name|serve_compare flags.
 SERVE_CPU_DEFAULT_ARMS="default|
-api1|--mrv2-serve-arg=--api-server-count=1
-pin2|--pin-engine-cpus 2"
+api1|--mrv2-serve-arg=--api-server-count=1"
 # serve-compare on the serving workload (issue 24), with extra arguments after the common ones.
 serve_compare() {
   env PYTHONPATH=$SITE:$PYTHONPATH python3 -m mrv2_jax.bench.serve_compare \
@@ -676,8 +675,7 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
           --output-json "$OUT/serve_round_$round.json"
     done ;;
   # Issue 24: our server alone at 1 and 8 streams (SERVE_CPU_STREAMS) in the arms of SERVE_CPU_ARMS, on one
-  # machine: the defaults, one API process instead of the default count, the engine process on 2 CPUs of its
-  # own (the rest for the API processes and clients). Each level reports how the OS scheduled the engine's
+  # machine: the defaults, and one API process instead of the default count. Each level reports how the OS scheduled the engine's
   # main thread (CPU, run-queue wait, preemptions per second). Needs `wheels` first. JSON: $OUT/serve_cpus_<arm>.json.
   serve-cpus)
     while IFS='|' read -r arm flags; do
@@ -687,7 +685,7 @@ vmm-skip-profiled|XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_bu
           --concurrency ${SERVE_CPU_STREAMS:-1 8} --log-dir "$OUT/serve_cpus_$arm" \
           --output-json "$OUT/serve_cpus_$arm.json"
     done <<< "${SERVE_CPU_ARMS:-$SERVE_CPU_DEFAULT_ARMS}"
-    grep -h "C=\|pinned" "$OUT"/serve-cpus-*.log ;;
+    grep -h "C=" "$OUT"/serve-cpus-*.log ;;
   # Issue 24: the slowest 1% of steps beside the median ones, offline, at the server's one step per
   # call and temperature 1.0, with as many rows as streams (32, then 1; one compile cache for both).
   # STEP_TAIL_ARGS: more timeline arguments (the later wins), TAG: a suffix for the logs and JSON.

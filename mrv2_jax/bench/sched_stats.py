@@ -1,11 +1,7 @@
 """How the OS scheduled a server's processes while a benchmark ran (Linux /proc): for each process
 under the server, its threads' CPU time, their time waiting in a run queue for a CPU, and how often
 they were switched out against their will. A step that leaves the engine process late while the
-device has long finished was either working or waiting for a CPU; these numbers tell the two apart.
-
-`pin_engine` is the experiment beside it: the engine process (the descendant with the most threads:
-JAX's thread pools live there) on CPUs of its own, everything else of the server and the benchmark's
-own process (whose client processes inherit it) on the rest."""
+device has long finished was either working or waiting for a CPU; these numbers tell the two apart."""
 
 from __future__ import annotations
 
@@ -84,24 +80,3 @@ def delta(before: dict[int, dict], after: dict[int, dict], seconds: float, engin
             f"{part}_{key}_per_s": (now[part][key] - then[part][key]) / seconds
             for part in ("main", "all") for key in now[part]}
     return rows
-
-
-def pin_engine(root_pid: int, num_cpus: int) -> dict:
-    """The engine process's threads on the last `num_cpus` CPUs this process may use (the first ones
-    often take the host's interrupts); the server's other processes and this process on the rest.
-    -> what went where."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if not 0 < num_cpus < len(cpus):
-        raise ValueError(f"--pin-engine-cpus {num_cpus}: this process may use {len(cpus)} CPUs")
-    engine, others = set(cpus[-num_cpus:]), set(cpus[:-num_cpus])
-    found = engine_pid(root_pid)
-    if found is None:
-        raise RuntimeError(f"no engine process found under server pid {root_pid}")
-    for pid in [root_pid, *descendants(root_pid)]:
-        for tid in threads_of(pid):
-            try:
-                os.sched_setaffinity(tid, engine if pid == found else others)
-            except OSError:
-                pass  # a thread that just ended
-    os.sched_setaffinity(0, others)
-    return {"engine_pid": found, "engine_cpus": sorted(engine), "other_cpus": sorted(others)}

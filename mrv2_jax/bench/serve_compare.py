@@ -230,9 +230,6 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
     if server == "mrv2":
         launcher.command += ["--served-model-name", args.served_model_name, *args.mrv2_serve_arg]
     with launcher as s:
-        pinned = sched_stats.pin_engine(s.process.pid, args.pin_engine_cpus) if args.pin_engine_cpus else None
-        if pinned:
-            print(f"pinned: {pinned}", flush=True)
         warm, levels = warm_up(args, client, s.url, work_dir), []
         for c in args.concurrency:
             levels.append(measure_level(args, server, client, s.url, c, work_dir, server_pid=s.process.pid))
@@ -269,7 +266,7 @@ def run_server(args, server: str, client: str, work_dir: str) -> dict:
                       f"preempted {e['main_preempted_per_s']:.1f} times", flush=True)
             if m["failed"]:
                 print(f"{server:5} C={c:4}: {m['failed']} request(s) FAILED, first: {m['first_error']}", flush=True)
-        return {"startup_s": s.startup_s, "warmup": warm, "levels": levels, "pinned": pinned}
+        return {"startup_s": s.startup_s, "warmup": warm, "levels": levels}
 
 
 def _ms(value: float | None) -> str:
@@ -326,9 +323,6 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
     p.add_argument("--mrv2-serve-arg", action="append", default=[],
                    help="extra `mrv2-jax serve` argument (repeatable), e.g. --mrv2-serve-arg=--api-server-count=4")
-    p.add_argument("--pin-engine-cpus", type=int, default=0,
-                   help="an experiment: the engine process on this many CPUs of its own, the server's other "
-                        "processes and the clients on the rest (0: the OS decides)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None)
