@@ -3,7 +3,9 @@
 Reads a `bench timeline --output-json` file (each step's start and wall time) and the stderr of the
 same run with XLA's command-buffer log on (`TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3`,
 whose update lines carry `updated_allocs=N`), puts every update into the step whose wall time holds it,
-and prints how many slow steps (wall over `--slow` x the median) and how many of all steps saw one.
+and prints how many slow steps (wall over `--slow` x the median) and how many of all steps saw one; and,
+apart, the steps that added KV blocks (whose packed input is fresh; the others may pass a repeated one
+from the device) and those that did not: how many saw an update, and their median host time in the call.
 
     python -m benchmarks.step_tail_updates timeline.json timeline.log [--slow 2.0] [--output-json out.json]
 """
@@ -42,10 +44,18 @@ def split(timeline: dict, times: list[float], slow: float) -> dict:
         start = t0 + s["start_s"]
         counts.append(bisect.bisect_left(times, start + s["wall_ms"] / 1e3) - bisect.bisect_left(times, start))
     slow_idx = [i for i, s in enumerate(steps) if s["wall_ms"] > slow * median]
+    by_blocks = {}
+    for kind, added in (("new blocks", True), ("no new block", False)):
+        idx = [i for i, s in enumerate(steps) if (s.get("new_blocks", 0) > 0) == added]
+        calls = {seen: [steps[i]["call_ms"] for i in idx if (counts[i] > 0) == seen and "call_ms" in steps[i]]
+                 for seen in (True, False)}
+        by_blocks[kind] = dict(steps=len(idx), steps_with_update=sum(counts[i] > 0 for i in idx),
+                               call_ms_median_with_update=statistics.median(calls[True]) if calls[True] else None,
+                               call_ms_median_without=statistics.median(calls[False]) if calls[False] else None)
     return dict(steps=len(steps), median_wall_ms=median, updates=len(times),
                 updates_in_steps=sum(counts), steps_with_update=sum(c > 0 for c in counts),
                 slow_steps=len(slow_idx), slow_steps_with_update=sum(counts[i] > 0 for i in slow_idx),
-                slow_step_indices=slow_idx[:200])
+                slow_step_indices=slow_idx[:200], by_blocks=by_blocks)
 
 
 def main(argv=None):
@@ -62,6 +72,9 @@ def main(argv=None):
           f"updates in the log, {r['updates_in_steps']} inside steps; steps with an update: "
           f"{r['steps_with_update']} of all, {r['slow_steps_with_update']} of {r['slow_steps']} slow "
           f"(> {opts.slow}x median)")
+    for kind, k in r["by_blocks"].items():
+        print(f"steps with {kind}: {k['steps']}, {k['steps_with_update']} with an update; median call ms with "
+              f"one {k['call_ms_median_with_update']}, without {k['call_ms_median_without']}")
     if opts.output_json:
         with open(opts.output_json, "w") as f:
             json.dump(r, f)
