@@ -4,20 +4,29 @@ import datetime
 import importlib.metadata
 import json
 import subprocess
+from pathlib import Path
 
 from mrv2_jax import envs
 
 
 def git_sha() -> str:
-    # An explicit MRV2_GIT_SHA wins: the GPU machine's copy of the checkout may carry a stale
-    # .git (seen: results stamped with the session's first commit).
+    """The commit of the checkout this code runs from (so a tree run through PYTHONPATH beside another
+    reports its own), with "+dirty" when its tracked files differ from that commit; "unknown" without git.
+    An explicit MRV2_GIT_SHA wins: the GPU machine's copy of the checkout may carry a stale .git (seen:
+    results stamped with the session's first commit; the copy then reads as dirty)."""
     if envs.read("MRV2_GIT_SHA"):
         return envs.read("MRV2_GIT_SHA")
+    tree = str(Path(__file__).resolve().parents[2])
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", tree, *args], capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        sha = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{sha}+dirty" if dirty else sha
 
 
 def gpu_name_from_driver() -> str | None:
