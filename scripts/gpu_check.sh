@@ -116,6 +116,12 @@ allocator_env() {  # vmm | default
   if [ "$1" = vmm ]; then echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm; else echo XLA_PYTHON_CLIENT_ALLOCATOR=bfc; fi
 }
 
+# MRV2_GIT_SHA for a before/after arm: this tree's for "new"; empty for a carried old tree, whose benchmarks
+# then stamp the commit of their own checkout (mrv2_jax/bench/environment.py), or "unknown".
+own_sha() {  # tree
+  [ "$1" = new ] && echo "${MRV2_GIT_SHA:-}"
+}
+
 run_section() {  # name, command...
   local name=$1; shift
   echo "=== $name ==="
@@ -162,7 +168,8 @@ for s in $sections; do case $s in
       for round in $(seq ${ROUNDS:-2}); do
         for tree in ${AB_TREES:-old new}; do
           path=.; [ $tree != new ] && path=.ab_$tree:.
-          PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section ab-s1-$sampling-$tree-$round \
+          PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints MRV2_GIT_SHA=$(own_sha $tree) \
+            run_section ab-s1-$sampling-$tree-$round \
             python3 -P -m mrv2_jax.bench.ab \
             --model qwen3-0.6b --load-format dummy --arms v2-async --sampling $sampling --input-len 128 \
             --output-len 512 --num-prompts 1000 \
@@ -175,7 +182,8 @@ for s in $sections; do case $s in
     for round in $(seq ${ROUNDS:-2}); do
       for tree in old new; do
         path=.; [ $tree = old ] && path=.ab_old:.
-        PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section ab-s2-$tree-$round timeout 240 \
+        PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints MRV2_GIT_SHA=$(own_sha $tree) \
+          run_section ab-s2-$tree-$round timeout 240 \
           python3 -P -m mrv2_jax.bench.ab --model qwen3-0.6b --load-format dummy --arms v2-async \
           --input-len 1024 --output-len 128 --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 \
           --max-model-len 1280 --output-json "$OUT/ab_s2_${tree}_$round.json"
@@ -188,8 +196,8 @@ for s in $sections; do case $s in
       for round in $(seq ${ROUNDS:-2}); do
         for tree in old new; do
           path=.; [ $tree = old ] && path=.ab_old:.
-          PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section call-$rows-$tree-$round \
-            python3 -P -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows $rows \
+          PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints MRV2_GIT_SHA=$(own_sha $tree) \
+            run_section call-$rows-$tree-$round python3 -P -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy --rows $rows \
             --max-model-len 1024 --calls ${CALL_AB_CALLS:-200} --output-json "$OUT/call_${rows}_${tree}_$round.json"
         done
       done
@@ -520,8 +528,8 @@ st2-again|64|2|2}" ;;
     for round in $(seq ${ROUNDS:-2}); do
       for tree in old new; do
         path=.; [ $tree = old ] && path=.ab_old
-        PYTHONPATH=$path MRV2_CHECKPOINTS=$PWD/checkpoints run_section timeline-b1-$tree-$round \
-            python3 -P -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --max-num-seqs 1 \
+        PYTHONPATH=$path MRV2_CHECKPOINTS=$PWD/checkpoints MRV2_GIT_SHA=$(own_sha $tree) \
+            run_section timeline-b1-$tree-$round python3 -P -m mrv2_jax.bench.timeline --model qwen3-0.6b --load-format dummy --max-num-seqs 1 \
             --max-num-batched-tokens 2048 --max-model-len 1024 --input-len 128 --output-len 512 --num-prompts 1 \
             --max-fused-steps 1 --disable-tqdm --output-json "$OUT/timeline_b1_${tree}_$round.json"
       done
@@ -807,7 +815,8 @@ cold-disk-settled|MRV2_COMPILATION_CACHE=/tmp/cc_why_disk2|--settle-s 120}" ;;
     for round in $(seq ${ROUNDS:-2}); do
       for tree in old new; do
         path=.; [ $tree = old ] && path=.ab_old:.
-        PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints run_section fused-$tree-$round timeout 200 \
+        PYTHONPATH=$path:$PYTHONPATH MRV2_CHECKPOINTS=$PWD/checkpoints MRV2_GIT_SHA=$(own_sha $tree) \
+          run_section fused-$tree-$round timeout 200 \
           python3 -P -m mrv2_jax.bench.fused_decode "${FUSED_ARGS[@]}" --fused-steps 16 --compile-mode lazy \
           ${FUSED_AB_ARGS:-} --output-json "$OUT/fused_decode_${tree}_$round.json"
       done
