@@ -180,7 +180,7 @@ class AsyncLLM:
         # arriving here while requests ran on both sides of it, and whether the later step
         # computed prompt tokens beside its decode rows; the server's metrics set it.
         self.on_step_interval: Callable[[float, bool], None] | None = None
-        # Called with each step's hand-over to the engine's runner (engine_core.Dispatch).
+        # Called with each step's hand-over to the engine's runner (engine/hand_over.py Dispatch).
         self.on_step_dispatch: Callable[[Dispatch], None] | None = None
         # With the engine in its own process, called on the reader thread for each step's message that
         # brings outputs of this process's requests: the seconds since the engine's previous step's
