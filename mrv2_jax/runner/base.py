@@ -65,7 +65,10 @@ class RunnerBase:
     stream_in_call = False  # V2 may stream fused steps' tokens (runner/fused.py)
     token_sink = None
     call_seconds = 0.0  # host seconds in compiled step calls so far (runner/interface.py)
-    last_input = None  # the last call's packed input, as the device array it returned (returning_its_input)
+    # Whether the step programs also return their packed input (`returning_its_input`; V2 reuses it),
+    # and the last call's, as that device array.
+    returns_its_input = False
+    last_input = None
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
     automaton_pool = None
     # Packed fields in which -1 means "none" (every other field is empty at 0); each runner names its own.
@@ -144,7 +147,7 @@ class RunnerBase:
         `steps`: {key: (PackedLayout, make_fn)}, `make_fn(layout, features)` returning
             fn(param_leaves, *device_state, packed, spec_params, spec_state)
                 -> (*device_state, sampler output, spec_state)
-        (the compiled program returns its packed input after these: `returning_its_input`);
+        (with `returns_its_input`, the compiled program returns its packed input after these);
         `device_state`: the arrays the step updates (donated, like the spec state), the runner's
         SlotState last. The compiled program takes that SlotState split (`reading_slot_tables`):
         its counts donated, its tables read only.
@@ -157,11 +160,15 @@ class RunnerBase:
         # Tensor parallelism: the packed input is replicated and every output keeps its place, so
         # that the donated state comes back where the next call expects it.
         packed_sharding, out = self.tp.step_shardings((*carried, counts)) if self.tp else (None, None)
+        if out is not None and self.returns_its_input:
+            out = (*out, packed_sharding)
         sharded = {} if self.tp is None else {"out_shardings": out}
 
         def lower(layout, make_fn, i):
             packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32, sharding=packed_sharding)
-            program = returning_its_input(reading_slot_tables(make_fn(layout, self.sampler_variants[i])))
+            program = reading_slot_tables(make_fn(layout, self.sampler_variants[i]))
+            if self.returns_its_input:
+                program = returning_its_input(program)
             return jax.jit(program, donate_argnums=donate, **sharded).lower(
                 self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
 
@@ -215,9 +222,11 @@ class RunnerBase:
         new SlotState and spec state -> (the new `carried`, the step's device result)."""
         counts, tables = slot_state.split(self.slot_state)
         start = time.perf_counter()
-        *carried, counts, result, self.spec_state, self.last_input = compiled(
-            self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
+        outputs = compiled(self.params.leaves, *carried, counts, tables, packed, self.spec_params, self.spec_state)
         self.call_seconds += time.perf_counter() - start
+        if self.returns_its_input:
+            *outputs, self.last_input = outputs
+        *carried, counts, result, self.spec_state = outputs
         self.slot_state = slot_state.join(counts, tables)
         return carried, result
 

@@ -105,9 +105,9 @@ class TensorParallel:
     def step_shardings(self, device_state: tuple):
         """-> (the packed input's sharding, the step outputs' shardings): the device state keeps
         the shardings it has (donated buffers are reused only if in and out agree), the sampler
-        output, the spec state and the returned packed input are replicated."""
+        output and the spec state are replicated."""
         state = tuple(jax.tree.map(lambda a: a.sharding, s) for s in device_state)
-        return self.replicated, (*state, self.replicated, self.replicated, self.replicated)
+        return self.replicated, (*state, self.replicated, self.replicated)
 
 
 def mesh_devices(size: int, flag: str = FLAG) -> list:

@@ -124,6 +124,7 @@ class PendingStep:
 
 class ModelRunnerV2(RunnerBase):
     is_async_capable = True
+    returns_its_input = True  # a decoding batch's repeated input goes from the device (_dispatch)
     _none_fields = ("new_slot", "new_sampler_row", "append_slot")
 
     @property
