@@ -32,6 +32,10 @@ the step kept is instead the one that admits N new prompts of `--input-len` toke
   device twins    the twins, called on the same device-resident buffer every call: no
                   allocation a recorded command uses moves, so no command buffer is updated
                   (what a step with stable input and result addresses would cost)
+  hollow          a program with the step's arguments, donation and results that computes nothing
+                  (the donated state returned as it came, the result zeros), on the device-resident
+                  input: the floor jax and PJRT put under a call of this signature, before any of
+                  the step's own kernels, thunks or command buffers
   among decodes   (`--admit` only) numpy packed, each timed call after 4 calls of the decode step
                   that ran just before the admission, as a server interleaves them: what the
                   prompt step costs when other programs ran since its last call (its
@@ -65,6 +69,7 @@ from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import flag_probe_report
 from mrv2_jax.bench.step_log import StepLog, attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+from mrv2_jax.sample import slot_state
 
 
 def one_step_engine(args):
@@ -154,6 +159,24 @@ def twin_of(compiled):
     from jax.experimental import serialize_executable
 
     return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
+
+
+def hollow_of(runner, compiled, packed):
+    """A compiled program with `compiled`'s arguments, donation and results that computes nothing:
+    its donated arguments come back as they went in (aliased, no copy), its result is zeros."""
+    result_info = compiled.out_info[3]  # (kv_cache, state, counts, result, spec_state[, packed])
+
+    def hollow(param_leaves, kv_cache, state, counts, tables, packed, spec_params, spec_state):
+        result = jax.tree.map(lambda info: jnp.zeros(info.shape, info.dtype), result_info)
+        outputs = (kv_cache, state, counts, result, spec_state)
+        return (*outputs, packed) if runner.returns_its_input else outputs
+
+    counts, tables = slot_state.split(runner.slot_state)
+    donated = (1, 2, 3, 7)  # kv_cache, state, counts, spec_state, as runner/base.py's _compile_steps donates
+    packed_info = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
+    return jax.jit(hollow, donate_argnums=donated).lower(
+        runner.params.leaves, runner.kv_cache, runner.state, counts, tables, packed_info, runner.spec_params,
+        runner.spec_state).compile()
 
 
 def prefetching(make):
@@ -274,7 +297,8 @@ def main(argv=None, prog=None):
             ("device packed", step, lambda: on_device),
             ("prefetched", step, prefetching(lambda: jax.device_put(np.array(packed)))),
             ("put, held", put_and_hold(step), lambda: np.array(packed)),
-            ("copied, held", put_and_hold(step, jax.jit(jnp.copy)), lambda: np.array(packed))]
+            ("copied, held", put_and_hold(step, jax.jit(jnp.copy)), lambda: np.array(packed)),
+            ("hollow", alternating(runner, [hollow_of(runner, compiled, packed)]), lambda: on_device)]
     if jax.default_backend() == "gpu":
         device = jax.devices()[0]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")

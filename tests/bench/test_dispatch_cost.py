@@ -4,12 +4,14 @@ executable (a second loaded copy that computes what the first does), and its cap
 that admits prompts beside decoding rows (with the decode step before it)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks.dispatch_cost import (
     capture_decode_dispatch,
     capture_prompt_dispatch,
+    hollow_of,
     moved_buffers,
     put_and_hold,
     replay_room,
@@ -54,6 +56,23 @@ def test_donated_state_and_weights_keep_their_addresses():
     # The step's own result is a fresh set of buffers: at least one leaf, each its own allocation.
     result = runner.call_step(compiled, jax.device_put(np.array(packed)))
     assert 0 < moves["results"]["result"] <= len(jax.tree.leaves(result))
+
+
+def test_the_hollow_step_keeps_the_state_in_place_and_returns_zeros_like_the_step():
+    runner, compiled, packed = _captured_demo_step()
+    hollow = hollow_of(runner, compiled, packed)
+    real = jax.tree.map(np.asarray, runner.call_step(compiled, np.array(packed)))
+    # Read through copies: on the CPU a numpy view of an array keeps its buffer from being donated.
+    before = jax.tree.map(lambda x: np.asarray(jnp.copy(x)), (runner.kv_cache, runner.state, runner.slot_state))
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves((runner.kv_cache, runner.state))]
+    result = jax.tree.map(np.asarray, runner.call_step(hollow, jax.device_put(np.array(packed))))
+    # The donated state comes back unchanged, in the buffers it went in with (aliased, not copied).
+    jax.tree.map(np.testing.assert_array_equal, before, (runner.kv_cache, runner.state, runner.slot_state))
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves((runner.kv_cache, runner.state))] == pointers
+    # Its result has the step's shapes and dtypes, all zeros.
+    assert jax.tree.structure(result) == jax.tree.structure(real)
+    for got, want in zip(jax.tree.leaves(result), jax.tree.leaves(real), strict=True):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype) and not got.any()
 
 
 def test_replay_room_is_the_calls_that_keep_the_rows_within_max_model_len():
