@@ -20,6 +20,7 @@ trace, how many `command_buffer::update` events one call runs and their host tim
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -52,6 +53,14 @@ def build(layers: int, hidden: int, rows: int, unroll: bool):
         "output": jax.jit(with_output, donate_argnums=(1,)).lower(weights, x0, x0).compile(),
     }
     return weights, x0, compiled
+
+
+def kernel_launches(compiled) -> int:
+    """How many instructions of the program's entry computation launch a kernel (fusions and custom
+    calls such as cuBLAS GEMMs): about the number of commands in its command buffer."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY"):]
+    return len(re.findall(r"= \S+ (?:fusion|custom-call)\(", entry))
 
 
 def run_case(compiled, weights, x0, fresh_output: bool, fresh_input: bool, calls: int, traced: int) -> dict:
@@ -106,9 +115,13 @@ def main(argv=None):
              "+ both": (True, True)}
     results = {name: run_case(compiled, weights, x0, *how, args.calls, args.traced_calls)
                for name, how in cases.items()}
+    results["kernel_launches"] = launches = kernel_launches(compiled["aliased"])
     print(f"XLA_FLAGS={envs.get_xla_flags()}")
+    print(f"layers {args.layers} (unrolled: {args.unroll}), kernel launches in the program: {launches}")
     print(f"{'case':16} {'call ms':>8} {'traced ms':>10} {'updates/call':>13} {'update ms':>10}")
     for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
         print(f"{name:16} {r['call_ms']:8.3f} {r['traced_call_ms']:10.3f} {r['updates_per_call']:13.1f} "
               f"{r['update_ms']:10.3f}")
     return flag_probe_report(args, results, args.output_json)

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.command_buffer_updates import kernel_launches
 from mrv2_jax import envs
 from mrv2_jax.bench.capture import DecodeStepCapture, Dispatch
 from mrv2_jax.bench.dataset import random_prompts
@@ -329,11 +330,13 @@ def main(argv=None, prog=None):
     phase_mark("moved buffers")
     bucket = next((b for b, (_, programs) in runner.compiled.items() if compiled in programs), None)
     unrolled = bucket is not None and runner.unrolls_layers(bucket)
+    launches = kernel_launches(compiled)
     print(f"rows {args.rows}, prompts admitted {args.admit}, bucket {bucket} (layers unrolled: {unrolled}), "
-          f"XLA_FLAGS={envs.get_xla_flags()}")
+          f"{launches} kernel launches in the program, XLA_FLAGS={envs.get_xla_flags()}")
     print(f"{'packed input':16} {'call ms':>8} {'call p90':>9} {'pipelined ms':>13}")
     for name, r in results.items():
         print(f"{name:16} {r['call_ms']:8.3f} {r['call_p90_ms']:9.3f} {r['pipelined_ms']:13.3f}")
+    results["kernel_launches"] = launches
     results["bucket"] = None if bucket is None else {"tokens": bucket.num_tokens, "rows": bucket.num_reqs,
                                                      "layers_unrolled": unrolled}
     from_the_capture()
