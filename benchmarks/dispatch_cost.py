@@ -164,7 +164,8 @@ def twin_of(compiled):
 
 def hollow_of(runner, compiled, packed):
     """A compiled program with `compiled`'s arguments, donation and results that computes nothing:
-    its donated arguments come back as they went in (aliased, no copy), its result is zeros."""
+    its donated arguments come back as they went in (aliased, no copy), its result is zeros. It keeps
+    the arguments it does not read (the weights, the sampler tables), as the step's call passes them."""
     result_info = compiled.out_info[3]  # (kv_cache, state, counts, result, spec_state[, packed])
 
     def hollow(param_leaves, kv_cache, state, counts, tables, packed, spec_params, spec_state):
@@ -175,7 +176,7 @@ def hollow_of(runner, compiled, packed):
     counts, tables = slot_state.split(runner.slot_state)
     donated = (1, 2, 3, 7)  # kv_cache, state, counts, spec_state, as runner/base.py's _compile_steps donates
     packed_info = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
-    return jax.jit(hollow, donate_argnums=donated).lower(
+    return jax.jit(hollow, donate_argnums=donated, keep_unused=True).lower(
         runner.params.leaves, runner.kv_cache, runner.state, counts, tables, packed_info, runner.spec_params,
         runner.spec_state).compile()
 
