@@ -929,6 +929,19 @@ unrolled||--unroll}" ;;
     wait $loop; tail -1 "$OUT/call-loop.log"
     python3 -m benchmarks.pyspy_tree "$OUT/call_native.txt" --root ModelRunnerV2.call_step --flat 30 \
         --output-json "$OUT/call_native.json" ;;
+  # Issue 25: what a call costs beyond its signature. A toy chain of N unrolled layers (one command
+  # buffer, N x its commands) at CALL_FLOOR_LAYERS, the call with nothing moved and with a fresh output:
+  # does the run's host time grow with the commands? Then the 1-row engine step beside its hollow
+  # twin (the step's arguments, donation and results, no work) and its kernel launches.
+  call-floor)
+    for n in ${CALL_FLOOR_LAYERS:-4 28 112 448}; do
+      run_section call-floor-L$n timeout 150 python3 -m benchmarks.command_buffer_updates --unroll --layers $n \
+          --hidden 1024 --rows 8 --calls 300 --traced-calls 3 --output-json "$OUT/cb_commands_L$n.json"
+    done
+    run_section call-floor-step timeout 240 python3 -m benchmarks.dispatch_cost --model qwen3-0.6b --load-format dummy \
+        --rows 1 --calls 200 --max-model-len 1024 --output-len 64 --output-json "$OUT/dispatch_hollow_b1.json"
+    grep -hE "^(layers|aliased only|\+ fresh output)" "$OUT"/call-floor-L*.log
+    grep -hE "^(rows|device packed|device twins|hollow)" "$OUT"/call-floor-step.log ;;
   # Issue 25: the host cost of N donated arrays per call, against read-only ones and one table.
   carried-arrays) run_section carried-arrays python3 -m benchmarks.carried_arrays --counts 1 8 16 32 64 \
       --output-json "$OUT/carried_arrays.json" ;;
