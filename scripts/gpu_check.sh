@@ -425,7 +425,9 @@ st2-again|64|2|2}" ;;
           --server-log "$OUT/serve_stream_c${c}_${arm}_server.log" --output-json "$OUT/serve_stream_c${c}_${arm}.json"
     done; done ;;
   # Issue 24: mrv2-jax serve vs vllm serve, the same vLLM client, concurrency 1..256 (needs the vLLM payload).
-  # SERVE_COMPARE_ARGS adds flags (e.g. --servers vllm); TAG suffixes the file names.
+  # SERVE_COMPARE_ARGS adds flags (e.g. --servers vllm); TAG suffixes the file names. The client
+  # processes start once for both servers, so both halves fit one device call (~7 min with
+  # `vllm-payload` before it; session 72's halves took 6 min each with a client started per level).
   serve-compare) run_section serve-compare${TAG:-} serve_compare \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 24: where the engine process's host time goes while it serves (py-spy, carried as the

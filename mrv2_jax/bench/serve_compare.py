@@ -11,9 +11,11 @@ The client is vLLM's own `bench serve` (`--client vllm`, the default where vLLM 
 client processes side by side, each with its share of the streams and prompts, so that one
 client process is not the bottleneck; their per-request records are pooled into one set of
 metrics (output tok/s over the slowest process's duration, mean TTFT / TPOT / ITL, P99 ITL).
-Each client process's CPU time per wall second during its run (its last `duration` seconds,
-sampled from /proc: without its imports and set-up) is recorded: near 1.0 means that client was
-busy all the time and may have held the server back (the table says so).
+The client processes start once, with the first server, and serve every level of every server
+(bench/client_pool.py): no level waits for a client's imports. Each client process's CPU time per
+wall second during its run (its last `duration` seconds, sampled from /proc: without its set-up
+for the run) is recorded: near 1.0 means that client was busy all the time and may have held the
+server back (the table says so).
 
 vLLM is found as `bench compare` finds it (`--vllm-python`, `--vllm-site`; ../shared/peers/vllm).
 `--mrv2-base-url` measures an already running mrv2-jax server instead of launching one.
@@ -25,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from mrv2_jax.bench import sched_stats
+from mrv2_jax.bench.client_pool import ClientPool
 from mrv2_jax.bench.compare import vllm_available, vllm_env
 from mrv2_jax.bench.environment import describe_environment, write_report
-from mrv2_jax.bench.process_cpu import CpuSampler
 from mrv2_jax.bench.serve import CLIENT_BUSY, LaunchedServer, free_port
 from mrv2_jax.bench.server_histograms import count, quantile, scrape
 from mrv2_jax.entrypoints.cli import add_engine_args
@@ -63,9 +64,6 @@ SERVER_GAPS = {"server_itl": "mrv2_inter_token_latency_seconds", "step_interval"
                "decode_dispatch_call": f'{STEP_DISPATCH_CALL}{{step="decode"}}',
                "engine_decode_interval": f'{ENGINE_INTERVAL}{{step="decode"}}',
                "decode_delivery": f'{STEP_DELIVERY}{{step="decode"}}'}
-VLLM_CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
-               "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-               "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())")
 
 
 class LaunchedVllm(LaunchedServer):
@@ -84,22 +82,35 @@ class LaunchedVllm(LaunchedServer):
         self.env = vllm_env(args, "1")
 
 
-def client_command(args, client: str, url: str, streams: int, prompts: int, seed: int, out: str) -> list[str]:
+def client_argv(args, client: str, url: str, streams: int, prompts: int, seed: int, out: str) -> list[str]:
+    """The command-line arguments of one client run (vLLM's `bench serve` or mrv2-jax's)."""
     if client == "vllm":
         out_dir, name = os.path.split(out)
-        return [args.vllm_python, "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", url,
-                "--endpoint", "/v1/completions", "--model", args.served_model_name,
-                "--tokenizer", args.client_tokenizer,
+        return ["--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+                "--model", args.served_model_name, "--tokenizer", args.client_tokenizer,
                 "--dataset-name", "random", "--random-input-len", str(args.input_len),
                 "--random-output-len", str(args.output_len), "--num-prompts", str(prompts),
                 "--max-concurrency", str(streams), "--seed", str(seed), "--disable-tqdm",
                 "--save-result", "--save-detailed", "--result-dir", out_dir, "--result-filename", name,
                 *(["--ignore-eos"] if args.ignore_eos else [])]
-    return [sys.executable, "-m", "mrv2_jax.bench.serve", "--base-url", url, "--model", args.model or "demo",
+    return ["--base-url", url, "--model", args.model or "demo",
             "--served-model-name", args.served_model_name, "--vocab-size", str(args.vocab_size),
             "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--num-prompts", str(prompts),
             "--max-concurrency", str(streams), "--dataset-seed", str(seed), "--disable-tqdm", "--save-detailed",
             "--output-json", out, *(["--ignore-eos"] if args.ignore_eos else [])]
+
+
+def client_processes(args, concurrency: int) -> int:
+    return max(1, math.ceil(concurrency / args.streams_per_client))
+
+
+def client_pool(args, client: str, log_dir: str) -> ClientPool:
+    """Enough client workers for the largest level, started now (their imports overlap the first
+    server's start-up) and shared by every server and level."""
+    size = client_processes(args, max(args.concurrency))
+    if client == "vllm":
+        return ClientPool("vllm", size, log_dir, python=args.vllm_python, env=vllm_env(args, "1"))
+    return ClientPool("mrv2", size, log_dir)
 
 
 def read_client_result(client: str, path: str) -> tuple[list[dict], float, list[str]]:
@@ -136,52 +147,44 @@ def pooled_metrics(rows: list[dict], duration: float) -> dict:
             "tokens_per_chunk": out_tokens / chunks if chunks else 0.0}
 
 
-def run_clients(args, client: str, url: str, concurrency: int, work_dir: str, prompts: int | None = None) -> dict:
-    """One concurrency level: the client processes side by side -> pooled metrics + client load.
+def run_clients(args, pool: ClientPool, client: str, url: str, concurrency: int, work_dir: str,
+                prompts: int | None = None) -> dict:
+    """One concurrency level: the pool's client workers side by side -> pooled metrics + client load.
     `prompts`: how many in all (default: --prompts-per-stream per stream, at least --min-prompts)."""
-    processes = max(1, math.ceil(concurrency / args.streams_per_client))
+    processes = client_processes(args, concurrency)
     if prompts is None:
         prompts = max(args.min_prompts, args.prompts_per_stream * concurrency)
-    running = []
+    argvs, outs = [], []
     for i in range(processes):
         streams = concurrency // processes + (i < concurrency % processes)
         n = prompts // processes + (i < prompts % processes)
-        out = os.path.join(work_dir, f"client_{concurrency}_{i}.json")
-        env = vllm_env(args, "1") if client == "vllm" else None
-        proc = subprocess.Popen(client_command(args, client, url, streams, n, args.dataset_seed + i, out), env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        running.append((proc, out, time.perf_counter(), CpuSampler(proc.pid)))
-    rows, durations, busy, busy_run, errors, failed = [], [], [], [], [], []
-    for proc, out, start, sampler in running:
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-        sampler.stop()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        stderr = proc.stderr.read()
-        if proc.returncode != 0:
-            errors.append(f"client exited with {proc.returncode}: {stderr[-500:]}")
-            continue
+        outs.append(os.path.join(work_dir, f"client_{concurrency}_{i}.json"))
+        argvs.append(client_argv(args, client, url, streams, n, args.dataset_seed + i, outs[-1]))
+    runs = pool.run(argvs)
+    if errors := [run.error for run in runs if run.error]:
+        raise RuntimeError(f"{len(errors)} client run(s) failed at concurrency {concurrency}: {errors[0]}")
+    rows, durations, busy, busy_run, failed = [], [], [], [], []
+    for run, out in zip(runs, outs):
         got, duration, failures = read_client_result(client, out)
         rows += got
         failed += failures
         durations.append(duration)
-        busy.append((usage.ru_utime + usage.ru_stime) / wall)
-        busy_run.append(sampler.busy_over_last(duration))
-    if errors:
-        raise RuntimeError(f"{len(errors)} client process(es) failed at concurrency {concurrency}: {errors[0]}")
+        busy.append(run.cpu_s / run.wall_s)
+        busy_run.append(run.sampler.busy_over_last(duration))
     metrics = pooled_metrics(rows, max(durations))
-    # The run's own load (its last `duration` seconds) where it could be sampled, else the whole life's.
-    run = [b for b in busy_run if b is not None]
-    busy_max = max(run) if len(run) == len(busy_run) else max(busy)
+    # The run's own load (its last `duration` seconds) where it could be sampled, else the whole run's
+    # (the client's set-up for the run, its dataset and tokenizer, included).
+    run_busy = [b for b in busy_run if b is not None]
+    busy_max = max(run_busy) if len(run_busy) == len(busy_run) else max(busy)
     # Failed requests are left out of the metrics and counted here, with the first one's error.
     metrics |= {"failed": len(failed), "first_error": failed[0][:300] if failed else None}
     metrics |= {"concurrency": concurrency, "client_processes": processes, "prompts": prompts,
                 "client_cpu_busy_max": busy_max, "client_cpu_busy_whole_max": max(busy),
-                "client_cpu_busy_is_run": len(run) == len(busy_run), "client_may_be_bound": busy_max > CLIENT_BUSY}
+                "client_cpu_busy_is_run": len(run_busy) == len(busy_run), "client_may_be_bound": busy_max > CLIENT_BUSY}
     return metrics
 
 
-def measure_level(args, server: str, client: str, url: str, concurrency: int, work_dir: str,
+def measure_level(args, pool: ClientPool, server: str, client: str, url: str, concurrency: int, work_dir: str,
                   server_pid: int | None = None) -> dict:
     """One level's client metrics, and for mrv2-jax the P50 / P99 of its SERVER_GAPS over the level
     (the steps' hand-over to the runner among them) and the share of step intervals that ended with a
@@ -190,7 +193,7 @@ def measure_level(args, server: str, client: str, url: str, concurrency: int, wo
              STEP_DISPATCH_CALL, ENGINE_INTERVAL, STEP_DELIVERY)
     before = scrape(url, names, by="step") if server == "mrv2" else None
     sched_before, t0 = (sched_stats.snapshot(server_pid), time.perf_counter()) if server_pid else (None, 0.0)
-    metrics = run_clients(args, client, url, concurrency, work_dir)
+    metrics = run_clients(args, pool, client, url, concurrency, work_dir)
     if sched_before is not None:
         engine = sched_stats.engine_pid(server_pid)
         metrics["sched"] = sched_stats.delta(sched_before, sched_stats.snapshot(server_pid),
@@ -207,32 +210,32 @@ def measure_level(args, server: str, client: str, url: str, concurrency: int, wo
     return metrics
 
 
-def warm_up(args, client: str, url: str, work_dir: str) -> dict | None:
+def warm_up(args, pool: ClientPool, client: str, url: str, work_dir: str) -> dict | None:
     """A discarded round at the largest concurrency, --warmup-prompts-per-stream per stream, so that
     the first measured level does not pay for a fresh server's first requests (allocator, caches,
     the client processes' own start)."""
     if not args.warmup_prompts_per_stream:
         return None
     c = max(args.concurrency)
-    m = run_clients(args, client, url, c, work_dir, prompts=args.warmup_prompts_per_stream * c)
+    m = run_clients(args, pool, client, url, c, work_dir, prompts=args.warmup_prompts_per_stream * c)
     return {"concurrency": c, "prompts": m["prompts"], "duration_s": m["duration_s"], "failed": m["failed"]}
 
 
-def run_server(args, server: str, client: str, work_dir: str) -> dict:
+def run_server(args, pool: ClientPool, server: str, client: str, work_dir: str) -> dict:
     if server == "mrv2" and args.mrv2_base_url:
         url = args.mrv2_base_url
-        warm = warm_up(args, client, url, work_dir)
+        warm = warm_up(args, pool, client, url, work_dir)
         return {"startup_s": None, "warmup": warm,
-                "levels": [measure_level(args, server, client, url, c, work_dir) for c in args.concurrency]}
+                "levels": [measure_level(args, pool, server, client, url, c, work_dir) for c in args.concurrency]}
     port = free_port(args.host)
     log = os.path.join(args.log_dir or work_dir, f"serve_compare_{server}.log")
     launcher = (LaunchedServer if server == "mrv2" else LaunchedVllm)(args, args.host, port, log, args.server_timeout)
     if server == "mrv2":
         launcher.command += ["--served-model-name", args.served_model_name, *args.mrv2_serve_arg]
     with launcher as s:
-        warm, levels = warm_up(args, client, s.url, work_dir), []
+        warm, levels = warm_up(args, pool, client, s.url, work_dir), []
         for c in args.concurrency:
-            levels.append(measure_level(args, server, client, s.url, c, work_dir, server_pid=s.process.pid))
+            levels.append(measure_level(args, pool, server, client, s.url, c, work_dir, server_pid=s.process.pid))
             m = levels[-1]
             print(f"{server:5} C={c:4}: {m['output_throughput']:9.0f} out tok/s, TTFT {m['mean_ttft_ms']:7.1f} ms "
                   f"(median {m['median_ttft_ms']:.1f}, max {m['max_ttft_ms']:.1f}), "
@@ -347,8 +350,9 @@ def run(args) -> dict:
         from mrv2_jax.models.loader import resolve_model_path
 
         args.vocab_size = vocab_size_of(resolve_model_path(args.model))
-    with tempfile.TemporaryDirectory(prefix="mrv2-serve-compare-") as work_dir:
-        results = {s: run_server(args, s, client, work_dir) for s in servers}
+    with tempfile.TemporaryDirectory(prefix="mrv2-serve-compare-") as work_dir, \
+            client_pool(args, client, args.log_dir or work_dir) as pool:
+        results = {s: run_server(args, pool, s, client, work_dir) for s in servers}
     report = {**describe_environment(probe_device=False), "client": client,
               "vllm_version": vllm_version if ok else None,
               "settings": dict(vars(args)), "results": results}

@@ -129,6 +129,36 @@ def test_serve_compare_pools_its_client_processes(server, tmp_path):
     assert high["engine_decode_interval_p99_ms"] is None and high["decode_delivery_p99_ms"] is None
 
 
+def test_client_pool_reuses_its_workers_and_keeps_them_after_a_failed_run(server, tmp_path):
+    """The pool's client processes stay up between runs: a run whose arguments the client refuses
+    comes back as that run's error, and the same processes then run the next ones."""
+    from mrv2_jax.bench.client_pool import ClientPool
+
+    def argv(name):
+        return ["--base-url", server.url, "--model", "demo", "--served-model-name", MODEL_NAME, "--num-prompts", "2",
+                "--input-len", "8", "--output-len", "3", "--ignore-eos", "--disable-tqdm",
+                "--output-json", str(tmp_path / name)]
+
+    with ClientPool("mrv2", 2, str(tmp_path)) as pool:
+        pids = [worker.pid for worker in pool.workers]
+        bad, good = pool.run([["--no-such-flag"], argv("a.json")])
+        assert "exited with 2" in bad.error and good.error is None
+        again = pool.run([argv("b.json"), argv("c.json")])
+        assert [worker.pid for worker in pool.workers] == pids and all(w.poll() is None for w in pool.workers)
+        assert all(run.error is None and run.wall_s > 0 <= run.cpu_s for run in again)
+    assert all(worker.poll() is not None for worker in pool.workers)  # closed with the pool
+    for name in ("a.json", "b.json", "c.json"):
+        metrics = json.loads((tmp_path / name).read_text())["metrics"]
+        assert (metrics["completed"], metrics["total_output_tokens"]) == (2, 6)
+
+
+def test_a_client_worker_that_cannot_start_says_why(tmp_path):
+    from mrv2_jax.bench.client_pool import ClientPool
+
+    with ClientPool("no-such-client", 1, str(tmp_path)) as pool, pytest.raises(RuntimeError, match="KeyError"):
+        pool.run([["--help"]])
+
+
 def test_serve_compare_counts_failed_requests_with_their_error(server, tmp_path):
     """Requests the server refuses (a model name it does not serve) are left out of the metrics,
     counted, and the first one's error kept, instead of a silent row of zeros."""
