@@ -426,8 +426,8 @@ st2-again|64|2|2}" ;;
     done; done ;;
   # Issue 24: mrv2-jax serve vs vllm serve, the same vLLM client, concurrency 1..256 (needs the vLLM payload).
   # SERVE_COMPARE_ARGS adds flags (e.g. --servers vllm); TAG suffixes the file names. The client
-  # processes start once for both servers, so both halves fit one device call (~7 min with
-  # `vllm-payload` before it; session 72's halves took 6 min each with a client started per level).
+  # processes start once for both servers, which should bring both halves into one device call
+  # (session 72: vLLM's half alone took 373 s, of which ~170 s were its client's start at each level).
   serve-compare) run_section serve-compare${TAG:-} serve_compare \
       --output-json "$OUT/serve_compare${TAG:-}.json" --plot "$OUT/serve_compare${TAG:-}.png" ;;
   # Issue 24: where the engine process's host time goes while it serves (py-spy, carried as the
