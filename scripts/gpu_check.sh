@@ -944,6 +944,15 @@ unrolled||--unroll}" ;;
         --rows 1 --calls 200 --max-model-len 1024 --output-len 64 --output-json "$OUT/dispatch_hollow_b1.json"
     grep -hE "^(layers|aliased only|\+ fresh output)" "$OUT"/call-floor-L*.log
     grep -hE "^(rows|device packed|device twins|hollow)" "$OUT"/call-floor-step.log ;;
+  # Issue 25: two loaded copies of each step program used in turn (benchmarks.step_twins), against the
+  # engine as it is, in the engine's own decode loop at one step per call, STEP_TWINS_ROWS rows; then
+  # its GPU test (twin and program decode alike).
+  step-twins)
+    for rows in ${STEP_TWINS_ROWS:-1 8}; do
+      run_section step-twins-b$rows timeout 240 python3 -m benchmarks.step_twins --model qwen3-0.6b \
+          --load-format dummy --rows $rows --max-model-len 2048 --output-json "$OUT/step_twins_b$rows.json"
+    done
+    run_section step-twins-test python3 -m pytest -q -m gpu tests/bench/test_step_twins.py ;;
   # Issue 25: the host cost of N donated arrays per call, against read-only ones and one table.
   carried-arrays) run_section carried-arrays python3 -m benchmarks.carried_arrays --counts 1 8 16 32 64 \
       --output-json "$OUT/carried_arrays.json" ;;
