@@ -350,14 +350,14 @@ def run(args) -> dict:
         from mrv2_jax.models.loader import resolve_model_path
 
         args.vocab_size = vocab_size_of(resolve_model_path(args.model))
+    report = {**describe_environment(probe_device=False), "client": client,
+              "vllm_version": vllm_version if ok else None, "settings": dict(vars(args)), "results": {}}
     with tempfile.TemporaryDirectory(prefix="mrv2-serve-compare-") as work_dir, \
             client_pool(args, client, args.log_dir or work_dir) as pool:
-        results = {s: run_server(args, pool, s, client, work_dir) for s in servers}
-    report = {**describe_environment(probe_device=False), "client": client,
-              "vllm_version": vllm_version if ok else None,
-              "settings": dict(vars(args)), "results": results}
-    if args.output_json:
-        write_report(report, args.output_json)
+        for server in servers:
+            report["results"][server] = run_server(args, pool, server, client, work_dir)
+            if args.output_json:  # after each server: a run cut short keeps the servers it finished
+                write_report(report, args.output_json)
     if args.plot:
         plot(report, args.plot)
     return report
