@@ -159,6 +159,7 @@ def run_clients(args, pool: ClientPool, client: str, url: str, concurrency: int,
         streams = concurrency // processes + (i < concurrency % processes)
         n = prompts // processes + (i < prompts % processes)
         outs.append(os.path.join(work_dir, f"client_{concurrency}_{i}.json"))
+        Path(outs[-1]).unlink(missing_ok=True)  # the other server's run of this level wrote the same name
         argvs.append(client_argv(args, client, url, streams, n, args.dataset_seed + i, outs[-1]))
     runs = pool.run(argvs)
     if errors := [run.error for run in runs if run.error]:
