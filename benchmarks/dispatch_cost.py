@@ -70,6 +70,7 @@ from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import flag_probe_report
 from mrv2_jax.bench.step_log import StepLog, attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+from mrv2_jax.runner.step_twins import load_twin
 from mrv2_jax.sample import slot_state
 
 
@@ -153,13 +154,6 @@ def replay_room(runner, compiled, packed, max_model_len: int) -> int:
     layout = next(layout for layout, programs in runner.compiled.values() if compiled in programs)
     slots = layout.view(packed, "idx_mapping")[: int(layout.view(packed, "num_reqs"))]
     return max_model_len - int(np.asarray(runner.state.num_tokens)[slots].max())
-
-
-def twin_of(compiled):
-    """A second loaded executable of `compiled` (no compile: its serialized form loaded again)."""
-    from jax.experimental import serialize_executable
-
-    return serialize_executable.deserialize_and_load(*serialize_executable.serialize(compiled))
 
 
 def hollow_of(runner, compiled, packed):
@@ -310,7 +304,7 @@ def main(argv=None, prog=None):
         else:
             ways.append(("pinned", step, lambda: jax.device_put(jax.device_put(np.array(packed), pinned), on_gpu)))
         # (XLA:CPU cannot serialize the step's executables, so no twin there)
-        twins = alternating(runner, [compiled, twin_of(compiled)])
+        twins = alternating(runner, [compiled, load_twin(compiled)])
         ways.append(("twins", twins, lambda: np.array(packed)))
         ways.append(("device twins", twins, lambda: on_device))
     def from_the_capture():

@@ -158,9 +158,10 @@ def main(argv=None, prog=None):
     import jax
     import numpy as np
 
-    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch, one_step_engine, time_calls, twin_of
+    from benchmarks.dispatch_cost import alternating, capture_decode_dispatch, one_step_engine, time_calls
     from mrv2_jax import envs
     from mrv2_jax.bench.environment import flag_probe_report
+    from mrv2_jax.runner.step_twins import load_twin
 
     llm = one_step_engine(args)
     runner = llm.engine.runner
@@ -181,7 +182,7 @@ def main(argv=None, prog=None):
         if jax.default_backend() == "gpu":  # XLA:CPU cannot serialize the step for a twin
             # Nothing moved: two copies of the step alternated on one device-resident input, so
             # no recorded command buffer is updated (dispatch_cost's `device twins`).
-            twins = alternating(runner, [compiled, twin_of(compiled)])
+            twins = alternating(runner, [compiled, load_twin(compiled)])
             still = time_calls(twins, lambda: on_device, args.calls)
             still_split = traced_calls(lambda: twins(on_device), args.traced_calls)
             results[rows] |= {"nothing_moved": still, "nothing_moved_traced": still_split}

@@ -10,8 +10,8 @@ it holds in the engine's loop: --rows requests decode at one step per call, and 
 arms run in turn, --steps measured steps each after --warm-steps unmeasured ones:
 
   plain   the engine as it is
-  twins   every program's calls alternate between it and its twin (dispatch_cost.twin_of), made at its
-          first call (GPUs only: XLA:CPU cannot serialize the step programs)
+  twins   every program's calls alternate between it and its twin, made at its first call (the engine's
+          `--step-twins`, runner/step_twins.py; GPUs only: XLA:CPU cannot serialize the step programs)
 
 Per arm: the median and P90 host time in the step's compiled call (Runner.call_seconds per step), the
 median wall time per step, and the steps with new KV blocks apart (their packed input is fresh, the
@@ -22,29 +22,11 @@ import argparse
 import statistics
 import time
 
-from benchmarks.dispatch_cost import one_step_engine, twin_of
+from benchmarks.dispatch_cost import one_step_engine
 from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import flag_probe_report
 from mrv2_jax.entrypoints.cli import add_engine_args
-
-
-class Twins:
-    """A runner's `call_step` that alternates each program with its twin, while `on`."""
-
-    def __init__(self, runner):
-        self.runner, self.call_step = runner, runner.call_step
-        self.twins, self.turn, self.on = {}, {}, False
-        runner.call_step = self
-
-    def __call__(self, compiled, packed):
-        if self.on:
-            key = id(compiled)
-            if key not in self.twins:
-                self.twins[key] = twin_of(compiled)
-            self.turn[key] = not self.turn.get(key, False)
-            if self.turn[key]:
-                compiled = self.twins[key]
-        return self.call_step(compiled, packed)
+from mrv2_jax.runner.step_twins import StepTwins
 
 
 def run_steps(llm, steps: int) -> dict:
@@ -94,18 +76,18 @@ def main(argv=None):
     params = SamplingParams(max_tokens=total + 1, ignore_eos=True)
     for prompt in random_prompts(args.rows, args.input_len, 0.0, llm.model_state.vocab_size, 0):
         llm.add_request(prompt, params)
-    twins = Twins(llm.engine.runner)
+    runner, twins = llm.engine.runner, StepTwins()
     run_steps(llm, args.warm_steps)  # the prompts' prefill and the first decode steps
     measured = {arm: {"call_ms": [], "wall_ms": [], "new_blocks": []} for arm in arms}
     for _ in range(args.rounds):
         for arm in arms:
-            twins.on = arm == "twins"
+            runner.step_twins = twins if arm == "twins" else None
             run_steps(llm, args.warm_steps)
             for key, values in run_steps(llm, args.steps).items():
                 measured[arm][key] += values
     results = {arm: summary(steps) for arm, steps in measured.items()}
-    results["twins_made"] = len(twins.twins)
-    print(f"rows {args.rows}, {args.rounds} rounds of {args.steps} steps per arm, {len(twins.twins)} programs twinned")
+    results["twins_made"] = len(twins)
+    print(f"rows {args.rows}, {args.rounds} rounds of {args.steps} steps per arm, {len(twins)} programs twinned")
     print(f"{'arm':6} {'call ms':>8} {'call p90':>9} {'wall ms':>8} {'call, new blocks':>17} {'call, none':>11}")
     for arm in arms:
         r = results[arm]

@@ -952,7 +952,7 @@ unrolled||--unroll}" ;;
       run_section step-twins-b$rows timeout 240 python3 -m benchmarks.step_twins --model qwen3-0.6b \
           --load-format dummy --rows $rows --max-model-len 2048 --output-json "$OUT/step_twins_b$rows.json"
     done
-    run_section step-twins-test python3 -m pytest -q -m gpu tests/bench/test_step_twins.py ;;
+    run_section step-twins-test python3 -m pytest -q -m gpu tests/runner/test_step_twins.py ;;
   # Issue 25: the host cost of N donated arrays per call, against read-only ones and one table.
   carried-arrays) run_section carried-arrays python3 -m benchmarks.carried_arrays --counts 1 8 16 32 64 \
       --output-json "$OUT/carried_arrays.json" ;;

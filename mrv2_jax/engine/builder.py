@@ -99,7 +99,8 @@ def make_runner(config: EngineConfig, model_state, lm, num_blocks: int, max_mode
                              unrolled_layers_max_rows=config.unrolled_layers_max_rows,
                              decode_attention=config.kernels.decode_attention,
                              decode_projections=config.kernels.decode_projections,
-                             stream_in_call=config.stream_in_call and config.max_fused_steps > 1, **kwargs)
+                             stream_in_call=config.stream_in_call and config.max_fused_steps > 1,
+                             step_twins=config.step_twins, **kwargs)
     from mrv2_jax.runner.v1 import ModelRunnerV1
 
     return ModelRunnerV1(model_state, lm, tensor_parallel=tensor_parallel, **kwargs)

@@ -98,6 +98,10 @@ class EngineConfig:
     # the stream interval. Only the server's engine process attaches a sink: elsewhere the fused
     # calls still make their callbacks, which hand the tokens to nobody.
     stream_in_call: bool = False
+    # V2 on one GPU: each step program's calls alternate between it and a second loaded copy, so that
+    # a call's result can land where that copy's last one was and XLA need not record its graphs
+    # again (runner/step_twins.py). Off by default until measured in the engine.
+    step_twins: bool = False
     # Sampler variants compiled per bucket, cheapest first, e.g. "greedy,plain,all"; each step
     # runs the first that covers its batch (sample/features.py). Default: greedy,plain,full,all on
     # GPUs, all elsewhere. Fewer variants: faster start, slower steps for some batches.
@@ -175,6 +179,11 @@ class EngineConfig:
             raise ValueError("fused decode (max_fused_steps > 1) needs the v2 runner")
         if not isinstance(self.stream_in_call, bool):
             raise ValueError(f"stream_in_call must be a bool, got {self.stream_in_call!r}")
+        if not isinstance(self.step_twins, bool):
+            raise ValueError(f"step_twins must be a bool, got {self.step_twins!r}")
+        if self.step_twins and (self.runner != "v2" or self.tensor_parallel_size > 1):
+            raise ValueError(f"step_twins needs the v2 runner on one device, got runner={self.runner!r}, "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
         if self.stream_in_call and self.tensor_parallel_size > 1:
             raise ValueError("stream_in_call cannot run with tensor parallelism yet (tensor_parallel_size > 1)")
         self._check_tensor_parallel()

@@ -53,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser, compile_mode: str | None = 
     g.add_argument("--stream-in-call", action="store_true",
                    help="serve: fused decode hands each step's tokens to the streams from inside the call, so "
                         "streaming requests keep --max-fused-steps and still get a chunk per token")
+    g.add_argument("--step-twins", action="store_true",
+                   help="v2 on one GPU: each step program's calls alternate between it and a second loaded copy, "
+                        "so that XLA need not record its graphs again for a moved result (off by default)")
     g.add_argument("--sampler-variants", default=None,
                    help="sampler variants compiled per bucket, cheapest first, ending with 'all' "
                         "(names: greedy, plain, structured, full, all; default greedy,plain,full,all on GPUs, "

@@ -36,6 +36,7 @@ from mrv2_jax.runner.model_step import forward_and_sample
 from mrv2_jax.runner.packed import PackedLayout
 from mrv2_jax.runner.scheduler_output import SchedulerOutput
 from mrv2_jax.runner.step_result import StepResult, prompt_token_logprobs
+from mrv2_jax.runner.step_twins import StepTwins
 from mrv2_jax.runner.token_logprobs import LogprobBlock, LogprobRow
 from mrv2_jax.sample import slot_state
 from mrv2_jax.sample.automata import AutomatonWriter
@@ -141,7 +142,7 @@ class ModelRunnerV2(RunnerBase):
                  stream_in_call: bool = False, unrolled_layers_max_tokens: int = 0,
                  unrolled_layers_max_rows: int | None = None, program_store=None, decode_attention: str = "pallas",
                  bucket_token_sizes: tuple[int, ...] | None = None, ragged_attention: str = "pallas",
-                 decode_projections: str = "xla"):
+                 decode_projections: str = "xla", step_twins: bool = False):
         """Arguments as RunnerBase's; a step uses the first sampler variant that covers every
         row's needs (prompt logprobs always take the last).
         `max_fused_steps` > 1 also compiles fused decode (runner/fused.py) for the buckets of up
@@ -163,13 +164,19 @@ class ModelRunnerV2(RunnerBase):
         `gemv_weights`; models/gemv_projections.py), and adds a one-token, one-row bucket whose step
         program runs them too (a lone decode row without fused decode, e.g. one stream); "xla" leaves
         them to cuBLAS and pads that bucket to fused.ONE_ROW_TOKENS. Buckets of more rows keep cuBLAS.
-        One device, no speculative decoding."""
+        One device, no speculative decoding. `step_twins`: each program's calls alternate between it
+        and a second loaded copy (runner/step_twins.py); one GPU only."""
         if spec_decoder is not None and tensor_parallel is not None:
             raise ValueError("tensor parallelism cannot run with speculative decoding yet")
         if spec_decoder is not None and max_fused_steps > 1:
             raise ValueError("fused decode (max_fused_steps > 1) cannot run with speculative decoding")
         if stream_in_call and tensor_parallel is not None:
             raise ValueError("stream_in_call cannot run with tensor parallelism yet")
+        if step_twins and (jax.default_backend() != "gpu" or tensor_parallel is not None):
+            raise ValueError(f"step_twins needs one GPU (backend {jax.default_backend()!r}, tensor parallelism "
+                             f"{'on' if tensor_parallel is not None else 'off'}): the twins are the step programs "
+                             "serialized and loaded again, which XLA:CPU cannot do")
+        self.step_twins = StepTwins() if step_twins else None
         pool = (envs.read("MRV2_STRUCTURED_STATES"), envs.read("MRV2_STRUCTURED_EXCEPTIONS"))
         tokens, max_rows = min(unrolled_layers_max_tokens, max_num_batched_tokens), unrolled_layers_max_rows
         # Buckets besides the plan's: unrolled ones of few rows, and the GEMV path's one-token bucket.
@@ -459,7 +466,7 @@ class ModelRunnerV2(RunnerBase):
         repeated = self._repeated_input
         argument = repeated[1] if repeated is not None and repeated[0] == data else packed
         start = time.perf_counter()
-        result = self.call_step(compiled, argument)
+        result = self.call_step(compiled if self.step_twins is None else self.step_twins.pick(compiled), argument)
         if argument is packed and data is not None:
             self._repeated_input = (data, self.last_input)
         if self.hooks is not None:  # benchmarks: the call, its input and its host time

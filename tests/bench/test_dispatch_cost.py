@@ -15,9 +15,9 @@ from benchmarks.dispatch_cost import (
     moved_buffers,
     put_and_hold,
     replay_room,
-    twin_of,
 )
 from mrv2_jax.llm import LLM
+from mrv2_jax.runner.step_twins import load_twin
 
 
 def _demo_llm():
@@ -37,7 +37,7 @@ def _captured_demo_step():
 def test_a_twin_step_computes_what_the_step_computes():
     runner, compiled, packed = _captured_demo_step()
     # The same step from the same state, once through the compiled program, once through its twin.
-    twin = twin_of(compiled)
+    twin = load_twin(compiled)
     assert twin is not compiled
     start = jax.tree.map(np.asarray, (runner.kv_cache, runner.state, runner.slot_state, runner.spec_state))
     first = jax.tree.map(np.asarray, (runner.call_step(compiled, np.array(packed)), runner.kv_cache, runner.state))
