@@ -69,6 +69,7 @@ class RunnerBase:
     # and the last call's, as that device array.
     returns_its_input = False
     last_input = None
+    step_twins = None  # V2 may call each program in turn with a twin (runner/step_twins.py)
     automaton_capacity = (0, 0)  # V2 runs structured outputs (runner/interface.py)
     automaton_pool = None
     # Packed fields in which -1 means "none" (every other field is empty at 0); each runner names its own.
@@ -258,5 +259,9 @@ class RunnerBase:
         request yet."""
         for layout, variants in self._step_programs.values():
             for compiled in variants.ready() if isinstance(variants, LazyPrograms) else variants:
-                self.call_step(compiled, self.empty_batch(layout))
+                if self.step_twins is None:
+                    self.call_step(compiled, self.empty_batch(layout))
+                else:  # the program, then its twin (loaded now, not at the first request's step)
+                    for _ in range(2):
+                        self.call_step(self.step_twins.pick(compiled), self.empty_batch(layout))
         jax.block_until_ready(self.kv_cache)
