@@ -944,9 +944,9 @@ unrolled||--unroll}" ;;
         --rows 1 --calls 200 --max-model-len 1024 --output-len 64 --output-json "$OUT/dispatch_hollow_b1.json"
     grep -hE "^(layers|aliased only|\+ fresh output)" "$OUT"/call-floor-L*.log
     grep -hE "^(rows|device packed|device twins|hollow)" "$OUT"/call-floor-step.log ;;
-  # Issue 25: two loaded copies of each step program used in turn (benchmarks.step_twins), against the
-  # engine as it is, in the engine's own decode loop at one step per call, STEP_TWINS_ROWS rows; then
-  # its GPU test (twin and program decode alike).
+  # Issue 25: `--step-twins` (each step program called in turn with a second loaded copy) on and off in
+  # turn on one engine (benchmarks.step_twins), its decode loop at one step per call, STEP_TWINS_ROWS
+  # rows; then its GPU test (a program and its twin decode alike).
   step-twins)
     for rows in ${STEP_TWINS_ROWS:-1 8}; do
       run_section step-twins-b$rows timeout 240 python3 -m benchmarks.step_twins --model qwen3-0.6b \
