@@ -181,9 +181,11 @@ class EngineConfig:
             raise ValueError(f"stream_in_call must be a bool, got {self.stream_in_call!r}")
         if not isinstance(self.step_twins, bool):
             raise ValueError(f"step_twins must be a bool, got {self.step_twins!r}")
-        if self.step_twins and (self.runner != "v2" or self.tensor_parallel_size > 1):
+        if self.step_twins and (self.runner != "v2" or self.tensor_parallel_size > 1
+                                or self.pipeline_parallel_size != 1):
             raise ValueError(f"step_twins needs the v2 runner on one device, got runner={self.runner!r}, "
-                             f"tensor_parallel_size={self.tensor_parallel_size}")
+                             f"tensor_parallel_size={self.tensor_parallel_size}, "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size}")
         if self.stream_in_call and self.tensor_parallel_size > 1:
             raise ValueError("stream_in_call cannot run with tensor parallelism yet (tensor_parallel_size > 1)")
         self._check_tensor_parallel()

@@ -29,9 +29,10 @@ def test_an_engine_without_a_gpu_refuses_step_twins_at_start():
         LLM("demo", max_num_seqs=2, max_model_len=64, step_twins=True, show_progress=False)
 
 
-def test_step_twins_need_the_v2_runner():
-    with pytest.raises(ValueError, match="step_twins needs the v2 runner"):
-        EngineConfig(model="demo", runner="v1", step_twins=True)
+@pytest.mark.parametrize("other", [{"runner": "v1"}, {"pipeline_parallel_size": 2}])
+def test_step_twins_need_the_v2_runner_on_one_device(other):
+    with pytest.raises(ValueError, match="step_twins needs the v2 runner on one device"):
+        EngineConfig(model="demo", step_twins=True, **other)
 
 
 @pytest.mark.gpu  # XLA:CPU cannot serialize the step programs, so they have no twins there
