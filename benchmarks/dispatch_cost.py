@@ -70,6 +70,7 @@ from mrv2_jax.bench.dataset import random_prompts
 from mrv2_jax.bench.environment import flag_probe_report
 from mrv2_jax.bench.step_log import StepLog, attach_hooks
 from mrv2_jax.entrypoints.cli import add_engine_args, engine_kwargs
+from mrv2_jax.runner.base import donated_arguments
 from mrv2_jax.runner.step_twins import load_twin
 from mrv2_jax.sample import slot_state
 
@@ -168,9 +169,9 @@ def hollow_of(runner, compiled, packed):
         return (*outputs, packed) if runner.returns_its_input else outputs
 
     counts, tables = slot_state.split(runner.slot_state)
-    donated = (1, 2, 3, 7)  # kv_cache, state, counts, spec_state, as runner/base.py's _compile_steps donates
     packed_info = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
-    return jax.jit(hollow, donate_argnums=donated, keep_unused=True).lower(
+    carried = 2  # kv_cache, state
+    return jax.jit(hollow, donate_argnums=donated_arguments(carried), keep_unused=True).lower(
         runner.params.leaves, runner.kv_cache, runner.state, counts, tables, packed_info, runner.spec_params,
         runner.spec_state).compile()
 

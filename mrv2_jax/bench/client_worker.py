@@ -7,7 +7,8 @@ imports torch and vLLM, which took it tens of seconds a level.
     python -m mrv2_jax.bench.client_worker vllm|mrv2
 
 The client's own printing goes to /dev/null; only the answers reach stdout. It runs under vLLM's
-Python for the vLLM client, so it imports nothing from this package but the client it runs.
+Python for the vLLM client, so it imports only the client it runs (and this package's light
+`__init__`, which imports no JAX).
 """
 
 import json

@@ -44,6 +44,12 @@ def reading_slot_tables(step):
     return program
 
 
+def donated_arguments(num_carried: int) -> tuple[int, ...]:
+    """The argument indices a step program donates, in its argument order (param_leaves, *carried,
+    counts, tables, packed, spec_params, spec_state): the carried state, the counts, the spec state."""
+    return (*range(1, 2 + num_carried), num_carried + 5)
+
+
 def returning_its_input(program):
     """`program` that also returns its packed input, as a device array (the last output): a decoding
     batch sends the same packed input step after step, and the V2 runner passes that array back
@@ -155,8 +161,7 @@ class RunnerBase:
         -> {key: (layout, the compiled programs of its sampler variants, in order)}."""
         *carried, sampler_state = device_state
         counts, tables = slot_state.split(sampler_state)
-        num_donated = len(carried) + 1
-        donate = (*range(1, 1 + num_donated), num_donated + 4)
+        donate = donated_arguments(len(carried))
         options = step_compiler_options(self.params.leaves)
         # Tensor parallelism: the packed input is replicated and every output keeps its place, so
         # that the donated state comes back where the next call expects it.
